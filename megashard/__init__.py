@@ -1,0 +1,42 @@
+"""megashard: parallel, reshardable checkpoints in tensorizer's `.tensors` format."""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (
+    ChecksumError,
+    CheckpointError,
+    DistributedError,
+    FormatError,
+    MegashardError,
+    StateDictError,
+    UnsupportedFormatError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save",
+    "load",
+    "ShardedTensor",
+    "MegashardError",
+    "FormatError",
+    "ChecksumError",
+    "UnsupportedFormatError",
+    "CheckpointError",
+    "StateDictError",
+    "DistributedError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that `import megashard.format` stays light (no torch.distributed import).
+    if name in ("save", "load"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "ShardedTensor":
+        from .sharded import ShardedTensor
+
+        return ShardedTensor
+    raise AttributeError(name)

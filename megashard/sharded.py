@@ -1,0 +1,136 @@
+"""megashard's own description of one shard of a global tensor.
+
+Same meaning as megatron-core's ``ShardedTensor`` (``dist_checkpointing/mapping.py``) so
+that Megatron state dicts can be consumed by duck typing, without importing
+megatron-core. ``from_any`` converts a megatron-core object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple, Union
+
+import torch
+
+ReplicaId = Union[int, Tuple[int, ...]]
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """The main replica is ``0`` or an all-zero tuple (Megatron's rule)."""
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+@dataclass
+class ShardedTensor:
+    """A local piece of a global tensor.
+
+    ``data`` has shape ``global_shape[prepend_axis_num:]``-ranked local shape; the
+    shard covers ``global_offset[i] : global_offset[i] + chunk_shape[i]`` of the
+    global tensor, where ``chunk_shape = (1,) * prepend_axis_num + data.shape``.
+    With ``flattened_range`` set, ``data`` is 1-D and holds only elements
+    ``[start, stop)`` of that chunk in C order (Megatron's distributed optimizer).
+    """
+
+    key: str
+    data: Optional[torch.Tensor]
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    local_shape: Optional[Tuple[int, ...]] = None
+    dtype: Optional[torch.dtype] = None
+    flattened_range: Optional[slice] = None
+    allow_shape_mismatch: bool = False
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(s) for s in self.global_shape)
+        self.global_offset = tuple(int(s) for s in self.global_offset)
+        if self.local_shape is None:
+            if self.data is None:
+                raise ValueError(f"ShardedTensor {self.key!r}: need data or local_shape")
+            if self.flattened_range is not None:
+                raise ValueError(f"ShardedTensor {self.key!r}: flattened shards need local_shape")
+            self.local_shape = tuple(self.data.shape)
+        self.local_shape = tuple(int(s) for s in self.local_shape)
+        if self.dtype is None:
+            if self.data is None:
+                raise ValueError(f"ShardedTensor {self.key!r}: need data or dtype")
+            self.dtype = self.data.dtype
+        if len(self.global_offset) != len(self.global_shape):
+            raise ValueError(
+                f"ShardedTensor {self.key!r}: global_offset {self.global_offset} and "
+                f"global_shape {self.global_shape} differ in rank"
+            )
+        if self.prepend_axis_num + len(self.local_shape) != len(self.global_shape):
+            raise ValueError(
+                f"ShardedTensor {self.key!r}: prepend_axis_num={self.prepend_axis_num} + "
+                f"local_shape {self.local_shape} does not match global_shape {self.global_shape}"
+            )
+
+    @property
+    def chunk_shape(self) -> Tuple[int, ...]:
+        """Shape of the rectangular region of the global tensor this shard lies in."""
+        return (1,) * self.prepend_axis_num + tuple(self.local_shape)
+
+    @property
+    def flat_range(self) -> Optional[Tuple[int, int]]:
+        if self.flattened_range is None:
+            return None
+        return (int(self.flattened_range.start), int(self.flattened_range.stop))
+
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: Tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+    ) -> "ShardedTensor":
+        """Like Megatron's: each ``(axis, rank_on_axis, fragments)`` splits ``axis`` evenly."""
+        ndim = prepend_axis_num + data.dim()
+        global_shape = [1] * prepend_axis_num + list(data.shape)
+        global_offset = [0] * ndim
+        for axis, rank, frags in rank_offsets:
+            if axis < prepend_axis_num:
+                global_shape[axis] = frags
+                global_offset[axis] = rank
+            else:
+                global_shape[axis] = data.shape[axis - prepend_axis_num] * frags
+                global_offset[axis] = data.shape[axis - prepend_axis_num] * rank
+        return cls(key, data, tuple(global_shape), tuple(global_offset), replica_id, prepend_axis_num)
+
+    @classmethod
+    def from_any(cls, obj: Any) -> "ShardedTensor":
+        """Convert megatron-core's ShardedTensor (or anything with the same fields)."""
+        if isinstance(obj, cls):
+            return obj
+        return cls(
+            key=obj.key,
+            data=obj.data,
+            global_shape=tuple(obj.global_shape),
+            global_offset=tuple(obj.global_offset),
+            replica_id=obj.replica_id,
+            prepend_axis_num=getattr(obj, "prepend_axis_num", 0),
+            local_shape=tuple(getattr(obj, "local_shape", None) or obj.data.shape),
+            dtype=getattr(obj, "dtype", None) or obj.data.dtype,
+            flattened_range=getattr(obj, "flattened_range", None),
+            allow_shape_mismatch=bool(getattr(obj, "allow_shape_mismatch", False)),
+        )
+
+
+def looks_like_sharded_tensor(obj: Any) -> bool:
+    """True for megashard's and megatron-core's ShardedTensor (duck typed)."""
+    if isinstance(obj, ShardedTensor):
+        return True
+    return type(obj).__name__ == "ShardedTensor" and all(
+        hasattr(obj, a) for a in ("key", "data", "global_shape", "global_offset", "replica_id")
+    )
+
+
+def looks_like_sharded_object(obj: Any) -> bool:
+    """megatron-core's ShardedObject: a non-tensor value with a key, global shape/offset."""
+    return type(obj).__name__ == "ShardedObject" and all(
+        hasattr(obj, a) for a in ("key", "data", "global_shape", "global_offset", "replica_id")
+    )

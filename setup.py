@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megashard",
+    version="0.1.0",
+    description="Distributed checkpointing for Megatron-style training in tensorizer's .tensors format",
+    packages=find_packages(include=["megashard", "megashard.*"]),
+    python_requires=">=3.10",
+    # torch is deliberately not pinned here: install torch first (see README), any 2.x works.
+    install_requires=["torch>=2.1", "numpy", "isal>=1.6"],
+    extras_require={
+        "megatron": ["megatron-core>=0.16", "psutil"],
+        "test": [
+            "pytest>=7",
+            "pytest-timeout",
+            "hypothesis>=6",
+            "tensorizer==2.12.1",
+            "safetensors",
+            "megatron-core>=0.16",
+            "psutil",
+        ],
+    },
+    entry_points={"console_scripts": ["megashard=megashard.cli:main"]},
+)
