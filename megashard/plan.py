@@ -1,0 +1,327 @@
+"""Pure planning functions: who writes what, who reads which bytes, how slices map.
+
+Nothing here does I/O or talks to other processes, so every decision can be tested
+with plain data. The save side deduplicates replicated shards and balances bytes
+over the replicas; the load side turns "this rank needs region R of tensor K" into
+byte ranges of saved shard files plus the strided copies that place them.
+
+Geometry: every shard lies in a rectangular *chunk* of the global tensor
+(``offset``/``shape`` in global element coordinates). A shard may hold only the
+flat element range ``[a, b)`` of its chunk in C order (Megatron's distributed
+optimizer, ``flattened_range``); a regular shard holds ``[0, numel(chunk))``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+Shape = Tuple[int, ...]
+
+# ---------------------------------------------------------------------------
+# geometry
+
+
+def numel(shape: Sequence[int]) -> int:
+    return int(math.prod(shape)) if len(shape) else 1
+
+
+def c_strides(shape: Sequence[int]) -> Shape:
+    """Element strides of a C-contiguous array of ``shape``."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(int(shape[i + 1]), 1)
+    return tuple(strides)
+
+
+def flat_index(index: Sequence[int], shape: Sequence[int]) -> int:
+    return sum(int(i) * s for i, s in zip(index, c_strides(shape)))
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangular region of a global tensor."""
+
+    offset: Shape
+    shape: Shape
+
+    @property
+    def numel(self) -> int:
+        return numel(self.shape)
+
+    def intersect(self, other: "Box") -> Optional["Box"]:
+        if len(self.offset) != len(other.offset):
+            return None
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        hi = tuple(
+            min(a + s, b + t)
+            for a, s, b, t in zip(self.offset, self.shape, other.offset, other.shape)
+        )
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def relative_to(self, outer: "Box") -> "Box":
+        return Box(tuple(a - b for a, b in zip(self.offset, outer.offset)), self.shape)
+
+
+def covering_span(chunk_shape: Shape, sub: Box) -> Tuple[int, int]:
+    """Smallest flat range ``[lo, hi)`` of a C-ordered chunk that contains ``sub``.
+
+    ``sub`` is relative to the chunk. Reading only this span is what makes a
+    resharding load touch just the bytes it needs.
+    """
+    if sub.numel == 0:
+        return (0, 0)
+    lo = flat_index(sub.offset, chunk_shape)
+    last = tuple(o + s - 1 for o, s in zip(sub.offset, sub.shape))
+    return (lo, flat_index(last, chunk_shape) + 1)
+
+
+# ---------------------------------------------------------------------------
+# save: writer assignment
+
+
+@dataclass(frozen=True)
+class ShardId:
+    """Identity of one saved shard: same id on two ranks means replicas."""
+
+    key: str
+    offset: Shape
+    shape: Shape
+    flat: Optional[Tuple[int, int]] = None
+
+
+def assign_writers(
+    holders: Mapping[ShardId, Sequence[int]],
+    nbytes: Mapping[ShardId, int],
+    preferred: Optional[Mapping[ShardId, int]] = None,
+) -> Dict[ShardId, int]:
+    """Choose one writer rank per shard so that written bytes are balanced.
+
+    ``holders`` lists the ranks that hold a copy of each shard. Shards held by one
+    rank go to it; the rest are assigned largest first to the least-loaded holder
+    (ties: lowest rank), which keeps the biggest writer close to the mean. The
+    result is deterministic, so every rank computes the same plan without talking.
+    ``preferred`` (e.g. the main replica) only breaks ties.
+    """
+    load: Dict[int, int] = {}
+    out: Dict[ShardId, int] = {}
+    multi: List[ShardId] = []
+    for sid, ranks in holders.items():
+        if not ranks:
+            continue
+        if len(set(ranks)) == 1:
+            out[sid] = ranks[0]
+            load[ranks[0]] = load.get(ranks[0], 0) + nbytes[sid]
+        else:
+            multi.append(sid)
+    multi.sort(key=lambda s: (-nbytes[s], s.key, s.offset, s.flat or (0, 0)))
+    for sid in multi:
+        ranks = sorted(set(holders[sid]))
+        pref = (preferred or {}).get(sid)
+        best = min(ranks, key=lambda r: (load.get(r, 0), r != pref, r))
+        out[sid] = best
+        load[best] = load.get(best, 0) + nbytes[sid]
+    return out
+
+
+def coverage_problems(
+    key: str, global_shape: Shape, pieces: Iterable[Tuple[Box, Optional[Tuple[int, int]]]]
+) -> List[str]:
+    """Check that saved pieces cover a global tensor exactly once.
+
+    Returns human-readable problems (empty when fine). Overlaps between distinct
+    chunks and holes are both reported.
+    """
+    problems: List[str] = []
+    chunks: Dict[Box, List[Tuple[int, int]]] = {}
+    gbox = Box((0,) * len(global_shape), tuple(global_shape))
+    for box, flat in pieces:
+        if len(box.shape) != len(global_shape):
+            problems.append(f"{key}: shard at {box.offset} has rank {len(box.shape)}, tensor has {len(global_shape)}")
+            continue
+        inter = box.intersect(gbox) if box.numel else box
+        if box.numel and (inter is None or inter != box):
+            problems.append(f"{key}: shard at offset {box.offset} shape {box.shape} lies outside global shape {tuple(global_shape)}")
+            continue
+        chunks.setdefault(box, []).append(flat or (0, box.numel))
+    total = 0
+    for box, ranges in chunks.items():
+        ranges.sort()
+        pos = 0
+        for a, b in ranges:
+            if a < pos:
+                problems.append(f"{key}: chunk at {box.offset} has overlapping flat ranges")
+                break
+            if a > pos:
+                problems.append(f"{key}: chunk at {box.offset} misses elements {pos}..{a}")
+            pos = b
+        if pos != box.numel:
+            problems.append(f"{key}: chunk at {box.offset} covers {pos} of {box.numel} elements")
+        total += box.numel
+    boxes = sorted(chunks, key=lambda b: b.offset)
+    # Overlap check is quadratic only within small per-key shard counts; fine for TP/PP/EP grids.
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            if boxes[i].intersect(boxes[j]) is not None:
+                problems.append(f"{key}: shards at {boxes[i].offset} and {boxes[j].offset} overlap")
+    if total != numel(global_shape) and not problems:
+        problems.append(f"{key}: shards cover {total} of {numel(global_shape)} elements")
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# load: read plans
+
+
+@dataclass(frozen=True)
+class SavedPiece:
+    """One saved shard as the manifest records it."""
+
+    chunk: Box
+    flat: Tuple[int, int]  # element range of the chunk held in the file
+    file: str
+    data_offset: int  # byte offset in ``file`` of element ``flat[0]``
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Read ``nbytes`` at ``file_offset`` of ``file`` into ``buffer`` at ``buffer_offset`` bytes."""
+
+    file: str
+    file_offset: int
+    nbytes: int
+    buffer: int  # index into WantPlan.buffers (-1 = the destination itself)
+    buffer_offset: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """After reads: ``target[dst] = buffer.as_strided(shape, strides, storage_offset)``."""
+
+    buffer: int
+    shape: Shape
+    strides: Shape
+    storage_offset: int  # elements
+    dst: Box  # relative to the want's chunk
+
+
+@dataclass
+class WantPlan:
+    """How to fill one requested shard."""
+
+    direct: bool  # reads go straight into the destination's bytes
+    buffers: List[int] = field(default_factory=list)  # element counts of temporaries
+    reads: List[ReadOp] = field(default_factory=list)
+    placements: List[Placement] = field(default_factory=list)
+    covered: int = 0  # elements of the want chunk filled (== chunk numel when complete)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+
+def plan_want(
+    want_chunk: Box,
+    want_flat: Optional[Tuple[int, int]],
+    pieces: Sequence[SavedPiece],
+    itemsize: int,
+) -> WantPlan:
+    """Plan the reads that fill one requested shard from saved pieces of the same key.
+
+    Exact match (same chunk and flat range) reads straight into the destination;
+    otherwise each overlapping saved chunk contributes its minimal covering span,
+    read into a temporary and copied with a strided view.
+    """
+    wflat = want_flat or (0, want_chunk.numel)
+    for p in pieces:
+        if p.chunk == want_chunk and p.flat == wflat:
+            n = (wflat[1] - wflat[0]) * itemsize
+            reads = [ReadOp(p.file, p.data_offset, n, -1, 0)] if n else []
+            return WantPlan(direct=True, reads=reads, covered=want_chunk.numel)
+    plan = WantPlan(direct=False)
+    by_chunk: Dict[Box, List[SavedPiece]] = {}
+    for p in pieces:
+        by_chunk.setdefault(p.chunk, []).append(p)
+    for chunk, cps in by_chunk.items():
+        inter = chunk.intersect(want_chunk)
+        if inter is None:
+            continue
+        sub = inter.relative_to(chunk)
+        lo, hi = covering_span(chunk.shape, sub)
+        buf = len(plan.buffers)
+        plan.buffers.append(hi - lo)
+        got = 0
+        for p in cps:
+            x, y = max(lo, p.flat[0]), min(hi, p.flat[1])
+            if y <= x:
+                continue
+            got += y - x
+            plan.reads.append(
+                ReadOp(p.file, p.data_offset + (x - p.flat[0]) * itemsize, (y - x) * itemsize, buf, (x - lo) * itemsize)
+            )
+        if got < hi - lo:
+            # part of the chunk was never saved: leave it uncovered
+            plan.buffers[buf] = hi - lo
+            continue
+        plan.placements.append(
+            Placement(buf, inter.shape, c_strides(chunk.shape), flat_index(sub.offset, chunk.shape) - lo, inter.relative_to(want_chunk))
+        )
+        plan.covered += inter.numel
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# scatter: one reader per node streams every byte once
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A byte range of one file the reader reads once."""
+
+    file: str
+    start: int
+    stop: int
+
+
+def split_op(op: Tuple[str, int, int], max_bytes: int) -> List[Tuple[str, int, int, int]]:
+    """Split ``(file, offset, nbytes)`` into ≤ max_bytes pieces: ``(file, offset, nbytes, offset_in_op)``."""
+    file, off, n = op
+    out = []
+    pos = 0
+    while pos < n:
+        k = min(max_bytes, n - pos)
+        out.append((file, off + pos, k, pos))
+        pos += k
+    return out
+
+
+def schedule_extents(
+    subops: Sequence[Tuple[str, int, int]], max_bytes: int
+) -> List[Tuple[Extent, List[int]]]:
+    """Group byte ranges ``(file, offset, nbytes)`` into extents read once each.
+
+    Ranges are taken in ``(file, offset, nbytes, index)`` order; a range joins the
+    current extent when it overlaps or touches it and the extent stays within
+    ``max_bytes`` (the reader's staging budget), else it starts a new one. Every
+    range lies wholly inside its extent. Because assignment follows that order, the
+    ranges of any one consumer are served in ``(file, offset, nbytes, index)`` order,
+    which the consumer can compute from its own ranges alone.
+    """
+    order = sorted(range(len(subops)), key=lambda i: (subops[i][0], subops[i][1], subops[i][2], i))
+    out: List[Tuple[Extent, List[int]]] = []
+    cur: Optional[List] = None  # [file, start, stop, members]
+    for i in order:
+        f, a, n = subops[i]
+        b = a + n
+        if cur is not None and cur[0] == f and a <= cur[2] and max(cur[2], b) - cur[1] <= max_bytes:
+            cur[2] = max(cur[2], b)
+            cur[3].append(i)
+            continue
+        if cur is not None:
+            out.append((Extent(cur[0], cur[1], cur[2]), cur[3]))
+        cur = [f, a, b, [i]]
+    if cur is not None:
+        out.append((Extent(cur[0], cur[1], cur[2]), cur[3]))
+    return out
