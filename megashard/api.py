@@ -1,0 +1,814 @@
+"""``save`` and ``load``: orchestration of planning, file I/O, transport and commit.
+
+Save (collective, a fixed number of collectives, none per tensor):
+  1. every rank flattens its state dict and announces its shards (one all-gather);
+  2. every rank computes the same writer plan (replicas deduplicated and balanced);
+  3. every rank writes its files into a shared temporary directory and fsyncs them;
+  4. results are gathered; rank 0 writes ``manifest.json`` and commits by rename;
+  5. the outcome is agreed, so a failure anywhere raises on every rank.
+
+Load (collective): ``own`` mode reads exactly the byte ranges each rank needs;
+``scatter`` mode has one reader per node read every needed byte once and stream it
+to the node's ranks in bounded chunks. ``auto`` picks ``own`` when every rank can
+see the checkpoint, ``scatter`` otherwise.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from . import jsonstate, plan, storage
+from .errors import CheckpointError, MegashardError, StateDictError
+from .format import parallel_read, write_file
+from .manifest import Manifest, ShardRecord, TensorRecord, dtype_from_name, dtype_name, itemsize
+from .plan import Box, ShardId
+from .sharded import ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor
+from .transport import Comm, node_readers
+
+log = logging.getLogger(__name__)
+
+MODEL_CHUNK_PREFIX = "model"
+REST_STEM = "__rest__"
+BYTES_IN_FILE_THRESHOLD = 64 * 1024  # larger bytes values go into .tensors files, not JSON
+DEFAULT_SCATTER_CHUNK = 1 << 30
+
+
+def _rank_prefix(comm: Comm) -> str:
+    return f"[rank {comm.rank}] "
+
+
+# ---------------------------------------------------------------------------
+# save
+
+
+@dataclass
+class _LocalTensor:
+    name: str
+    tensor: torch.Tensor
+    stem: str
+    ref: Dict[str, Any]  # JSON ref dict patched with file/offsets after writing
+
+
+@dataclass
+class _SaveState:
+    rank: int
+    shards: List[Tuple[str, ShardedTensor, str]] = field(default_factory=list)  # (path, shard, stem)
+    objects: List[Tuple[str, Any, str]] = field(default_factory=list)  # (path, sharded object, stem)
+    local: List[_LocalTensor] = field(default_factory=list)
+    obj_local: Dict[str, List[_LocalTensor]] = field(default_factory=dict)
+
+
+def _stem_for(path: str, file_stems: Optional[Mapping[str, str]]) -> str:
+    top = path.split(".", 1)[0].split("[", 1)[0]
+    if file_stems and top in file_stems:
+        return file_stems[top]
+    if top.startswith(MODEL_CHUNK_PREFIX) and (top == MODEL_CHUNK_PREFIX or top[len(MODEL_CHUNK_PREFIX):].isdigit()):
+        return top
+    return (file_stems or {}).get(REST_STEM, "state")
+
+
+def _shard_name(sh: ShardedTensor) -> str:
+    if sh.chunk_shape == sh.global_shape and sh.flattened_range is None:
+        return sh.key
+    name = f"{sh.key}/shard_{'.'.join(map(str, sh.global_offset))}_{'.'.join(map(str, sh.chunk_shape))}"
+    if sh.flat_range is not None:
+        name += f"_flat{sh.flat_range[0]}-{sh.flat_range[1]}"
+    return name
+
+
+def _object_unique_key(obj: Any) -> str:
+    uk = getattr(obj, "unique_key", None)
+    if isinstance(uk, str):
+        return uk
+    return f"{obj.key}/shard_{'.'.join(map(str, obj.global_offset))}_{'.'.join(map(str, obj.global_shape))}"
+
+
+def _tensor_ref(t: torch.Tensor) -> Dict[str, Any]:
+    return {"kind": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+
+
+def _reject_unapplied(path: str, value: Any) -> None:
+    name = type(value).__name__
+    if name in ("ShardedTensorFactory", "LocalNonpersistentObject"):
+        raise StateDictError(
+            f"cannot save {path!r}: {name} must be resolved before megashard.save "
+            "(apply megatron-core's apply_factories / drop non-persistent objects; megashard.megatron does this)"
+        )
+
+
+def _make_save_hook(st: _SaveState, file_stems: Optional[Mapping[str, str]]) -> Callable[[str, Any], Any]:
+    def hook(path: str, value: Any) -> Any:
+        _reject_unapplied(path, value)
+        if looks_like_sharded_tensor(value):
+            sh = ShardedTensor.from_any(value)
+            if sh.data is None:
+                raise StateDictError(f"cannot save {path!r}: ShardedTensor {sh.key!r} has no data")
+            st.shards.append((path, sh, _stem_for(path, file_stems)))
+            return {"kind": "sharded", "key": sh.key}
+        if looks_like_sharded_object(value):
+            st.objects.append((path, value, _stem_for(path, file_stems)))
+            return {"kind": "object", "key": _object_unique_key(value)}
+        if isinstance(value, torch.Tensor):
+            ref = _tensor_ref(value)
+            st.local.append(_LocalTensor(f"__rank{st.rank}__/{path}", value, _stem_for(path, file_stems), ref))
+            return ref
+        if isinstance(value, (bytes, bytearray)) and len(value) > BYTES_IN_FILE_THRESHOLD:
+            t = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+            ref = _tensor_ref(t)
+            ref["kind"] = "bytes"
+            st.local.append(_LocalTensor(f"__rank{st.rank}__/{path}", t, _stem_for(path, file_stems), ref))
+            return ref
+        return jsonstate.UNHANDLED
+
+    return hook
+
+
+def _encode_object_value(st: _SaveState, ukey: str, value: Any, stem: str) -> Any:
+    items: List[_LocalTensor] = st.obj_local.setdefault(ukey, [])
+
+    def hook(path: str, v: Any) -> Any:
+        _reject_unapplied(path, v)
+        if isinstance(v, torch.Tensor) or (isinstance(v, (bytes, bytearray)) and len(v) > BYTES_IN_FILE_THRESHOLD):
+            t = v if isinstance(v, torch.Tensor) else torch.frombuffer(bytearray(v), dtype=torch.uint8)
+            ref = _tensor_ref(t)
+            if not isinstance(v, torch.Tensor):
+                ref["kind"] = "bytes"
+            items.append(_LocalTensor(f"__object__/{ukey}/{len(items)}", t, stem, ref))
+            return ref
+        return jsonstate.UNHANDLED
+
+    return jsonstate.encode(value, path=ukey, hook=hook)
+
+
+def _shard_meta(sh: ShardedTensor) -> List[Any]:
+    flat = list(sh.flat_range) if sh.flat_range is not None else None
+    n = sh.data.numel() if sh.data is not None else 0
+    return [sh.key, dtype_name(sh.dtype), list(sh.global_shape), list(sh.global_offset), list(sh.chunk_shape),
+            flat, bool(is_main_replica(sh.replica_id)), n * itemsize(sh.dtype)]
+
+
+def _validate_and_assign(all_meta: List[Dict[str, Any]]) -> Tuple[Dict[ShardId, int], Dict[str, int], Dict[str, Tuple[str, List[int]]]]:
+    """Pure: consistency checks + writer plan, identical on every rank."""
+    problems: List[str] = []
+    info: Dict[str, Tuple[str, List[int]]] = {}
+    holders: Dict[ShardId, List[int]] = {}
+    nbytes: Dict[ShardId, int] = {}
+    preferred: Dict[ShardId, int] = {}
+    for rank, meta in enumerate(all_meta):
+        for key, dt, gshape, off, cshape, flat, main, nb in meta["shards"]:
+            if key in info and info[key] != (dt, gshape):
+                problems.append(
+                    f"tensor {key!r}: rank {rank} has dtype {dt} global shape {tuple(gshape)}, another rank has "
+                    f"{info[key][0]} {tuple(info[key][1])}"
+                )
+                continue
+            info[key] = (dt, gshape)
+            sid = ShardId(key, tuple(off), tuple(cshape), tuple(flat) if flat else None)
+            holders.setdefault(sid, []).append(rank)
+            nbytes[sid] = nb
+            if main:
+                preferred.setdefault(sid, rank)
+    by_key: Dict[str, List[Tuple[Box, Optional[Tuple[int, int]]]]] = {}
+    for sid in holders:
+        by_key.setdefault(sid.key, []).append((Box(sid.offset, sid.shape), sid.flat))
+    for key, pieces in by_key.items():
+        problems += plan.coverage_problems(key, tuple(info[key][1]), pieces)
+    obj_writer: Dict[str, int] = {}
+    for rank, meta in enumerate(all_meta):
+        for ukey, main in meta["objects"]:
+            if main and ukey in obj_writer and obj_writer[ukey] >= 0:
+                problems.append(f"object {ukey!r}: main replica on ranks {obj_writer[ukey]} and {rank}")
+            elif main:
+                obj_writer[ukey] = rank
+            else:
+                obj_writer.setdefault(ukey, -1 - rank)
+    obj_writer = {k: (v if v >= 0 else -1 - v) for k, v in obj_writer.items()}
+    if problems:
+        head = "\n  ".join(problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        raise StateDictError(f"sharded state dict is inconsistent across ranks:\n  {head}{more}")
+    return plan.assign_writers(holders, nbytes, preferred), obj_writer, info
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    file_stems: Optional[Mapping[str, str]] = None,
+    layout: Optional[Mapping[str, Any]] = None,
+    align: int = 4096,
+    fsync: bool = True,
+    threads: Optional[int] = None,
+) -> None:
+    """Save a (sharded) state dict to ``checkpoint_dir``; collective over ``process_group``.
+
+    Leaves: ``ShardedTensor`` (megashard's or megatron-core's), ``ShardedObject``,
+    plain tensors (rank-local), JSON-representable values and bytes. The directory
+    appears atomically once every rank's files are durable.
+    """
+    comm = Comm(process_group)
+    final_dir = os.path.abspath(os.fspath(checkpoint_dir))
+    t0 = time.perf_counter()
+    st = _SaveState(comm.rank)
+
+    def prepare() -> Dict[str, Any]:
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        tree = jsonstate.encode(dict(state_dict), hook=_make_save_hook(st, file_stems))
+        st.tree = tree  # type: ignore[attr-defined]
+        return {
+            "shards": [_shard_meta(sh) for _, sh, _ in st.shards],
+            "objects": [[_object_unique_key(o), bool(is_main_replica(o.replica_id))] for _, o, _ in st.objects],
+            "token": secrets.token_hex(6) if comm.rank == 0 else None,
+        }
+
+    meta, err = comm.run("save/prepare", prepare)
+    all_meta = comm.agree(err, "save", meta)  # collective 1
+    writers, obj_writer, _ = _validate_and_assign(all_meta)
+    token = all_meta[0]["token"]
+    temp_dir = storage.temp_dir_name(final_dir, token)
+
+    def write() -> Dict[str, Any]:
+        os.makedirs(temp_dir, exist_ok=True)
+        groups: Dict[str, Dict[str, torch.Tensor]] = {}
+        shard_records: List[Tuple[str, ShardedTensor, str]] = []
+        zero_records: List[Dict[str, Any]] = []
+        for _path, sh, stem in st.shards:
+            sid = ShardId(sh.key, tuple(sh.global_offset), tuple(sh.chunk_shape), sh.flat_range)
+            if writers.get(sid) != comm.rank:
+                continue
+            name = _shard_name(sh)
+            if sh.data.numel() == 0:
+                zero_records.append(_shard_record_json(sh, None, name, 0, 0, 0))
+                continue
+            if groups.setdefault(stem, {}).setdefault(name, sh.data) is not sh.data:
+                continue  # the same shard listed twice on this rank (tied weights)
+            shard_records.append((stem, sh, name))
+        objects: Dict[str, Any] = {}
+        for _path, obj, stem in st.objects:
+            ukey = _object_unique_key(obj)
+            if obj_writer.get(ukey) != comm.rank or ukey in objects:
+                continue
+            objects[ukey] = {"key": obj.key, "offset": list(obj.global_offset), "shape": list(obj.global_shape),
+                             "value": _encode_object_value(st, ukey, obj.data, stem)}
+        locals_all = st.local + [lt for items in st.obj_local.values() for lt in items]
+        for lt in locals_all:
+            if lt.tensor.numel() == 0:
+                lt.ref.update(file=None, name=lt.name, data_offset=0, nbytes=0, crc32=0)
+            else:
+                groups.setdefault(lt.stem, {})[lt.name] = lt.tensor
+        files: Dict[str, Dict[str, Any]] = {}
+        placed: Dict[Tuple[str, str], Any] = {}
+        for stem, tensors in sorted(groups.items()):
+            fname = f"{stem}-r{comm.rank:05d}.tensors"
+            infos = write_file(tensors, os.path.join(temp_dir, fname), align=align, fsync=fsync, threads=threads)
+            size = os.path.getsize(os.path.join(temp_dir, fname))
+            files[fname] = {"rank": comm.rank, "bytes": size, "tensors": len(infos)}
+            for inf in infos:
+                placed[(stem, inf.name)] = (fname, inf)
+        records = zero_records + [
+            _shard_record_json(sh, placed[(stem, name)][0], name, placed[(stem, name)][1].header_offset,
+                               placed[(stem, name)][1].data_offset, placed[(stem, name)][1].crc32)
+            for stem, sh, name in shard_records
+        ]
+        for lt in locals_all:
+            if lt.tensor.numel():
+                fname, inf = placed[(lt.stem, lt.name)]
+                lt.ref.update(file=fname, name=lt.name, data_offset=inf.data_offset, nbytes=inf.nbytes, crc32=inf.crc32)
+        return {"files": files, "shards": records, "objects": objects, "tree": st.tree}
+
+    result, err = comm.run("save/write", write)
+    results = comm.agree(err, "save", result)  # collective 2 (gathers every rank's records)
+
+    def commit() -> None:
+        if comm.rank != 0:
+            return
+        manifest = _build_manifest(results, all_meta, comm.world_size, layout)
+        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_NAME), manifest.to_json())
+        storage.commit_dir(temp_dir, final_dir)
+
+    _, err = comm.run("save/commit", commit)
+    comm.agree(err, "save")  # collective 3: everybody learns the outcome
+    total = sum(f["bytes"] for r in results for f in r["files"].values())
+    log.info("%ssaved %s (%.1f MB in %.2f s)", _rank_prefix(comm), final_dir, total / 1e6, time.perf_counter() - t0)
+
+
+def _shard_record_json(sh: ShardedTensor, file: Optional[str], name: str, header_offset: int, data_offset: int,
+                       crc32: int) -> Dict[str, Any]:
+    n = sh.data.numel() * itemsize(sh.dtype)
+    return {"key": sh.key, "offset": list(sh.global_offset), "shape": list(sh.chunk_shape),
+            "flat": list(sh.flat_range) if sh.flat_range is not None else None, "file": file, "name": name,
+            "header_offset": header_offset, "data_offset": data_offset, "nbytes": n, "crc32": crc32}
+
+
+def _build_manifest(results: List[Dict[str, Any]], all_meta: List[Dict[str, Any]], world: int,
+                    layout: Optional[Mapping[str, Any]]) -> Manifest:
+    info: Dict[str, Tuple[str, List[int]]] = {}
+    for meta in all_meta:
+        for key, dt, gshape, *_ in meta["shards"]:
+            info.setdefault(key, (dt, gshape))
+    tensors: Dict[str, TensorRecord] = {}
+    for key in sorted(info):
+        dt, gshape = info[key]
+        tensors[key] = TensorRecord(key, dtype_from_name(dt), tuple(gshape))
+    files: Dict[str, Dict[str, Any]] = {}
+    objects: Dict[str, Any] = {}
+    trees: Dict[str, Any] = {}
+    rank_trees: List[str] = []
+    for r in results:
+        files.update(r["files"])
+        objects.update(r["objects"])
+        for s in r["shards"]:
+            tensors[s["key"]].shards.append(ShardRecord(
+                tuple(s["offset"]), tuple(s["shape"]), tuple(s["flat"]) if s["flat"] else None, s["file"], s["name"],
+                s["header_offset"], s["data_offset"], s["nbytes"], s["crc32"]))
+        text = json.dumps(r["tree"], sort_keys=True, separators=(",", ":"))
+        tid = hashlib.sha256(text.encode()).hexdigest()[:16]
+        trees.setdefault(tid, r["tree"])
+        rank_trees.append(tid)
+    for t in tensors.values():
+        t.shards.sort(key=lambda s: (s.offset, s.flat or (0, 0)))
+    return Manifest(world_size=world, layout=dict(layout or {}), files=files, tensors=tensors, objects=objects,
+                    trees=trees, rank_trees=rank_trees, created=time.time())
+
+
+# ---------------------------------------------------------------------------
+# load
+
+
+@dataclass
+class _Op:
+    """One byte range to bring into ``dest`` (a contiguous uint8 tensor)."""
+
+    file: str
+    offset: int
+    nbytes: int
+    dest: torch.Tensor
+
+
+@dataclass
+class _LoadWork:
+    ops: List[_Op] = field(default_factory=list)
+    finish: List[Callable[[], None]] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+    touched: Dict[str, set] = field(default_factory=dict)  # file -> names (for verify)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWork, path: str) -> Optional[torch.Tensor]:
+    """Plan reads for one requested shard; returns the tensor that will hold it."""
+    if rec is None:
+        work.problems.append(f"missing: tensor {sh.key!r} (at {path}) is not in the checkpoint")
+        return sh.data
+    if rec.dtype != sh.dtype:
+        work.problems.append(f"dtype mismatch: {sh.key!r} saved as {dtype_name(rec.dtype)}, requested {dtype_name(sh.dtype)}")
+        return sh.data
+    if tuple(rec.global_shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
+        work.problems.append(
+            f"shape mismatch: {sh.key!r} saved with global shape {tuple(rec.global_shape)}, requested {tuple(sh.global_shape)}")
+        return sh.data
+    dest = sh.data
+    n_el = (sh.flat_range.stop - sh.flat_range.start) if sh.flattened_range is not None else plan.numel(sh.local_shape)
+    if dest is None:
+        dest = torch.empty(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
+    if dest.numel() != n_el:
+        work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
+        return dest
+    want = Box(tuple(sh.global_offset), tuple(sh.chunk_shape))
+    pieces = [s.piece() for s in rec.shards]
+    isz = itemsize(sh.dtype)
+    wp = plan.plan_want(want, sh.flat_range and (sh.flat_range.start, sh.flat_range.stop), pieces, isz)
+    for s in rec.shards:
+        if s.file:
+            work.touched.setdefault(s.file, set()).add(s.name)
+    if wp.covered < want.numel and not (sh.allow_shape_mismatch and wp.covered > 0):
+        work.problems.append(f"missing data: {sh.key!r} at offset {tuple(sh.global_offset)}: checkpoint covers "
+                             f"{wp.covered} of {want.numel} elements")
+        return dest
+    if wp.direct:
+        direct_ok = dest.is_contiguous() and dest.device.type == "cpu"
+        target = dest if direct_ok else torch.empty(dest.shape, dtype=dest.dtype)
+        for r in wp.reads:
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(target)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        if not direct_ok:
+            work.finish.append(lambda d=dest, t=target: d.copy_(t.view(d.shape)))
+        return dest
+    bufs = [torch.empty(n, dtype=sh.dtype) for n in wp.buffers]
+    for r in wp.reads:
+        work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(bufs[r.buffer])[r.buffer_offset:r.buffer_offset + r.nbytes]))
+
+    def place(dest=dest, wp=wp, bufs=bufs, want=want, flat=sh.flat_range) -> None:
+        chunk = torch.empty(want.shape, dtype=dest.dtype) if (flat is not None or not dest.is_contiguous()
+                                                              or dest.device.type != "cpu") else dest.view(want.shape)
+        for p in wp.placements:
+            src = bufs[p.buffer].as_strided(p.shape, p.strides, p.storage_offset)
+            idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
+            chunk[idx].copy_(src)
+        if flat is not None:
+            dest.copy_(chunk.reshape(-1)[flat.start:flat.stop])
+        elif chunk.data_ptr() != dest.data_ptr():
+            dest.copy_(chunk.view(dest.shape))
+
+    work.finish.append(place)
+    return dest
+
+
+class _Sharded:
+    """Marker for saved-tree entries that the template supplies."""
+
+
+_SHARDED = _Sharded()
+
+
+def _decode_saved_tree(tree: Any, manifest: Manifest, work: _LoadWork, path_prefix: str = "") -> Any:
+    def resolver(ref: Any, path: str) -> Any:
+        kind = ref.get("kind") if isinstance(ref, dict) else None
+        if kind in ("sharded", "object"):
+            return _SHARDED
+        if kind in ("tensor", "bytes"):
+            dtype = dtype_from_name(ref.get("dtype"), f"{path}: ")
+            shape = tuple(ref.get("shape", ()))
+            t = torch.empty(shape, dtype=dtype)
+            if ref.get("nbytes"):
+                if ref.get("file") not in manifest.files:
+                    raise CheckpointError(f"{path}: tensor refers to unknown file {ref.get('file')!r}")
+                if ref["nbytes"] != t.numel() * t.element_size():
+                    raise CheckpointError(f"{path}: tensor byte count does not match its shape")
+                work.ops.append(_Op(ref["file"], int(ref["data_offset"]), int(ref["nbytes"]), _bytes_view(t)))
+                work.touched.setdefault(ref["file"], set()).add(ref.get("name", ""))
+            if kind == "bytes":
+                return _LazyBytes(t)
+            return t
+        raise CheckpointError(f"{path}: unknown reference {ref!r} in the manifest")
+
+    return jsonstate.decode(tree, path=path_prefix, resolver=resolver)
+
+
+class _LazyBytes:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _finalize_tree(value: Any) -> Any:
+    """Drop template-supplied markers, turn lazily read bytes into bytes."""
+    if isinstance(value, _LazyBytes):
+        return bytes(value.t.numpy().tobytes())
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            fv = _finalize_tree(v)
+            if fv is _SHARDED or (isinstance(fv, dict) and not fv and isinstance(v, dict) and v):
+                continue
+            out[k] = fv
+        return out
+    if isinstance(value, list):
+        return [_finalize_tree(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_finalize_tree(v) for v in value)
+    return value
+
+
+def _lookup(tree: Any, keys: Sequence[Any]) -> Tuple[bool, Any]:
+    cur = tree
+    for k in keys:
+        if isinstance(cur, dict) and k in cur:
+            cur = cur[k]
+        elif isinstance(cur, (list, tuple)) and isinstance(k, int) and 0 <= k < len(cur):
+            cur = cur[k]
+        else:
+            return False, None
+    return True, cur
+
+
+def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _LoadWork, manifest: Manifest,
+                    objects: Dict[str, Any], strict_paths: List[str]) -> Any:
+    """Result = template structure with leaves loaded; saved-only entries are kept too."""
+    path = ".".join(map(str, keys))
+    _reject_unapplied(path, template)
+    if looks_like_sharded_tensor(template):
+        sh = ShardedTensor.from_any(template)
+        return _plan_sharded(sh, manifest.tensors.get(sh.key), work, path)
+    if looks_like_sharded_object(template):
+        ukey = _object_unique_key(template)
+        if ukey not in objects:
+            work.problems.append(f"missing: object {ukey!r} (at {path}) is not in the checkpoint")
+            return template.data
+        return objects[ukey]
+    found, sv = _lookup(saved, keys)
+    if isinstance(template, torch.Tensor):
+        if not found or not isinstance(sv, torch.Tensor):
+            work.problems.append(f"missing: tensor at {path} was not saved by this rank")
+            return template
+        if sv.shape == template.shape and sv.dtype == template.dtype:
+            # read straight into the caller's tensor instead of the temporary
+            for op in work.ops:
+                if op.dest.data_ptr() == _bytes_view(sv).data_ptr() and sv.numel():
+                    if template.is_contiguous() and template.device.type == "cpu":
+                        op.dest = _bytes_view(template)
+                    else:
+                        work.finish.append(lambda d=template, s=sv: d.copy_(s))
+                    break
+            return template
+        work.problems.append(f"shape mismatch: tensor at {path} saved as {tuple(sv.shape)} {sv.dtype}, "
+                             f"requested {tuple(template.shape)} {template.dtype}")
+        return template
+    if isinstance(template, dict):
+        out = dict(sv) if found and isinstance(sv, dict) else {}
+        for k, v in template.items():
+            out[k] = _merge_template(v, saved, keys + (k,), work, manifest, objects, strict_paths)
+        return out
+    if isinstance(template, (list, tuple)):
+        vals = [_merge_template(v, saved, keys + (i,), work, manifest, objects, strict_paths)
+                for i, v in enumerate(template)]
+        return type(template)(vals) if isinstance(template, tuple) and not hasattr(template, "_fields") else (
+            type(template)(*vals) if isinstance(template, tuple) else vals)
+    return sv if found else template
+
+
+def _sees_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, storage.MANIFEST_NAME))
+
+
+def read_manifest(checkpoint_dir: str | os.PathLike) -> Manifest:
+    """Parse ``manifest.json`` of a committed checkpoint (recovering an interrupted re-save)."""
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    if not _sees_checkpoint(path):
+        recovered = storage.recover(path)
+        if recovered is None:
+            raise CheckpointError(
+                f"{path} is not a megashard checkpoint (no {storage.MANIFEST_NAME}); check the path, or whether the "
+                "save that should have produced it finished")
+        path = recovered
+    mpath = os.path.join(path, storage.MANIFEST_NAME)
+    with open(mpath, "rb") as f:
+        return Manifest.from_json(f.read(), mpath)
+
+
+def is_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
+    return storage.is_checkpoint(os.fspath(checkpoint_dir))
+
+
+def _group_by_file(ops: Sequence[_Op]) -> Dict[str, List[_Op]]:
+    out: Dict[str, List[_Op]] = {}
+    for op in ops:
+        out.setdefault(op.file, []).append(op)
+    return out
+
+
+def _check_files(base: str, manifest: Manifest, files: Sequence[str]) -> None:
+    for f in files:
+        p = os.path.join(base, f)
+        try:
+            size = os.path.getsize(p)
+        except OSError as e:
+            raise CheckpointError(f"{p}: listed in the manifest but cannot be opened ({e.strerror})") from None
+        want = int(manifest.files[f].get("bytes", size))
+        if size != want:
+            raise CheckpointError(f"{p}: size {size} differs from the manifest's {want} bytes; the file is damaged")
+
+
+def _execute_own(base: str, manifest: Manifest, ops: Sequence[_Op], threads: Optional[int]) -> int:
+    grouped = _group_by_file(ops)
+    _check_files(base, manifest, list(grouped))
+    total = 0
+    for f, fops in grouped.items():
+        for op in fops:
+            if op.offset + op.nbytes > int(manifest.files[f].get("bytes", 0)):
+                raise CheckpointError(f"{os.path.join(base, f)}: byte range {op.offset}+{op.nbytes} past end of file")
+        parallel_read(os.path.join(base, f), [(op.offset, op.dest) for op in fops], threads=threads)
+        total += sum(op.nbytes for op in fops)
+    return total
+
+
+def _verify(base: str, touched: Mapping[str, set]) -> None:
+    from .format import open_file
+
+    for f, names in touched.items():
+        with open_file(os.path.join(base, f)) as r:
+            for n in sorted(names):
+                if n in r:
+                    r.verify(n)
+
+
+@dataclass
+class LoadStats:
+    mode: str = ""
+    bytes_read: int = 0  # from storage, by this rank
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+
+LAST_LOAD_STATS = LoadStats()
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    mode: str = "auto",
+    process_group: Any = None,
+    strict: bool = True,
+    verify: bool = False,
+    scatter_chunk_bytes: int = DEFAULT_SCATTER_CHUNK,
+    threads: Optional[int] = None,
+) -> Dict[str, Any]:
+    """Load a checkpoint into the template ``state_dict``; collective over ``process_group``.
+
+    Template ShardedTensors are filled in place (any TP/PP/VP/DP layout); the result
+    mirrors the template with ShardedTensor -> tensor, ShardedObject -> its value,
+    and keeps saved non-tensor entries the template lacks.
+    """
+    if mode not in ("auto", "own", "scatter"):
+        raise ValueError(f"mode must be 'auto', 'own' or 'scatter', got {mode!r}")
+    comm = Comm(process_group)
+    base = os.path.abspath(os.fspath(checkpoint_dir))
+    t0 = time.perf_counter()
+    stats = LoadStats()
+
+    def probe() -> Dict[str, Any]:
+        node = os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
+        sees = _sees_checkpoint(base)
+        if not sees and comm.rank == 0:
+            storage.recover(base)
+            sees = _sees_checkpoint(base)
+        return {"sees": sees, "node": str(node)}
+
+    info, err = comm.run("load/probe", probe)
+    infos = comm.agree(err, "load", info)  # collective 1
+    nodes = [i["node"] for i in infos]
+    readers = node_readers(nodes)
+    all_see = all(i["sees"] for i in infos)
+    chosen = mode if mode != "auto" else ("own" if all_see else "scatter")
+    if chosen == "own" and not all_see:
+        blind = [r for r, i in enumerate(infos) if not i["sees"]]
+        comm.agree(f"mode='own' but ranks {blind} cannot see {base}; use mode='scatter' or 'auto'"
+                   if comm.rank == blind[0] else None, "load")
+    if chosen == "scatter":
+        blind_readers = sorted({readers[r] for r in range(comm.world_size) if not infos[readers[r]]["sees"]})
+        if blind_readers:
+            comm.agree(f"scatter load: node reader rank(s) {blind_readers} cannot see {base}"
+                       if comm.rank == 0 else None, "load")
+    stats.mode = chosen
+
+    # the manifest: read locally (own) or by rank 0 and broadcast (scatter)
+    if chosen == "own":
+        manifest, err = comm.run("load/manifest", lambda: read_manifest(base))
+        comm.agree(err, "load")
+    else:
+        text, err = comm.run("load/manifest", lambda: _read_manifest_text(base) if comm.rank == 0 else None)
+        comm.agree(err, "load")
+        text = comm.broadcast_json(text, 0)
+        manifest = Manifest.from_json(text, os.path.join(base, storage.MANIFEST_NAME))
+
+    work = _LoadWork()
+
+    def plan_local() -> Any:
+        saved = _decode_saved_tree(manifest.tree_for_rank(comm.rank), manifest, work)
+        objects = {}
+        for ukey, entry in manifest.objects.items():
+            objects[ukey] = _decode_saved_tree(entry.get("value"), manifest, work, ukey)
+        res = _merge_template(dict(state_dict), saved, (), work, manifest, objects, [])
+        if work.problems and strict:
+            raise StateDictError(_format_problems(work.problems, base))
+        for p in work.problems:
+            log.warning("%s%s", _rank_prefix(comm), p)
+        return res
+
+    result, err = comm.run("load/plan", plan_local)
+    comm.agree(err, "load")
+
+    if chosen == "own":
+        nread, err = comm.run("load/read", lambda: _execute_own(base, manifest, work.ops, threads))
+        stats.bytes_read = nread or 0
+    else:
+        (nread, nrecv), err = _scatter(comm, base, manifest, work.ops, readers, scatter_chunk_bytes, threads)
+        stats.bytes_read, stats.bytes_received = nread, nrecv
+    if err is None:
+        def fin() -> None:
+            for f in work.finish:
+                f()
+            if verify and (chosen == "own" or readers[comm.rank] == comm.rank):
+                _verify(base, work.touched)
+        _, err = comm.run("load/finish", fin)
+    comm.agree(err, "load")  # final collective: all succeeded or all raise
+    stats.seconds = time.perf_counter() - t0
+    LAST_LOAD_STATS.__dict__.update(stats.__dict__)
+    log.info("%sloaded %s (%s mode, %.1f MB read, %.2f s)", _rank_prefix(comm), base, chosen,
+             stats.bytes_read / 1e6, stats.seconds)
+    return _finalize_tree(result)
+
+
+def _format_problems(problems: List[str], base: str) -> str:
+    head = "\n  ".join(problems[:50])
+    more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+    return (f"state dict does not match checkpoint {base} ({len(problems)} problem(s)):\n  {head}{more}\n"
+            "Pass strict=False to load what matches.")
+
+
+def _read_manifest_text(base: str) -> str:
+    read_manifest(base)  # validates (and recovers)
+    with open(os.path.join(base, storage.MANIFEST_NAME), "rb") as f:
+        return f.read().decode()
+
+
+def _sorted_subops(ops: Sequence[_Op], chunk: int) -> List[Tuple[str, int, int, int, int]]:
+    """Split ops into ≤chunk pieces: (file, offset, nbytes, op index, offset in op), in serving order."""
+    out = []
+    for i, op in enumerate(ops):
+        for f, off, n, pos in plan.split_op((op.file, op.offset, op.nbytes), chunk):
+            out.append((f, off, n, i, pos))
+    out.sort(key=lambda s: (s[0], s[1], s[2], s[3], s[4]))
+    return out
+
+
+def _scatter(comm: Comm, base: str, manifest: Manifest, ops: List[_Op], readers: Mapping[int, int], chunk: int,
+             threads: Optional[int]) -> Tuple[Tuple[int, int], Optional[str]]:
+    """One reader per node reads each needed byte once and streams it to its ranks.
+
+    Consumers only need their own ops: the reader serves every rank's sub-ops in
+    (file, offset, nbytes, index) order. A reader that fails keeps sending (zeros)
+    so no consumer blocks; the error surfaces in the final agreement.
+    """
+    me = comm.rank
+    my_reader = readers[me]
+    chunk = max(1, int(chunk))
+    my_sub = _sorted_subops(ops, chunk)
+    node_ranks = [r for r in range(comm.world_size) if readers[r] == my_reader]
+    # op lists travel to the reader as JSON (file index, offset, nbytes)
+    err: Optional[str] = None
+    if me != my_reader:
+        payload = json.dumps([[op.file, op.offset, op.nbytes] for op in ops]).encode()
+        comm.send(torch.tensor([len(payload)], dtype=torch.int64), my_reader)
+        if payload:
+            comm.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), my_reader)
+        received = 0
+        for f, off, n, i, pos in my_sub:
+            try:
+                comm.recv(ops[i].dest[pos:pos + n], my_reader)
+            except Exception as e:  # noqa: BLE001 - a transport failure ends the load on every rank
+                return (0, received), f"{type(e).__name__}: receiving from reader rank {my_reader}: {e}"
+            received += n
+        return (0, received), None
+
+    # reader
+    per_rank: Dict[int, List[Tuple[str, int, int]]] = {}
+    for r in node_ranks:
+        if r == me:
+            per_rank[r] = [(op.file, op.offset, op.nbytes) for op in ops]
+            continue
+        n = torch.zeros(1, dtype=torch.int64)
+        comm.recv(n, r)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        if buf.numel():
+            comm.recv(buf, r)
+        per_rank[r] = [tuple(x) for x in json.loads(bytes(buf.numpy()))] if buf.numel() else []
+    subops: List[Tuple[str, int, int]] = []
+    owners: List[Tuple[int, int, int]] = []  # (rank, op index, offset in op)
+    for r in node_ranks:
+        for i, (f, off, n) in enumerate(per_rank[r]):
+            for sf, soff, sn, pos in plan.split_op((f, off, n), chunk):
+                subops.append((sf, soff, sn))
+                owners.append((r, i, pos))
+    try:
+        _check_files(base, manifest, sorted({s[0] for s in subops}))
+        for f, a, n in subops:
+            if a + n > int(manifest.files[f].get("bytes", 0)):
+                raise CheckpointError(f"{os.path.join(base, f)}: byte range {a}+{n} past end of file")
+    except MegashardError as e:
+        err = f"{type(e).__name__}: {e}"
+    sched = plan.schedule_extents(subops, chunk)
+    staging = torch.empty(max((e.stop - e.start for e, _ in sched), default=0), dtype=torch.uint8)
+    nread = 0
+    for ext, members in sched:
+        size = ext.stop - ext.start
+        if err is None:
+            try:
+                parallel_read(os.path.join(base, ext.file), [(ext.start, staging[:size])], threads=threads)
+                nread += size
+            except Exception as e:  # noqa: BLE001
+                err = f"{type(e).__name__}: reading {ext.file}: {e}"
+        members = sorted(members, key=lambda j: (subops[j][1], subops[j][2], owners[j][0], owners[j][1], owners[j][2]))
+        for j in members:
+            r, i, pos = owners[j]
+            f, a, n = subops[j]
+            src = staging[a - ext.start:a - ext.start + n]
+            if r == me:
+                ops[i].dest[pos:pos + n].copy_(src)
+            else:
+                try:
+                    comm.send(src, r)
+                except Exception as e:  # noqa: BLE001
+                    return (nread, 0), f"{type(e).__name__}: sending to rank {r}: {e}"
+    return (nread, 0), err

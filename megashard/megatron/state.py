@@ -1,0 +1,493 @@
+"""Build Megatron's full training state dict for megashard, and apply a loaded one.
+
+The layout follows Megatron-LM's ``generate_state_dict`` (``training/checkpointing.py``)
+so that a megashard checkpoint holds the same top-level keys as a ``torch_dist`` one:
+``args``, ``checkpoint_version``, ``iteration``, ``model`` / ``model0``, ``model1``…,
+``optimizer``, ``opt_param_scheduler``, ``rng_state`` and
+``num_floating_point_operations_so_far``. Differences, all deliberate:
+
+* model chunks are keyed by each chunk's ``vp_stage`` (``model{vp_stage}``), never by
+  the deprecated global virtual-pipeline rank;
+* the RNG state is stored as JSON-able data (base64 for generator states) inside
+  Megatron's ``ShardedObject('rng_state', …, (pp, tp), (pp_rank, tp_rank))``, so no
+  pickle is ever needed to read it back;
+* ``args`` is reduced to JSON-representable values (anything else becomes its repr);
+* the distributed optimizer uses the ``fully_sharded_model_space`` sharding (flattened
+  ShardedTensors per model parameter), which megashard reshards across TP/PP/DP.
+
+Only megatron-core's data model is used (``ShardedTensor``, ``ShardedObject``,
+``ShardedTensorFactory``, ``LocalNonpersistentObject``, ``apply_factories``,
+``apply_factory_merges``), so this works with megatron-core 0.16 and later.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import copy
+import enum
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 3.0
+#: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
+DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
+RNG_FORMAT = "megashard-rng-v1"
+
+Path = Tuple[Any, ...]
+
+
+# --------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def log_rank(level: int, msg: str, *args: Any) -> None:
+    """Log with a ``[rank N]`` prefix (library code never prints)."""
+    logger.log(level, "[rank %d] " + msg, _rank(), *args)
+
+
+def unwrap_model(model: Any) -> Any:
+    """Strip DDP / Float16Module wrappers (anything exposing ``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def as_chunk_list(model: Any) -> List[Any]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def model_keys(model: Sequence[Any]) -> List[str]:
+    """Top-level state-dict key of every chunk: ``model`` or ``model{vp_stage}``."""
+    if len(model) == 1:
+        return ["model"]
+    keys = []
+    for i, chunk in enumerate(model):
+        vp_stage = getattr(chunk, "vp_stage", None)
+        if vp_stage is None:
+            vp_stage = getattr(unwrap_model(chunk), "vp_stage", None)
+        keys.append(f"model{i if vp_stage is None else int(vp_stage)}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"model chunks have duplicate vp_stage keys: {keys}")
+    return keys
+
+
+# --------------------------------------------------------------------------------------
+# nested-structure utilities (dicts and lists, like megatron's dict_utils)
+# --------------------------------------------------------------------------------------
+def _children(x: Any) -> List[Tuple[Any, Any]]:
+    if isinstance(x, dict):
+        return list(x.items())
+    if isinstance(x, list):
+        return list(enumerate(x))
+    return []
+
+
+def copy_structure(x: Any) -> Any:
+    """Copy dicts and lists, share the leaves (tensors, ShardedTensors, …)."""
+    if isinstance(x, dict):
+        return {k: copy_structure(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [copy_structure(v) for v in x]
+    return x
+
+
+def iter_leaves(x: Any, path: Path = ()) -> List[Tuple[Path, Any]]:
+    out: List[Tuple[Path, Any]] = []
+    kids = _children(x)
+    if not kids and not isinstance(x, (dict, list)):
+        return [(path, x)]
+    for k, v in kids:
+        if isinstance(v, (dict, list)):
+            out.extend(iter_leaves(v, path + (k,)))
+        else:
+            out.append((path + (k,), v))
+    return out
+
+
+def get_path(x: Any, path: Path) -> Any:
+    for k in path:
+        x = x[k]
+    return x
+
+
+def set_path(x: Any, path: Path, value: Any) -> None:
+    for k in path[:-1]:
+        x = x[k]
+    x[path[-1]] = value
+
+
+def _is_nonpersistent(x: Any) -> bool:
+    return type(x).__name__ == "LocalNonpersistentObject" and hasattr(x, "unwrap")
+
+
+def extract_nonpersistent(sd: Any) -> Dict[Path, Any]:
+    """Remove ``LocalNonpersistentObject`` leaves in place; return ``{path: local value}``.
+
+    They hold rank-local data (e.g. optimizer ``param_groups[i]['params']`` ids) that
+    Megatron never saves and puts back from the live object after loading.
+    """
+    found: Dict[Path, Any] = {}
+
+    def rec(x: Any, path: Path) -> None:
+        for k, v in _children(x):
+            if _is_nonpersistent(v):
+                found[path + (k,)] = v.unwrap()
+            elif isinstance(v, (dict, list)):
+                rec(v, path + (k,))
+
+    rec(sd, ())
+    # delete deepest first so list indices stay valid
+    for path in sorted(found, key=len, reverse=True):
+        parent = get_path(sd, path[:-1])
+        del parent[path[-1]]
+    return found
+
+
+def restore_nonpersistent(sd: Any, found: Dict[Path, Any]) -> None:
+    for path in sorted(found, key=len):
+        parent = get_path(sd, path[:-1])
+        if isinstance(parent, list):
+            parent.insert(path[-1], found[path])
+        else:
+            parent[path[-1]] = found[path]
+
+
+def restore_scalar_tensors(loaded: Any, template: Any) -> None:
+    """Where the template had a 0-dim tensor and the load gave a Python number, make it a tensor.
+
+    Optimizer ``step`` counters are 0-dim tensors; a checkpoint layer may hand back
+    plain numbers for them. Adam needs tensors, with the template's dtype.
+    """
+    for path, tmpl in iter_leaves(template):
+        if isinstance(tmpl, torch.Tensor) and tmpl.dim() == 0:
+            try:
+                val = get_path(loaded, path)
+            except (KeyError, IndexError, TypeError):
+                continue
+            if isinstance(val, (int, float, np.number)) and not isinstance(val, bool):
+                set_path(loaded, path, torch.tensor(val, dtype=tmpl.dtype, device=tmpl.device))
+
+
+# --------------------------------------------------------------------------------------
+# args: JSON-representable copy
+# --------------------------------------------------------------------------------------
+_SIMPLE = (type(None), bool, int, float, str)
+
+
+def _jsonable(v: Any, depth: int = 0) -> Tuple[bool, Any]:
+    if isinstance(v, _SIMPLE) or isinstance(v, (torch.dtype, enum.Enum, np.generic)):
+        return True, v
+    if depth > 8:
+        return False, None
+    if isinstance(v, (list, tuple)):
+        items = [_jsonable(x, depth + 1) for x in v]
+        if all(ok for ok, _ in items):
+            return True, type(v)(x for _, x in items) if isinstance(v, tuple) else [x for _, x in items]
+        return False, None
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            if not isinstance(k, (str, int)):
+                return False, None
+            ok, y = _jsonable(x, depth + 1)
+            if not ok:
+                return False, None
+            out[k] = y
+        return True, out
+    return False, None
+
+
+def jsonable_args(args: Any) -> Optional[argparse.Namespace]:
+    """A Namespace with the JSON-representable attributes of ``args``; others become repr strings.
+
+    Megatron's args hold a few runtime objects (process groups, callables) that a
+    checkpoint must not need; Megatron only reads sizes and counters back.
+    """
+    if args is None:
+        return None
+    out = argparse.Namespace()
+    lossy = []
+    for name, value in sorted(vars(args).items()):
+        ok, v = _jsonable(value)
+        if not ok:
+            lossy.append(name)
+            v = f"<unrepresentable {type(value).__module__}.{type(value).__qualname__}: {value!r:.200}>"
+        setattr(out, name, v)
+    if lossy:
+        log_rank(logging.DEBUG, "args stored as repr strings: %s", ", ".join(lossy))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# RNG state, without pickle
+# --------------------------------------------------------------------------------------
+def _b64_tensor(t: torch.Tensor) -> str:
+    return base64.b64encode(t.detach().cpu().contiguous().numpy().tobytes()).decode("ascii")
+
+
+def _tensor_b64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def _tracker_states_as_tensors() -> Dict[str, torch.Tensor]:
+    from megatron.core import tensor_parallel
+
+    out = {}
+    for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        if not isinstance(state, torch.Tensor):  # graph-safe tracker keeps Generators
+            state = tensor_parallel.convert_cuda_rng_state(state, to_graphable=False)
+        out[name] = state
+    return out
+
+
+def _device_rng_is_real() -> bool:
+    from . import cpu_compat
+
+    return torch.cuda.is_available() and not cpu_compat.is_applied()
+
+
+def capture_rng_state() -> Dict[str, Any]:
+    """This process's RNG states (python, numpy, torch, CUDA if present, TP tracker) as JSON data."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state: Dict[str, Any] = {
+        "format": RNG_FORMAT,
+        "random_rng_state": {"version": py_version, "state": list(py_state), "gauss_next": py_gauss},
+        "np_rng_state": {
+            "kind": str(np_kind),
+            "keys": [int(k) for k in np_keys],
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_gauss),
+        },
+        "torch_rng_state": _b64_tensor(torch.get_rng_state()),
+        "cuda_rng_state": _b64_tensor(torch.cuda.get_rng_state()) if _device_rng_is_real() else None,
+        "rng_tracker_states": {k: _b64_tensor(v) for k, v in _tracker_states_as_tensors().items()},
+    }
+    return state
+
+
+def restore_rng_state(state: Dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    from megatron.core import tensor_parallel
+
+    if state.get("format") != RNG_FORMAT:
+        raise ValueError(f"unknown RNG state format {state.get('format')!r}")
+    py = state["random_rng_state"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
+    n = state["np_rng_state"]
+    np.random.set_state(
+        (n["kind"], np.array(n["keys"], dtype=np.uint32), int(n["pos"]), int(n["has_gauss"]),
+         float(n["cached_gaussian"]))
+    )
+    torch.set_rng_state(_tensor_b64(state["torch_rng_state"]))
+    if state.get("cuda_rng_state") is not None and _device_rng_is_real():
+        torch.cuda.set_rng_state(_tensor_b64(state["cuda_rng_state"]))
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    graph_safe = tensor_parallel.is_graph_safe_cuda_rng_tracker(tracker)
+    if not state.get("rng_tracker_states"):
+        raise KeyError("rng_tracker_states is empty")
+    states = {}
+    for name, s in state["rng_tracker_states"].items():
+        t = _tensor_b64(s)
+        if not _device_rng_is_real():
+            states[name] = t
+        else:
+            states[name] = tensor_parallel.convert_cuda_rng_state(t.cuda(), to_graphable=graph_safe)
+    tracker.set_states(states)
+
+
+def rng_sharded_object(data_parallel_random_init: bool = False) -> Any:
+    """Megatron's ``rng_state`` ShardedObject: one per (pp, tp) rank (per dp rank with EP>1)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    rng = capture_rng_state()
+    dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
+    if data_parallel_random_init and dp_size > 1:
+        states: List[Any] = [None] * dp_size
+        torch.distributed.all_gather_object(
+            states, rng, group=mpu.get_data_parallel_group(with_context_parallel=True)
+        )
+    else:
+        states = [rng]
+    pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+    if mpu.get_expert_model_parallel_world_size() > 1:
+        dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+        return ShardedObject("rng_state", states, (pp_size, tp_size, dp_size),
+                             (pp_rank, tp_rank, dp_rank), replica_id=0)
+    return ShardedObject("rng_state", states, (pp_size, tp_size), (pp_rank, tp_rank),
+                         replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+
+
+# --------------------------------------------------------------------------------------
+# the full training state dict
+# --------------------------------------------------------------------------------------
+def sharded_sd_metadata(use_distributed_optimizer: bool) -> Dict[str, Any]:
+    """``metadata`` passed to ``sharded_state_dict()`` (also stored, without process groups)."""
+    from megatron.core import parallel_state as mpu
+
+    md: Dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if use_distributed_optimizer:
+        md["distrib_optim_sharding_type"] = DISTRIB_OPTIM_SHARDING_TYPE
+    md["dp_cp_group"] = mpu.get_data_parallel_group(with_context_parallel=True)
+    return md
+
+
+def clean_metadata(md: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in md.items() if k != "dp_cp_group"}
+
+
+@dataclass
+class StateRequest:
+    """What goes into (or is requested from) a checkpoint."""
+
+    model: bool = True
+    optimizer: bool = True
+    scheduler: bool = True
+    rng: bool = True
+    is_loading: bool = False
+    data_parallel_random_init: bool = False
+    metadata: Dict[str, Any] = field(default_factory=dict)
+
+
+def build_state_dict(
+    args: Any,
+    model: Sequence[Any],
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    request: StateRequest,
+    *,
+    iteration: Optional[int] = None,
+    num_floating_point_operations_so_far: Optional[float] = None,
+) -> Dict[str, Any]:
+    """Megatron's training state as a ShardedStateDict (factories not yet applied).
+
+    ``model`` is the list of *unwrapped* chunks (``sharded_state_dict`` of the DDP
+    wrapper prefixes keys with ``module.``).
+    """
+    model = [unwrap_model(m) for m in as_chunk_list(model)]
+    sd: Dict[str, Any] = {
+        "args": jsonable_args(args),
+        "checkpoint_version": CHECKPOINT_VERSION,
+    }
+    if iteration is not None:
+        sd["iteration"] = int(iteration)
+    if num_floating_point_operations_so_far is not None:
+        sd["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    sd["content_metadata"] = clean_metadata(request.metadata)
+
+    for key, chunk in zip(model_keys(model), model):
+        sd[key] = chunk.sharded_state_dict(metadata=request.metadata)
+
+    if request.optimizer and optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False):
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            sd, is_loading=request.is_loading, metadata=request.metadata
+        )
+    if request.scheduler and opt_param_scheduler is not None:
+        sd["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if request.rng:
+        sd["rng_state"] = rng_sharded_object(request.data_parallel_random_init)
+    if not request.model:
+        for key in model_keys(model):
+            sd.pop(key, None)
+    return sd
+
+
+@dataclass
+class PreparedLoad:
+    """A load request ready for megashard.load plus what is needed to finish it."""
+
+    request: Dict[str, Any]            # factories applied, non-persistent objects removed
+    factory_template: Dict[str, Any]   # the original template (with factories) for merges
+    nonpersistent: Dict[Path, Any]
+
+
+def prepare_for_save(sd: Dict[str, Any]) -> Dict[str, Any]:
+    """Apply ShardedTensorFactories and drop non-persistent objects (megashard.save needs neither)."""
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    out = copy_structure(sd)
+    apply_factories(out)
+    extract_nonpersistent(out)
+    return out
+
+
+def prepare_for_load(template: Dict[str, Any]) -> PreparedLoad:
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    request = copy_structure(template)
+    apply_factories(request)
+    nonpersistent = extract_nonpersistent(request)
+    return PreparedLoad(request, template, nonpersistent)
+
+
+def finish_load(loaded: Dict[str, Any], prepared: PreparedLoad) -> Dict[str, Any]:
+    """Put non-persistent objects back and merge factory outputs (Megatron's load epilogue)."""
+    from megatron.core.dist_checkpointing.mapping import apply_factory_merges
+
+    restore_nonpersistent(loaded, prepared.nonpersistent)
+    loaded = apply_factory_merges(loaded, _factories_only(prepared.factory_template))
+    if "optimizer" in prepared.request and "optimizer" in loaded:
+        restore_scalar_tensors(loaded["optimizer"], prepared.request["optimizer"])
+    return loaded
+
+
+def _factories_only(x: Any) -> Any:
+    """The sub-structure of ``x`` that leads to ShardedTensorFactory leaves."""
+    is_factory = lambda v: type(v).__name__ == "ShardedTensorFactory"  # noqa: E731
+    if isinstance(x, dict):
+        out = {}
+        for k, v in x.items():
+            if is_factory(v):
+                out[k] = v
+            elif isinstance(v, (dict, list)):
+                sub = _factories_only(v)
+                if sub:
+                    out[k] = sub
+        return out
+    if isinstance(x, list):
+        out_d = {}
+        for i, v in enumerate(x):
+            if is_factory(v):
+                out_d[i] = v
+            elif isinstance(v, (dict, list)):
+                sub = _factories_only(v)
+                if sub:
+                    out_d[i] = sub
+        return out_d
+    return {}
+
+
+# --------------------------------------------------------------------------------------
+# applying a loaded state
+# --------------------------------------------------------------------------------------
+def load_model_state(ddp_model: Sequence[Any], loaded: Dict[str, Any], strict: bool = True) -> None:
+    """``load_state_dict`` every chunk that has an entry (missing chunk = empty stage)."""
+    chunks = as_chunk_list(ddp_model)
+    for key, chunk in zip(model_keys([unwrap_model(c) for c in chunks]), chunks):
+        if key not in loaded:
+            continue
+        chunk.load_state_dict(loaded[key], strict=strict)
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """``optimizer.load_state_dict`` under no_grad.
+
+    The DistributedOptimizer's fp32 main params are views of the model params when
+    the model is fp32; copying into them outside no_grad fails ("a view of a leaf
+    Variable that requires grad is being used in an in-place operation").
+    """
+    with torch.no_grad():
+        optimizer.load_state_dict(state)

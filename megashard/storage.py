@@ -1,0 +1,521 @@
+"""Checkpoint directories on disk: temp names, fsync, atomic commit, tracker, retention.
+
+Pure filesystem code (no torch, no torch.distributed); the save orchestration calls it.
+
+Save protocol
+-------------
+For a checkpoint whose final directory is ``<parent>/<name>/``:
+
+1. rank 0 picks a ``token`` (``[A-Za-z0-9_-]+``) and broadcasts it; it calls
+   :func:`make_temp_dir`, creating ``<parent>/.<name>.tmp-<token>/``. Other ranks
+   compute the same path with :func:`temp_dir_name`.
+2. every rank writes its ``.tensors`` files into the temp dir and fsyncs them.
+3. after a barrier (all ranks durable), rank 0 writes ``manifest.json`` with
+   :func:`write_file_atomic` and calls :func:`commit_dir`, which fsyncs the temp dir
+   and renames it to ``<parent>/<name>/``, then fsyncs ``<parent>``.
+   If ``<name>`` already exists (re-saving an iteration), it is first renamed to
+   ``<parent>/.<name>.old-<token>/``, the new dir is renamed into place, and the
+   old one is deleted.
+4. rank 0 writes the tracker ``latest_checkpointed_iteration.txt`` last
+   (:func:`write_tracker`).
+
+Invariants: a directory is a checkpoint iff it holds a readable, parseable
+``manifest.json`` (:func:`is_checkpoint`); ``manifest.json`` is only ever created by
+an atomic rename after its bytes and every shard are durable; ``.<name>.tmp-*``
+directories are never checkpoints, whatever they contain.
+
+Recovery rule (:func:`recover`)
+-------------------------------
+* ``<name>`` is a checkpoint: use it; any ``.<name>.old-*`` leftovers are deleted.
+* ``<name>`` is absent but a ``.<name>.old-*`` directory is a checkpoint (a crash
+  between moving the old checkpoint aside and renaming the new one in): rename the
+  newest such directory back to ``<name>`` and use it.
+* otherwise there is no checkpoint called ``<name>``.
+
+A crash at any point of :func:`commit_dir` therefore leaves the old or the new
+complete checkpoint discoverable. Deleting a checkpoint (old dirs, retention)
+removes ``manifest.json`` first, so a half-deleted directory is never mistaken for
+a checkpoint.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import stat
+import time
+import uuid
+from typing import Iterable, List, Optional, Tuple, Union
+
+from .errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "TRACKER_NAME",
+    "fsync_path",
+    "fsync_file",
+    "write_file_atomic",
+    "make_temp_dir",
+    "temp_dir_name",
+    "commit_dir",
+    "is_checkpoint",
+    "recover",
+    "cleanup_stale_temps",
+    "write_tracker",
+    "read_tracker",
+    "iteration_dir_name",
+    "parse_iteration_dir_name",
+    "apply_retention",
+    "remove_checkpoint",
+]
+
+MANIFEST_NAME = "manifest.json"
+#: Megatron's tracker file name, kept so Megatron tooling finds the latest iteration.
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]+\Z")
+# .<name>.<kind>-<token>; tokens contain no '.', so the last '.' splits unambiguously.
+_AUX_RE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[A-Za-z0-9_-]+)\Z")
+_ITER_RE = re.compile(r"iter_(\d{7,})\Z")
+_TRACKER_MAX = 4096
+
+
+# --------------------------------------------------------------------------- fsync
+
+
+def fsync_file(f: Union[int, PathLike, "object"]) -> None:
+    """Flush a file to stable storage: an fd, an open file object (flushed first) or a path."""
+    if isinstance(f, int):
+        os.fsync(f)
+        return
+    fileno = getattr(f, "fileno", None)
+    if callable(fileno):
+        flush = getattr(f, "flush", None)
+        if callable(flush):
+            flush()
+        os.fsync(fileno())
+        return
+    fsync_path(f)  # type: ignore[arg-type]
+
+
+def fsync_path(path: PathLike) -> None:
+    """fsync a file or a directory by path.
+
+    fsyncing a directory makes the names created/renamed in it durable, which a
+    rename-based commit needs. Filesystems that cannot fsync directories
+    (EINVAL/ENOTSUP) are tolerated: there is nothing more we could do there.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF) or not stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise
+        logger.debug("directory fsync not supported for %s: %s", path, e)
+    finally:
+        os.close(fd)
+
+
+def _parent(path: str) -> str:
+    return os.path.dirname(os.path.abspath(path))
+
+
+def write_file_atomic(path: PathLike, data: Union[bytes, str]) -> None:
+    """Write ``path`` so that readers see the old content or the new, never a mix.
+
+    Writes ``.<name>.tmp-<random>`` in the same directory, fsyncs it, renames it over
+    ``path`` and fsyncs the directory. ``str`` is written as UTF-8.
+    """
+    path = os.fspath(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    d, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(d, f".{base}.tmp-{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_path(d)
+
+
+# --------------------------------------------------------------------------- naming
+
+
+def _split_final(final_dir: PathLike) -> Tuple[str, str]:
+    final = os.path.abspath(os.fspath(final_dir))
+    parent, name = os.path.split(final)
+    if not name or name in (".", ".."):
+        raise CheckpointError(f"checkpoint directory {os.fspath(final_dir)!r} has no usable name")
+    return parent, name
+
+
+def _check_token(token: str) -> None:
+    if not isinstance(token, str) or not _TOKEN_RE.match(token):
+        raise CheckpointError(f"bad checkpoint temp token {token!r}: use [A-Za-z0-9_-]+")
+
+
+def temp_dir_name(final_dir: PathLike, token: str) -> str:
+    """``<parent>/.<name>.tmp-<token>``: where all ranks write before the commit (pure)."""
+    _check_token(token)
+    parent, name = _split_final(final_dir)
+    return os.path.join(parent, f".{name}.tmp-{token}")
+
+
+def _old_dir_name(final_dir: PathLike, token: str) -> str:
+    parent, name = _split_final(final_dir)
+    return os.path.join(parent, f".{name}.old-{token}")
+
+
+def _aux_dirs(parent: str, name: str, kind: str) -> List[str]:
+    """Existing ``.<name>.<kind>-*`` entries in ``parent``."""
+    try:
+        entries = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        m = _AUX_RE.match(e)
+        if m and m.group("name") == name and m.group("kind") == kind:
+            out.append(os.path.join(parent, e))
+    return out
+
+
+def make_temp_dir(final_dir: PathLike, token: str) -> str:
+    """Create (with parents) the temp dir of a save and return its path.
+
+    Idempotent, so every node's writer may call it on node-local storage. The token
+    must be the same on all ranks: rank 0 picks it, the caller broadcasts it.
+    """
+    tmp = temp_dir_name(final_dir, token)
+    parent = os.path.dirname(tmp)
+    os.makedirs(parent, exist_ok=True)
+    os.makedirs(tmp, exist_ok=True)
+    fsync_path(parent)
+    return tmp
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def is_checkpoint(path: PathLike) -> bool:
+    """True iff ``path`` is a directory holding a readable, parseable ``manifest.json``.
+
+    Parsing (not just stat) guards against manifests damaged after the fact; the
+    commit protocol itself never exposes a partial manifest.
+    """
+    manifest = os.path.join(os.fspath(path), MANIFEST_NAME)
+    if not os.path.isdir(path) or not os.path.isfile(manifest):
+        return False
+    try:
+        with open(manifest, "rb") as f:
+            json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def remove_checkpoint(path: PathLike) -> None:
+    """Delete a checkpoint directory so that no crash leaves a half-deleted *checkpoint*.
+
+    ``manifest.json`` goes first (made durable), then the directory is renamed to
+    ``.<name>.del-<random>`` (so an interrupted deletion is recognisably garbage for
+    :func:`cleanup_stale_temps`) and removed.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            os.unlink(os.path.join(path, MANIFEST_NAME))
+            fsync_path(path)
+        except FileNotFoundError:
+            pass
+        parent, base = os.path.split(path)
+        if not _AUX_RE.match(base):
+            trash = os.path.join(parent, f".{base}.del-{uuid.uuid4().hex}")
+            os.rename(path, trash)
+            path = trash
+        shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            shutil.rmtree(path)  # retry without ignore_errors so a persistent failure is reported
+    else:
+        os.unlink(path)
+
+
+def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
+    """Atomically publish ``temp_dir`` as ``final_dir`` (see the module docstring).
+
+    Requires ``manifest.json`` in ``temp_dir``: a directory without it is never a
+    checkpoint, so publishing it would be a bug in the caller. Shard files must
+    already be fsynced by their writers; this fsyncs the directories involved.
+    If an existing ``final_dir`` cannot be replaced, it is restored and
+    CheckpointError is raised.
+    """
+    temp_dir = os.path.abspath(os.fspath(temp_dir))
+    parent, name = _split_final(final_dir)
+    final = os.path.join(parent, name)
+    if os.path.dirname(temp_dir) != parent:
+        raise CheckpointError(
+            f"temp dir {temp_dir} must be in the same directory as {final} for an atomic rename"
+        )
+    if not is_checkpoint(temp_dir):
+        raise CheckpointError(
+            f"refusing to commit {temp_dir}: it has no readable {MANIFEST_NAME} "
+            "(write the manifest after all ranks' shards are durable)"
+        )
+    fsync_path(temp_dir)
+
+    m = _AUX_RE.match(os.path.basename(temp_dir))
+    token = m.group("token") if m else uuid.uuid4().hex
+    old: Optional[str] = None
+    if os.path.lexists(final):
+        old = _old_dir_name(final, token)
+        if os.path.lexists(old):
+            old = _old_dir_name(final, uuid.uuid4().hex)
+        os.rename(final, old)
+        fsync_path(parent)
+        logger.debug("moved existing %s aside to %s", final, old)
+    try:
+        os.rename(temp_dir, final)
+    except OSError as e:
+        if old is not None:
+            try:
+                os.rename(old, final)
+            except OSError:
+                logger.exception("could not move %s back to %s; recover() will", old, final)
+        raise CheckpointError(f"could not rename {temp_dir} to {final}: {e}") from e
+    fsync_path(parent)
+    logger.info("committed checkpoint %s", final)
+    # The new checkpoint is durable: older copies (this one's and any left by
+    # earlier crashes) are now garbage.
+    for stale in _aux_dirs(parent, name, "old"):
+        remove_checkpoint(stale)
+
+
+def recover(final_dir: PathLike) -> Optional[str]:
+    """Apply the recovery rule; return the path of the complete checkpoint, or None.
+
+    Safe to call on every load; it only renames an ``.old-*`` back when ``<name>``
+    is missing, and only deletes ``.old-*`` copies once ``<name>`` is a checkpoint.
+    """
+    parent, name = _split_final(final_dir)
+    final = os.path.join(parent, name)
+    olds = _aux_dirs(parent, name, "old")
+    if is_checkpoint(final):
+        for stale in olds:
+            logger.info("removing superseded %s", stale)
+            remove_checkpoint(stale)
+        return final
+    if os.path.lexists(final):
+        if any(is_checkpoint(o) for o in olds):
+            logger.warning(
+                "%s exists but is not a checkpoint (no %s); leaving it and %s untouched",
+                final, MANIFEST_NAME, olds,
+            )
+        return None
+    candidates = [o for o in olds if is_checkpoint(o)]
+    if not candidates:
+        return None
+    candidates.sort(key=lambda p: os.stat(os.path.join(p, MANIFEST_NAME)).st_mtime, reverse=True)
+    best = candidates[0]
+    try:
+        os.rename(best, final)
+    except FileNotFoundError:
+        # Another process recovered it concurrently.
+        return final if is_checkpoint(final) else None
+    fsync_path(parent)
+    logger.warning("restored %s from %s (a save crashed mid-commit)", final, best)
+    for stale in candidates[1:]:
+        remove_checkpoint(stale)
+    return final
+
+
+def _newest_mtime(path: str) -> float:
+    """mtime of ``path`` and, for a directory, of its direct entries: a save in progress
+    keeps touching files inside even when the directory itself does not change."""
+    newest = os.lstat(path).st_mtime
+    if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            with os.scandir(path) as it:
+                for e in it:
+                    try:
+                        newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+                    except FileNotFoundError:
+                        pass
+        except FileNotFoundError:
+            pass
+    return newest
+
+
+def cleanup_stale_temps(
+    parent: PathLike, name: Optional[str] = None, older_than_s: float = 3600.0
+) -> List[str]:
+    """Remove leftovers of crashed saves in ``parent``; return the removed paths.
+
+    Removes ``.X.tmp-*`` (unfinished saves, also temp files of write_file_atomic) and
+    ``.X.del-*`` (interrupted deletions) untouched for ``older_than_s`` seconds, and
+    ``.X.old-*`` only when ``X`` itself is a checkpoint (otherwise the old copy is
+    what :func:`recover` restores). ``name`` restricts this to one checkpoint name.
+    The age check protects saves still running; pass 0 when none can be.
+    """
+    parent = os.fspath(parent)
+    removed: List[str] = []
+    try:
+        entries = sorted(os.listdir(parent))
+    except FileNotFoundError:
+        return removed
+    now = time.time()
+    for e in entries:
+        m = _AUX_RE.match(e)
+        if not m or (name is not None and m.group("name") != name):
+            continue
+        p = os.path.join(parent, e)
+        try:
+            if now - _newest_mtime(p) < older_than_s:
+                continue
+        except FileNotFoundError:
+            continue
+        if m.group("kind") == "old" and not is_checkpoint(os.path.join(parent, m.group("name"))):
+            continue
+        if os.path.isdir(p) and not os.path.islink(p):
+            remove_checkpoint(p)
+        else:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                continue
+        logger.info("removed stale %s", p)
+        removed.append(p)
+    return removed
+
+
+# --------------------------------------------------------------------------- tracker
+
+
+def _check_iteration(iteration: Union[int, str]) -> Union[int, str]:
+    if iteration == "release":
+        return "release"
+    if type(iteration) is int and iteration >= 0:
+        return iteration
+    raise CheckpointError(f"bad iteration {iteration!r}: use an int >= 0 or 'release'")
+
+
+def iteration_dir_name(iteration: Union[int, str]) -> str:
+    """Megatron's directory name: ``iter_0000100`` (7+ digits) or ``release``."""
+    it = _check_iteration(iteration)
+    return "release" if it == "release" else f"iter_{it:07d}"
+
+
+def parse_iteration_dir_name(name: str) -> Optional[Union[int, str]]:
+    """Inverse of :func:`iteration_dir_name`; None for any other name."""
+    if name == "release":
+        return "release"
+    m = _ITER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def write_tracker(save_root: PathLike, iteration: Union[int, str]) -> None:
+    """Write Megatron's ``latest_checkpointed_iteration.txt`` atomically (the last save step)."""
+    it = _check_iteration(iteration)
+    os.makedirs(save_root, exist_ok=True)
+    write_file_atomic(os.path.join(os.fspath(save_root), TRACKER_NAME), str(it))
+
+
+def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
+    """The iteration named by the tracker file, ``"release"``, or None if there is none.
+
+    Garbage content raises CheckpointError naming the file: guessing would load the
+    wrong checkpoint.
+    """
+    path = os.path.join(os.fspath(load_root), TRACKER_NAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_TRACKER_MAX + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CheckpointError(f"cannot read tracker file {path}: {e}") from e
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        text = None
+    if text == "release":
+        return "release"
+    if text is not None and len(raw) <= _TRACKER_MAX and text.isdigit():
+        return int(text)
+    shown = raw[:60].decode("ascii", "backslashreplace")
+    raise CheckpointError(
+        f"tracker file {path} holds {shown!r}, not an iteration number or 'release'; "
+        "fix or delete it, or load an explicit checkpoint directory"
+    )
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def apply_retention(
+    save_root: PathLike, keep_last: int, protect: Iterable[str] = ()
+) -> List[str]:
+    """Delete the oldest ``iter_*`` checkpoints beyond the newest ``keep_last``.
+
+    Never deletes the checkpoint the tracker names, nor any in ``protect`` (directory
+    names or paths), nor directories that are not checkpoints (not ours to judge).
+    A garbage tracker raises CheckpointError rather than risk deleting the latest.
+    Returns the deleted paths, oldest first.
+    """
+    if type(keep_last) is not int or keep_last < 0:
+        raise CheckpointError(f"keep_last must be an int >= 0, got {keep_last!r}")
+    root = os.path.abspath(os.fspath(save_root))
+    protected = set()
+    for p in protect:
+        p = os.fspath(p)
+        protected.add(os.path.basename(os.path.normpath(p)))
+    tracked = read_tracker(root)
+    if tracked is not None:
+        protected.add(iteration_dir_name(tracked))
+
+    found: List[Tuple[int, str]] = []
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        it = parse_iteration_dir_name(e)
+        if isinstance(it, int) and is_checkpoint(os.path.join(root, e)):
+            found.append((it, e))
+    found.sort()
+    doomed = found[: max(0, len(found) - keep_last)]
+    deleted: List[str] = []
+    for _, e in doomed:
+        if e in protected:
+            continue
+        p = os.path.join(root, e)
+        remove_checkpoint(p)
+        for stale in _aux_dirs(root, e, "old"):
+            remove_checkpoint(stale)
+        logger.info("retention: deleted %s", p)
+        deleted.append(p)
+    if deleted:
+        fsync_path(root)
+    return deleted
