@@ -18,6 +18,16 @@ loading a checkpoint equivalent to running code. megashard stores it as JSON ins
   bytes, and the only imports it performs are those of the module that defines an
   ``enum.Enum`` (and ``torch``/``numpy`` for their own types).
 
+Hooks: the checkpoint layer moves tensors (and other file-backed values) out of the
+tree. ``encode(..., hook=h)`` calls ``h(path, value)`` for every value that is not
+None/bool/int/float/str/list/dict, before any built-in handling; ``h`` returns
+:data:`UNHANDLED` to let jsonstate encode the value, or a plain-JSON reference that is
+embedded *by reference* (the caller may still fill it in before ``json.dumps``) in a
+``ref`` tag. ``tensor_hook=t`` is the narrower form: ``t(path, tensor)`` is called for
+``torch.Tensor`` values only (after ``hook``). On load, ``resolver(ref, path)`` returns
+whatever the reference stands for; ``tensor_resolver(ref)`` is the narrower form and
+must return a tensor.
+
 Key paths: dict string keys are joined with ``.``, list/tuple/set positions and
 non-string dict keys are written ``[i]`` / ``[repr(key)]``, Namespace attributes
 with ``.``; the root is ``""`` (shown as ``<root>``).
@@ -54,10 +64,11 @@ Every tagged object has exactly the keys listed (``T`` stands for ``"__ms__"``; 
     {T: "torch.dtype",  "name": "bfloat16"}
     {T: "torch.Size",   "dims": [int, ...]}
     {T: "torch.device", "type": "cuda", "index": int|null}
-    {T: "tensor",       "ref": <JSON from tensor_hook, verbatim>}
-                                                  a torch.Tensor moved elsewhere by the
-                                                  checkpoint layer; decode needs a
-                                                  tensor_resolver
+    {T: "ref",          "ref": <JSON from the save hook, verbatim>}
+                                                  a value the checkpoint layer stored
+                                                  elsewhere (a tensor, a ShardedTensor or
+                                                  ShardedObject, large bytes) and replaced
+                                                  by a reference; decode needs a resolver
     {T: "ndarray",  "dtype": "<f4", "shape": [int, ...], "b64": base64}
                                                   numpy array (exact type), C-order raw
                                                   bytes; dtype is numpy's dtype.str (byte
@@ -79,7 +90,7 @@ preserved (a list referenced twice is stored twice); circular references are ref
 numpy arrays come back C-contiguous and writable.
 
 Anything else (functions, modules, arbitrary objects, subclasses of the builtin types
-such as namedtuples, tensors without a ``tensor_hook``) raises
+such as namedtuples, tensors no hook took) raises
 :class:`~megashard.errors.StateDictError`: convert it to a JSON type, or wrap it in a
 ShardedObject/LocalNonpersistentObject.
 """
@@ -105,6 +116,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "TAG",
+    "TAGS",
+    "UNHANDLED",
     "Unrepresentable",
     "encode",
     "decode",
@@ -124,7 +137,25 @@ _REPR_LIMIT = 4096
 _ADVICE = "convert it to a JSON type, or wrap it in a ShardedObject/LocalNonpersistentObject"
 
 TensorHook = Callable[[str, Any], Any]
+Hook = Callable[[str, Any], Any]
 TensorResolver = Callable[[Any], Any]
+Resolver = Callable[[Any, str], Any]
+
+
+class _Unhandled:
+    """Type of :data:`UNHANDLED` (a singleton; compare with ``is``)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "megashard.jsonstate.UNHANDLED"
+
+    def __reduce__(self) -> str:
+        return "UNHANDLED"
+
+
+#: Returned by a save ``hook`` that does not take a value: jsonstate encodes it itself.
+UNHANDLED = _Unhandled()
 
 
 class Unrepresentable:
@@ -203,11 +234,12 @@ def _is_plain_json(x: Any) -> bool:
 
 
 class _Encoder:
-    __slots__ = ("lossy", "tensor_hook", "active")
+    __slots__ = ("lossy", "tensor_hook", "hook", "active")
 
-    def __init__(self, lossy: bool, tensor_hook: Optional[TensorHook]) -> None:
+    def __init__(self, lossy: bool, tensor_hook: Optional[TensorHook], hook: Optional[Hook]) -> None:
         self.lossy = lossy
         self.tensor_hook = tensor_hook
+        self.hook = hook
         self.active: set = set()  # ids of mutable containers on the current path (cycle check)
 
     def refuse(self, v: Any, path: str, why: str = "") -> Any:
@@ -236,6 +268,10 @@ class _Encoder:
             return self.container(v, path, self.list_)
         if t is dict:
             return self.container(v, path, self.dict_)
+        if self.hook is not None:
+            ref = self.hook(path, v)
+            if ref is not UNHANDLED:
+                return self.ref(ref, path)
         handler = _ENCODERS.get(t)
         if handler is not None:
             return handler(self, v, path)
@@ -376,15 +412,19 @@ class _Encoder:
     def tensor(self, v: Any, path: str) -> Any:
         if self.tensor_hook is None:
             return self.refuse(
-                v, path, "tensors belong in .tensors files; the checkpoint layer passes tensor_hook"
+                v, path, "tensors belong in .tensors files; the checkpoint layer moves them there "
+                "through a save hook"
             )
-        ref = self.tensor_hook(path, v)
+        return self.ref(self.tensor_hook(path, v), path)
+
+    @staticmethod
+    def ref(ref: Any, path: str) -> Any:
         if not _is_plain_json(ref):
             raise StateDictError(
-                f"cannot save {_show(path)!r}: tensor_hook returned {type(ref).__name__} "
+                f"cannot save {_show(path)!r}: the save hook returned {type(ref).__name__} "
                 f"{_safe_repr(ref)}, which is not plain JSON"
             )
-        return {TAG: "tensor", "ref": ref}
+        return {TAG: "ref", "ref": ref}  # by reference: the caller may complete it later
 
 
 def _bad_np_dtype(dt: Any, np: Any) -> str:
@@ -418,17 +458,19 @@ def encode(
     path: str = "",
     lossy: bool = False,
     tensor_hook: Optional[TensorHook] = None,
+    hook: Optional[Hook] = None,
 ) -> Any:
     """Return a JSON-serialisable structure that :func:`decode` turns back into ``value``.
 
-    ``path`` prefixes every key path in error messages and in ``tensor_hook`` calls.
+    ``path`` prefixes every key path in error messages and in hook calls.
     ``lossy=True`` stores unrepresentable values as ``repr`` placeholders instead of
-    failing (meant for Megatron ``args``, which may hold functions). ``tensor_hook(path,
-    tensor)`` must return plain JSON that identifies where the tensor was put.
+    failing (meant for Megatron ``args``, which may hold functions). ``hook(path,
+    value)`` sees every non-JSON-primitive value first and returns :data:`UNHANDLED` or
+    a plain-JSON reference; ``tensor_hook(path, tensor)`` does the same for tensors only.
 
     Raises StateDictError naming the key path of the first unrepresentable value.
     """
-    return _Encoder(lossy, tensor_hook).enc(value, path)
+    return _Encoder(lossy, tensor_hook, hook).enc(value, path)
 
 
 def dumps(
@@ -437,9 +479,10 @@ def dumps(
     path: str = "",
     lossy: bool = False,
     tensor_hook: Optional[TensorHook] = None,
+    hook: Optional[Hook] = None,
 ) -> str:
     """``encode`` then compact ``json.dumps`` (key order kept, ASCII-only, no NaN literals)."""
-    obj = encode(value, path=path, lossy=lossy, tensor_hook=tensor_hook)
+    obj = encode(value, path=path, lossy=lossy, tensor_hook=tensor_hook, hook=hook)
     return json.dumps(obj, separators=(",", ":"), allow_nan=False)
 
 
@@ -447,10 +490,11 @@ def dumps(
 
 
 class _Decoder:
-    __slots__ = ("tensor_resolver",)
+    __slots__ = ("tensor_resolver", "resolver")
 
-    def __init__(self, tensor_resolver: Optional[TensorResolver]) -> None:
+    def __init__(self, tensor_resolver: Optional[TensorResolver], resolver: Optional[Resolver]) -> None:
         self.tensor_resolver = tensor_resolver
+        self.resolver = resolver
 
     def dec(self, obj: Any, path: str) -> Any:
         t = type(obj)
@@ -644,12 +688,14 @@ class _Decoder:
         idx = obj["index"]
         return torch.device(obj["type"]) if idx is None else torch.device(obj["type"], idx)
 
-    def tensor(self, obj: dict, path: str) -> Any:
+    def ref(self, obj: dict, path: str) -> Any:
         self.fields(obj, path, {"ref": None})
+        if self.resolver is not None:
+            return self.resolver(obj["ref"], path)
         if self.tensor_resolver is None:
             raise CheckpointError(
-                f"cannot load {_show(path)!r}: it references a tensor stored outside the JSON, "
-                "and no tensor_resolver was given"
+                f"cannot load {_show(path)!r}: it references a value stored outside the JSON, "
+                "and no resolver/tensor_resolver was given"
             )
         t = self.tensor_resolver(obj["ref"])
         import torch
@@ -736,7 +782,7 @@ _DECODERS: Dict[str, Callable[[_Decoder, dict, str], Any]] = {
     "torch.dtype": _Decoder.torch_dtype,
     "torch.Size": _Decoder.torch_size,
     "torch.device": _Decoder.torch_device,
-    "tensor": _Decoder.tensor,
+    "ref": _Decoder.ref,
     "ndarray": _Decoder.ndarray,
     "npscalar": _Decoder.npscalar,
     "bytes": _Decoder.bytes_,
@@ -749,22 +795,33 @@ _DECODERS: Dict[str, Callable[[_Decoder, dict, str], Any]] = {
 TAGS = frozenset(_DECODERS)
 
 
-def decode(obj: Any, *, path: str = "", tensor_resolver: Optional[TensorResolver] = None) -> Any:
+def decode(
+    obj: Any,
+    *,
+    path: str = "",
+    tensor_resolver: Optional[TensorResolver] = None,
+    resolver: Optional[Resolver] = None,
+) -> Any:
     """Inverse of :func:`encode` for the output of ``json.loads``.
 
-    ``tensor_resolver(ref)`` turns a ``tensor`` tag's reference back into a tensor.
+    A ``ref`` tag's reference (passed verbatim) goes to ``resolver(ref, path)``, whose
+    result is used as is, or else to ``tensor_resolver(ref)``, which must return a tensor.
     Raises CheckpointError naming the key path for unknown or malformed tags.
     Never unpickles; imports only enum-defining modules, torch and numpy.
     """
-    return _Decoder(tensor_resolver).dec(obj, path)
+    return _Decoder(tensor_resolver, resolver).dec(obj, path)
 
 
 def loads(
-    text: "str | bytes", *, path: str = "", tensor_resolver: Optional[TensorResolver] = None
+    text: "str | bytes",
+    *,
+    path: str = "",
+    tensor_resolver: Optional[TensorResolver] = None,
+    resolver: Optional[Resolver] = None,
 ) -> Any:
     """``json.loads`` then :func:`decode`; invalid JSON raises CheckpointError."""
     try:
         obj = json.loads(text)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int-digit limits
         raise CheckpointError(f"cannot load {_show(path)!r}: not valid JSON ({e})") from e
-    return decode(obj, path=path, tensor_resolver=tensor_resolver)
+    return decode(obj, path=path, tensor_resolver=tensor_resolver, resolver=resolver)

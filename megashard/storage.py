@@ -243,24 +243,26 @@ def remove_checkpoint(path: PathLike) -> None:
     :func:`cleanup_stale_temps`) and removed.
     """
     path = os.path.abspath(os.fspath(path))
-    if not os.path.lexists(path):
-        return
-    if os.path.isdir(path) and not os.path.islink(path):
+    # FileNotFoundError anywhere means another process is deleting it too: fine.
+    try:
+        if not (os.path.isdir(path) and not os.path.islink(path)):
+            os.unlink(path)
+            return
         try:
             os.unlink(os.path.join(path, MANIFEST_NAME))
-            fsync_path(path)
         except FileNotFoundError:
             pass
+        fsync_path(path)
         parent, base = os.path.split(path)
         if not _AUX_RE.match(base):
             trash = os.path.join(parent, f".{base}.del-{uuid.uuid4().hex}")
             os.rename(path, trash)
             path = trash
-        shutil.rmtree(path, ignore_errors=True)
-        if os.path.lexists(path):
-            shutil.rmtree(path)  # retry without ignore_errors so a persistent failure is reported
-    else:
-        os.unlink(path)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        shutil.rmtree(path)  # retry without ignore_errors so a persistent failure is reported
 
 
 def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
@@ -318,6 +320,8 @@ def recover(final_dir: PathLike) -> Optional[str]:
 
     Safe to call on every load; it only renames an ``.old-*`` back when ``<name>``
     is missing, and only deletes ``.old-*`` copies once ``<name>`` is a checkpoint.
+    Concurrent calls are tolerated, but on a shared filesystem prefer calling it on
+    one rank and broadcasting the result.
     """
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
@@ -346,8 +350,9 @@ def recover(final_dir: PathLike) -> Optional[str]:
         return final if is_checkpoint(final) else None
     fsync_path(parent)
     logger.warning("restored %s from %s (a save crashed mid-commit)", final, best)
-    for stale in candidates[1:]:
-        remove_checkpoint(stale)
+    for stale in olds:
+        if stale != best:
+            remove_checkpoint(stale)
     return final
 
 
@@ -374,7 +379,8 @@ def cleanup_stale_temps(
     """Remove leftovers of crashed saves in ``parent``; return the removed paths.
 
     Removes ``.X.tmp-*`` (unfinished saves, also temp files of write_file_atomic) and
-    ``.X.del-*`` (interrupted deletions) untouched for ``older_than_s`` seconds, and
+    ``.X.del-*`` (interrupted deletions) whose newest mtime (the entry's own or, for a
+    directory, any direct child's) is at least ``older_than_s`` seconds old, and
     ``.X.old-*`` only when ``X`` itself is a checkpoint (otherwise the old copy is
     what :func:`recover` restores). ``name`` restricts this to one checkpoint name.
     The age check protects saves still running; pass 0 when none can be.
@@ -391,13 +397,17 @@ def cleanup_stale_temps(
         if not m or (name is not None and m.group("name") != name):
             continue
         p = os.path.join(parent, e)
-        try:
-            if now - _newest_mtime(p) < older_than_s:
+        if m.group("kind") == "old":
+            # Superseded as soon as <name> is a checkpoint (no age needed); otherwise
+            # it may be the copy recover() restores, so it is never removed here.
+            if not is_checkpoint(os.path.join(parent, m.group("name"))):
                 continue
-        except FileNotFoundError:
-            continue
-        if m.group("kind") == "old" and not is_checkpoint(os.path.join(parent, m.group("name"))):
-            continue
+        else:
+            try:
+                if now - _newest_mtime(p) < older_than_s:
+                    continue
+            except FileNotFoundError:
+                continue
         if os.path.isdir(p) and not os.path.islink(p):
             remove_checkpoint(p)
         else:

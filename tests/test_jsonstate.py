@@ -21,7 +21,7 @@ from hypothesis.extra import numpy as hnp
 
 from megashard import jsonstate
 from megashard.errors import CheckpointError, MegashardError, StateDictError
-from megashard.jsonstate import TAG, Unrepresentable, decode, dumps, encode, loads
+from megashard.jsonstate import TAG, UNHANDLED, Unrepresentable, decode, dumps, encode, loads
 
 
 class Color(enum.Enum):
@@ -280,7 +280,7 @@ def test_torch_rng_state_via_tensor_hook():
     state = {"rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
     text = dumps(state, tensor_hook=hook)
     assert list(store) == ["rng.torch"]
-    assert json.loads(text)["rng"]["torch"] == {TAG: "tensor", "ref": {"key": "rng.torch"}}
+    assert json.loads(text)["rng"]["torch"] == {TAG: "ref", "ref": {"key": "rng.torch"}}
     expected = torch.rand(4)
     out = loads(text, tensor_resolver=lambda ref: store[ref["key"]])
     torch.set_rng_state(out["rng"]["torch"])
@@ -290,6 +290,57 @@ def test_torch_rng_state_via_tensor_hook():
         loads(text)
     with pytest.raises(StateDictError, match="'x'.*not plain JSON"):
         encode({"x": torch.zeros(1)}, tensor_hook=lambda p, t: object())
+
+
+class FakeShardedTensor:
+    def __init__(self, key):
+        self.key = key
+
+
+def test_general_hook_and_resolver():
+    """The checkpoint layer's protocol: hook sees every non-primitive first, UNHANDLED
+    falls through, refs are embedded by reference and handed back with their path."""
+    seen = []
+    refs = []
+
+    def hook(path, value):
+        seen.append((path, type(value).__name__))
+        if isinstance(value, FakeShardedTensor):
+            ref = {"kind": "sharded", "key": value.key}
+            refs.append(ref)
+            return ref
+        if isinstance(value, bytes) and len(value) > 4:
+            return {"kind": "bytes", "n": len(value)}
+        return UNHANDLED
+
+    state = {"model": {"w": FakeShardedTensor("w")}, "small": b"ab", "big": b"abcdefgh",
+             "t": (1, 2), "it": 7, "lst": [1.5, "x", None]}
+    tree = encode(state, hook=hook)
+    assert seen == [("model.w", "FakeShardedTensor"), ("small", "bytes"), ("big", "bytes"), ("t", "tuple")]
+    refs[0]["file"] = "model.tensors"  # filled in after encoding, as the save path does
+    text = json.dumps(tree)
+    assert json.loads(text)["model"]["w"] == {TAG: "ref", "ref": {"kind": "sharded", "key": "w", "file": "model.tensors"}}
+
+    got = []
+
+    def resolver(ref, path):
+        got.append((path, ref))
+        return ("resolved", ref["kind"])
+
+    out = loads(text, resolver=resolver)
+    assert out["model"]["w"] == ("resolved", "sharded") and out["big"] == ("resolved", "bytes")
+    assert out["small"] == b"ab" and out["t"] == (1, 2) and out["it"] == 7
+    assert [p for p, _ in got] == ["model.w", "big"]
+
+    with pytest.raises(StateDictError, match="'model.w'.*not plain JSON"):
+        encode(state, hook=lambda p, v: {"x": object()} if isinstance(v, FakeShardedTensor) else UNHANDLED)
+    with pytest.raises(StateDictError, match="'model.w'.*FakeShardedTensor"):
+        encode(state, hook=lambda p, v: UNHANDLED)
+    with pytest.raises(CheckpointError, match="'model.w'.*resolver"):
+        loads(text)
+    # A resolver's own megashard errors pass through unchanged.
+    with pytest.raises(CheckpointError, match="^boom$"):
+        loads(text, resolver=lambda ref, p: (_ for _ in ()).throw(CheckpointError("boom")))
 
 
 # --------------------------------------------------------------------------- Namespace
@@ -418,7 +469,7 @@ MALFORMED = [
     ({TAG: "complex", "real": "a", "imag": 0.0}, "floats"),
     ({TAG: "namespace", "attrs": {TAG: "dict", "items": [[1, 2]]}}, "str-keyed"),
     ({TAG: "BytesIO", "b64": "", "pos": -1}, "negative"),
-    ({TAG: "tensor", "ref": 1}, "tensor_resolver"),
+    ({TAG: "ref", "ref": 1}, "resolver"),
     ({TAG: "repr", "repr": 3, "type": "x"}, "repr"),
 ]
 
@@ -471,7 +522,7 @@ def test_decode_never_unpickles(monkeypatch):
         "void": {TAG: "ndarray", "dtype": f"|V{len(payload)}", "shape": [], "b64": b64},
         "scalar": {TAG: "npscalar", "dtype": f"|S{len(payload)}", "b64": b64},
         "repr": {TAG: "repr", "type": "pickle", "repr": payload.decode("latin-1")},
-        "tensor": {TAG: "tensor", "ref": {"b64": b64}},
+        "tensor": {TAG: "ref", "ref": {"b64": b64}},
     }
 
     def boom(*a, **k):
@@ -503,7 +554,13 @@ def test_decode_never_unpickles(monkeypatch):
 def test_errors_are_megashard_errors():
     assert issubclass(StateDictError, MegashardError) and issubclass(CheckpointError, MegashardError)
     assert set(jsonstate.TAGS) >= {"int", "float", "tuple", "dict", "namespace", "enum", "ndarray",
-                                   "npscalar", "bytes", "tensor", "repr", "torch.dtype"}
+                                   "npscalar", "bytes", "ref", "repr", "torch.dtype"}
+
+
+def test_every_tag_is_documented():
+    doc = jsonstate.__doc__
+    for tag in jsonstate.TAGS:
+        assert f'{{T: "{tag}",' in doc, tag
 
 
 def test_big_trees_are_fast():

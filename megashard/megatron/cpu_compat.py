@@ -43,6 +43,8 @@ PATCHES: List[tuple] = [
      "explicit .cuda() calls (e.g. exchange utils, schedules)"),
     ("Tensor.type() on CPU tensors -> 'torch.cuda.<T>Tensor'",
      "optimizer.py and distrib_optimizer.py accept only torch.cuda.*Tensor params"),
+    ("logging filter on megatron.core.tensor_parallel.random: 'CPU RNG state changed within GPU RNG context'",
+     "expected here: the 'CUDA' generator *is* the CPU generator, so every TP-RNG fork changes it"),
 ]
 
 _FACTORIES = (
@@ -92,6 +94,13 @@ class _DummyStream:
 
     def __exit__(self, *exc: Any) -> None:
         return None
+
+
+class _RngForkWarningFilter(logging.Filter):
+    """Drop the fork warning that is always true when the CUDA RNG is mapped to the CPU RNG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
 def is_applied() -> bool:
@@ -180,6 +189,8 @@ def apply(force: bool = False) -> bool:
         )
     except ImportError:  # megatron-core not installed: nothing else to patch
         pass
+
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_RngForkWarningFilter())
 
     _APPLIED = True
     logger.warning(

@@ -1,0 +1,193 @@
+"""The ``megashard`` command line: inspect and verify `.tensors` files and checkpoints.
+
+    megashard inspect PATH [--json]   # a file: version + tensors; a directory: the checkpoint summary
+    megashard verify PATH [--json]    # every hash; exit 0 only when all match, else 1
+
+A directory argument is handed to :mod:`megashard.checkpoint_tools` (imported
+lazily, so file commands work without the checkpoint layer). Exit codes: 0 ok,
+1 verification failure or unreadable input, 2 usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence, TextIO
+
+from .errors import MegashardError
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _human_bytes(n: int) -> str:
+    step = 1024.0
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < step or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= step
+    return f"{n} B"
+
+
+def _file_summary(path: str) -> dict[str, Any]:
+    from .format import open_file
+
+    with open_file(path) as r:
+        infos = r.infos()
+        return {
+            "path": path,
+            "kind": "file",
+            "data_version": r.version,
+            "file_size": r.file_size,
+            "tensor_count": len(infos),
+            "data_bytes": sum(i.nbytes for i in infos),
+            "tensors": [
+                {
+                    "name": i.name,
+                    "dtype": _dtype_name(i.dtype),
+                    "shape": list(i.shape),
+                    "nbytes": i.nbytes,
+                    "data_offset": i.data_offset,
+                    "header_offset": i.header_offset,
+                    "crc32": f"{i.crc32:08x}",
+                    "sha256": i.sha256,
+                    "tensor_type": i.tensor_type,
+                    "is_meta": i.is_meta,
+                }
+                for i in infos
+            ],
+        }
+
+
+def _print_file_summary(s: dict[str, Any], out: TextIO) -> None:
+    print(f"file:         {s['path']}", file=out)
+    print(f"data version: {s['data_version']}", file=out)
+    print(f"file size:    {s['file_size']} bytes ({_human_bytes(s['file_size'])})", file=out)
+    print(f"tensors:      {s['tensor_count']}, {s['data_bytes']} data bytes "
+          f"({_human_bytes(s['data_bytes'])})", file=out)
+    rows = [("name", "dtype", "shape", "bytes", "offset")]
+    for t in s["tensors"]:
+        shape = "[" + ", ".join(str(d) for d in t["shape"]) + "]"
+        dtype = t["dtype"] + (" (meta)" if t["is_meta"] else "")
+        rows.append((t["name"], dtype, shape, str(t["nbytes"]), str(t["data_offset"])))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    for r in rows:
+        print("  ".join(r[c].ljust(widths[c]) if c < 3 else r[c].rjust(widths[c]) for c in range(5)).rstrip(),
+              file=out)
+
+
+def _print_nested(value: Any, out: TextIO, indent: int = 0) -> None:
+    """Readable dump of the checkpoint summary dict (whatever its shape)."""
+    pad = "  " * indent
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, (dict, list)) and v:
+                print(f"{pad}{k}:", file=out)
+                _print_nested(v, out, indent + 1)
+            else:
+                print(f"{pad}{k}: {v}", file=out)
+    elif isinstance(value, list):
+        for v in value:
+            if isinstance(v, dict):
+                print(f"{pad}-", file=out)
+                _print_nested(v, out, indent + 1)
+            else:
+                print(f"{pad}- {v}", file=out)
+    else:
+        print(f"{pad}{value}", file=out)
+
+
+def _checkpoint_tools() -> Any:
+    try:
+        from . import checkpoint_tools
+    except ImportError as e:
+        raise MegashardError(f"checkpoint directory support is unavailable: {e}") from e
+    return checkpoint_tools
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    path = args.path
+    if os.path.isdir(path):
+        summary = _checkpoint_tools().inspect_checkpoint(path)
+        if args.json:
+            print(json.dumps(summary, indent=2, default=str))
+        else:
+            _print_nested(summary, sys.stdout)
+        return 0
+    summary = _file_summary(path)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_file_summary(summary, sys.stdout)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    path = args.path
+    if os.path.isdir(path):
+        problems = list(_checkpoint_tools().verify_checkpoint(path))
+        count = None
+    else:
+        from .format import open_file
+
+        with open_file(path) as r:
+            problems = r.verify_all()
+            count = len(r)
+    if args.json:
+        print(json.dumps({"path": path, "ok": not problems, "tensors": count, "problems": problems}, indent=2))
+    elif problems:
+        for p in problems:
+            print(f"FAILED: {p}")
+        print(f"{path}: {len(problems)} problem(s)")
+    else:
+        what = f"{count} tensors, all hashes match" if count is not None else "checkpoint verified"
+        print(f"OK: {path}: {what}")
+    return 1 if problems else 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    print("megashard convert: not implemented yet", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="megashard", description="Inspect and verify megashard "
+                                "checkpoints and tensorizer .tensors files.")
+    p.add_argument("--version", action="version", version=f"megashard {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    i = sub.add_parser("inspect", help="show a .tensors file's tensors, or a checkpoint directory's summary")
+    i.add_argument("path", help=".tensors file or checkpoint directory")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=_cmd_inspect)
+    v = sub.add_parser("verify", help="check every CRC32/SHA-256; exit 1 if any mismatch")
+    v.add_argument("path", help=".tensors file or checkpoint directory")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    v.set_defaults(func=_cmd_verify)
+    c = sub.add_parser("convert", help="(reserved) convert between checkpoint formats")
+    c.add_argument("args", nargs=argparse.REMAINDER)
+    c.set_defaults(func=_cmd_convert)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("inspect", "verify") and not os.path.exists(args.path):
+        print(f"megashard {args.command}: error: {args.path}: no such file or directory", file=sys.stderr)
+        return 1
+    try:
+        return int(args.func(args))
+    except MegashardError as e:
+        print(f"megashard {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `megashard inspect f | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

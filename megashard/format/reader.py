@@ -1,0 +1,328 @@
+"""Read `.tensors` files (tensorizer data versions 1, 2, 4, 5) straight into tensors.
+
+Opening a file reads and validates the prologue and the metadata index only
+(sizes are checked against the file size before anything is allocated).
+Tensor headers are read lazily: for ``info()``/``infos()`` and for hash
+verification. Plain reads trust the index (as tensorizer trusts its index to
+size buffers) and go straight to ``os.preadv`` into the destination memory.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from typing import Iterator, Sequence
+
+import torch
+from isal import isal_zlib
+
+from ..errors import ChecksumError, FormatError
+from . import layout as L
+from .fastio import default_threads, empty_buffer, preadv_all, read_requests, run_parallel, tensor_memoryview
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TensorFileReader", "MissingTensorError", "open_file", "load_file"]
+
+MAX_HEADER = 32 << 20  # generous: align <= 16 MiB padding + 64 KiB name + 255 dims
+VERIFY_CHUNK = 256 << 10
+LOAD_ALIGN = 64
+
+
+class MissingTensorError(FormatError, KeyError):
+    """The requested key is not in the file (also a KeyError, for mapping-style callers)."""
+
+    __str__ = Exception.__str__
+
+
+class TensorFileReader:
+    """An open `.tensors` file. Use as a context manager; thread-safe for reads."""
+
+    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
+        self.path = os.fspath(path)
+        self._threads = threads or default_threads()
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FormatError(f"{self.path}: cannot open: {e.strerror}") from e
+        self._headers: dict[str, L.ParsedHeader] = {}
+        self._lock = threading.Lock()
+        try:
+            self._size = os.fstat(self._fd).st_size
+            prologue = self._pread(0, min(L.PROLOGUE_SIZE, self._size))
+            self._file_header = L.parse_prologue(prologue, self.path, self._size)
+            meta = self._pread(L.PROLOGUE_SIZE, self._file_header.metadata_len)
+            entries = L.parse_metadata(meta, self._file_header, self.path)
+            L.validate_entries(entries, self._file_header, self.path, self._size)
+        except BaseException:
+            os.close(self._fd)
+            self._fd = -1
+            raise
+        self._entries = entries
+        self._by_name = {e.name: e for e in entries}
+
+    # ------------------------------------------------------------ basics
+    @property
+    def version(self) -> int:
+        """The file's tensorizer data version."""
+        return self._file_header.version
+
+    @property
+    def file_size(self) -> int:
+        return self._size
+
+    def keys(self) -> list[str]:
+        """Tensor names in file order."""
+        return [e.name for e in self._entries]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._by_name
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __enter__(self) -> "TensorFileReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _check_open(self) -> None:
+        if self._fd < 0:
+            raise FormatError(f"{self.path}: reader is closed")
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        buf = bytearray(n)
+        if n:
+            preadv_all(self._fd, [memoryview(buf)], offset, self.path)
+        return bytes(buf)
+
+    def _entry(self, key: str) -> L.MetaEntry:
+        e = self._by_name.get(key)
+        if e is None:
+            raise MissingTensorError(f"{self.path}: no tensor named {key!r}")
+        return e
+
+    def _header(self, e: L.MetaEntry) -> L.ParsedHeader:
+        h = self._headers.get(e.name)
+        if h is None:
+            self._check_open()
+            n = e.data_offset - e.header_offset
+            if n > MAX_HEADER:
+                raise FormatError(f"{self.path}: tensor {e.name!r}: header of {n} bytes is implausibly large")
+            h = L.parse_header(self._pread(e.header_offset, n), e, self.path)
+            if h.crc32 is None or h.sha256 is None:
+                raise FormatError(f"{self.path}: tensor {e.name!r}: header lacks the CRC32/SHA-256 hashes")
+            with self._lock:
+                self._headers[e.name] = h
+        return h
+
+    # ------------------------------------------------------------ info
+    def info(self, key: str) -> L.TensorInfo:
+        """Entry details including the stored hashes (reads the tensor's header)."""
+        e = self._entry(key)
+        h = self._header(e)
+        assert h.crc32 is not None and h.sha256 is not None
+        return L.TensorInfo(e.name, e.codec.dtype, e.shape, e.header_offset, e.data_offset,
+                            e.data_length, h.crc32, h.sha256.hex(), e.tensor_type, e.is_meta)
+
+    def infos(self) -> list[L.TensorInfo]:
+        return [self.info(e.name) for e in self._entries]
+
+    # ------------------------------------------------------------ reading
+    def _check_out(self, e: L.MetaEntry, out: torch.Tensor, numel: int, what: str) -> None:
+        where = f"{self.path}: tensor {e.name!r}"
+        if not isinstance(out, torch.Tensor):
+            raise FormatError(f"{where}: out must be a tensor, got {type(out).__name__}")
+        if out.dtype != e.codec.dtype:
+            raise FormatError(f"{where}: out has dtype {out.dtype}, {what} is {e.codec.dtype}")
+        if out.numel() != numel:
+            raise FormatError(f"{where}: out has {out.numel()} elements, {what} has {numel}")
+        if out.device.type != "cpu":
+            raise FormatError(f"{where}: out must be a CPU tensor (got {out.device})")
+        if not out.is_contiguous():
+            raise FormatError(f"{where}: out must be contiguous")
+
+    def _new(self, dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> torch.Tensor:
+        return empty_buffer(nbytes).view(dtype).view(tuple(shape))
+
+    def read(self, key: str, out: torch.Tensor | None = None, *, verify: bool = False) -> torch.Tensor:
+        """Read one tensor into `out` (any contiguous CPU tensor of the right dtype and numel).
+
+        Without `out`, a new tensor is allocated. Meta entries (no data) come back
+        as meta tensors, or zero-fill `out`.
+        """
+        self._check_open()
+        e = self._entry(key)
+        if out is not None:
+            self._check_out(e, out, e.numel, "the stored tensor")
+        if e.is_meta:
+            if verify:
+                self.verify(key)
+            if out is None:
+                return torch.empty(e.shape, dtype=e.codec.dtype, device="meta")
+            return out.zero_()
+        dest = out if out is not None else self._new(e.codec.dtype, e.shape, e.data_length)
+        mv = tensor_memoryview(dest)
+        if e.data_length:
+            read_requests(self._fd, [(e.data_offset, mv)], self.path, self._threads)
+        if verify:
+            self._verify_memory(e, mv)
+        return dest
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read only rows [start, stop) along dim 0 (reads just those bytes; no hash check)."""
+        self._check_open()
+        e = self._entry(key)
+        where = f"{self.path}: tensor {e.name!r}"
+        if not e.shape:
+            raise FormatError(f"{where}: read_rows needs at least one dimension (0-dim tensor)")
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= e.shape[0]):
+            raise FormatError(f"{where}: rows [{start}, {stop}) out of range for dim 0 of size {e.shape[0]}")
+        row_numel = 1
+        for d in e.shape[1:]:
+            row_numel *= d
+        shape = (stop - start, *e.shape[1:])
+        numel = (stop - start) * row_numel
+        if out is not None:
+            self._check_out(e, out, numel, f"rows [{start}, {stop})")
+        if e.is_meta:
+            if out is None:
+                return torch.empty(shape, dtype=e.codec.dtype, device="meta")
+            return out.zero_()
+        row_bytes = row_numel * e.codec.itemsize
+        nbytes = numel * e.codec.itemsize
+        dest = out if out is not None else self._new(e.codec.dtype, shape, nbytes)
+        if nbytes:
+            read_requests(self._fd, [(e.data_offset + start * row_bytes, tensor_memoryview(dest))],
+                          self.path, self._threads)
+        return dest
+
+    def load(self, keys: Sequence[str] | None = None, *, verify: bool = False) -> dict[str, torch.Tensor]:
+        """Read many tensors into one huge-page-backed buffer; returns views into it.
+
+        One allocation keeps first-touch page faults cheap (2 MiB pages) and lets
+        neighbouring small tensors share one preadv.
+        """
+        self._check_open()
+        if keys is None:
+            selected = list(self._entries)
+        else:
+            if isinstance(keys, str):
+                raise FormatError(f"{self.path}: keys must be a sequence of names, not a str")
+            selected = [self._entry(k) for k in dict.fromkeys(keys)]
+        offsets: list[int] = []
+        total = 0
+        for e in selected:
+            offsets.append(total)
+            if not e.is_meta:
+                total += e.data_length + (-e.data_length) % LOAD_ALIGN
+        buf = empty_buffer(total)
+        whole = tensor_memoryview(buf) if total else memoryview(bytearray(0))
+        requests = [(e.data_offset, whole[o:o + e.data_length])
+                    for e, o in zip(selected, offsets) if e.data_length]
+        read_requests(self._fd, requests, self.path, self._threads)
+        if verify:
+            tasks = [self._verify_task(e, whole[o:o + e.data_length]) for e, o in zip(selected, offsets)]
+            # Largest first: SHA-256 of one tensor is sequential.
+            order = sorted(range(len(tasks)), key=lambda i: -selected[i].data_length)
+            run_parallel([tasks[i] for i in order], self._threads)
+        out: dict[str, torch.Tensor] = {}
+        for e, o in zip(selected, offsets):
+            if e.is_meta:
+                out[e.name] = torch.empty(e.shape, dtype=e.codec.dtype, device="meta")
+            elif e.data_length == 0:
+                out[e.name] = torch.empty(e.shape, dtype=e.codec.dtype)
+            else:
+                out[e.name] = buf[o:o + e.data_length].view(e.codec.dtype).view(e.shape)
+        return out
+
+    # ------------------------------------------------------------ hashes
+    def _compare(self, e: L.MetaEntry, h: L.ParsedHeader, crc: int, sha: bytes) -> None:
+        bad = []
+        if crc != h.crc32:
+            bad.append(f"CRC32 {crc:08x} != stored {h.crc32:08x}")
+        if sha != h.sha256:
+            assert h.sha256 is not None
+            bad.append(f"SHA-256 {sha.hex()[:16]}... != stored {h.sha256.hex()[:16]}...")
+        if bad:
+            raise ChecksumError(f"{self.path}: tensor {e.name!r}: hash mismatch: {'; '.join(bad)}")
+
+    def _verify_memory(self, e: L.MetaEntry, data: memoryview) -> None:
+        h = self._header(e)
+        crc = isal_zlib.crc32(data, isal_zlib.crc32(h.zeroed))
+        sha = hashlib.sha256(h.zeroed)
+        sha.update(data)
+        self._compare(e, h, crc, sha.digest())
+
+    def _verify_task(self, e: L.MetaEntry, data: memoryview):  # type: ignore[no-untyped-def]
+        return lambda: self._verify_memory(e, data)
+
+    def verify(self, key: str) -> None:
+        """Recompute the tensor's CRC32 and SHA-256 from the file; ChecksumError on mismatch."""
+        self._check_open()
+        e = self._entry(key)
+        h = self._header(e)
+        crc = isal_zlib.crc32(h.zeroed)
+        sha = hashlib.sha256(h.zeroed)
+        scratch = memoryview(bytearray(min(VERIFY_CHUNK, e.data_length)))
+        pos = 0
+        while pos < e.data_length:
+            n = min(len(scratch), e.data_length - pos)
+            chunk = scratch[:n]
+            preadv_all(self._fd, [chunk], e.data_offset + pos, self.path)
+            crc = isal_zlib.crc32(chunk, crc)
+            sha.update(chunk)
+            pos += n
+        self._compare(e, h, crc, sha.digest())
+
+    def verify_all(self) -> list[str]:
+        """Check every tensor; returns one message per problem (empty list: all good)."""
+        self._check_open()
+        problems: list[str | None] = [None] * len(self._entries)
+
+        def task(i: int) -> None:
+            try:
+                self.verify(self._entries[i].name)
+            except FormatError as exc:
+                problems[i] = str(exc)
+
+        order = sorted(range(len(self._entries)), key=lambda i: -self._entries[i].data_length)
+        run_parallel([lambda i=i: task(i) for i in order], self._threads)
+        return [p for p in problems if p is not None]
+
+
+def open_file(path: str | os.PathLike[str]) -> TensorFileReader:
+    """Open a `.tensors` file for reading (a context manager)."""
+    return TensorFileReader(path)
+
+
+def load_file(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
+              keys: Sequence[str] | None = None, verify: bool = False) -> dict[str, torch.Tensor]:
+    """Load tensors (all, or `keys`) from a `.tensors` file.
+
+    CPU results are views into one huge-page-backed buffer (that memory is freed
+    when the last of them is). Other devices: loaded on CPU, then copied.
+    Meta entries come back as meta tensors.
+    """
+    with TensorFileReader(path) as r:
+        tensors = r.load(keys, verify=verify)
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        tensors = {k: (v if v.is_meta else v.to(dev)) for k, v in tensors.items()}
+    return tensors

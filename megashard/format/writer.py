@@ -1,0 +1,370 @@
+"""Write `.tensors` files: tensorizer's bytes, faster.
+
+Why it is faster than tensorizer's writer on the same CPUs:
+
+* CRC32 with ISA-L (``isal.isal_zlib.crc32``, ~10 GiB/s vs zlib's ~2-3), so
+  SHA-256 (OpenSSL, GIL released) is the only expensive hash.
+* Each large tensor is processed in cache-sized chunks: SHA-256, CRC32 and
+  ``os.pwrite`` of a chunk run back-to-back while it is in L2, so tensor memory
+  is read from DRAM once; tensors are spread over threads largest first.
+* A tensor larger than its share of the work is split: one task hashes it with
+  SHA-256 (inherently sequential) while other tasks CRC and write its chunks
+  (CRCs joined with ``crc32_combine``).
+* Runs of small tensors are assembled (headers + data) in one buffer, hashed and
+  written with a single ``pwrite``.
+
+The file header and metadata index are written last, so a crashed write never
+leaves a file that looks complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from isal import isal_zlib
+
+from ..errors import FormatError, UnsupportedFormatError
+from . import layout as L
+from .dtypes import DtypeCodec, encode_dtype
+from .fastio import default_threads, pwrite_all, tensor_memoryview
+
+log = logging.getLogger(__name__)
+
+__all__ = ["save_file", "write_file"]
+
+HASH_CHUNK = 256 << 10  # fits L2 next to the hash state: hash, crc and write it while hot
+SMALL_TENSOR = 1 << 20  # below this, tensors are packed with their neighbours
+GROUP_BYTES = 8 << 20
+SPLIT_MIN = 64 << 20
+COPY_TASK_BYTES = 64 << 20
+MAX_ALIGN = 1 << 24
+
+
+@dataclass
+class _Item:
+    name: str
+    name_b: bytes
+    src: torch.Tensor | None  # contiguous CPU tensor; None for meta
+    codec: DtypeCodec
+    shape: tuple[int, ...]
+    nbytes: int
+    long_shape: bool
+    header_offset: int = 0
+    data_offset: int = 0
+    plan: L.HeaderPlan | None = None
+    crc32: int = 0
+    sha256: bytes = b""
+
+    @property
+    def is_meta(self) -> bool:
+        return self.src is None
+
+    @property
+    def end(self) -> int:
+        return self.data_offset + self.nbytes
+
+
+_DOC_ZERO = (
+    "tensorizer 2.12.1's reader fails on a zero-element or meta tensor whose dtype numpy "
+    "lacks (TypeError: data type '<V2...' not understood); keep such tensors out of the "
+    "file (e.g. record their shape elsewhere) or store them as a numpy-representable dtype"
+)
+
+
+def _prepare(tensors: Mapping[str, torch.Tensor]) -> list[_Item]:
+    """Validate keys/values and refuse anything tensorizer's reader would choke on."""
+    if not isinstance(tensors, Mapping):
+        raise FormatError(f"expected a mapping of str to tensors, got {type(tensors).__name__}")
+    if len(tensors) == 0:
+        raise FormatError(
+            "refusing to write an empty state dict: tensorizer cannot open a .tensors file "
+            "with no tensors ('Tensor index in the file is empty'); skip writing the file")
+    if sys.byteorder != "little":
+        raise UnsupportedFormatError("writing .tensors files needs a little-endian host")
+    items: list[_Item] = []
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise FormatError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+        if not name:
+            raise FormatError("empty tensor name: tensorizer cannot read an empty name")
+        if name.startswith("\x1e"):
+            raise FormatError(
+                f"tensor name {name!r} starts with \\x1e, which tensorizer reads as a nested path")
+        try:
+            name_b = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FormatError(f"tensor name {name!r} is not encodable as UTF-8") from None
+        if len(name_b) > 0xFFFF:
+            raise FormatError(f"tensor name {name[:60]!r}... is {len(name_b)} bytes; the limit is 65535")
+        if not isinstance(t, torch.Tensor):
+            raise FormatError(f"{name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise FormatError(f"{name!r}: {t.layout} tensors cannot be stored; convert to dense first")
+        if t.is_quantized:
+            raise FormatError(f"{name!r}: quantized tensors are not supported")
+        codec = encode_dtype(t.dtype)
+        shape = tuple(int(d) for d in t.shape)
+        if len(shape) > 255:
+            raise FormatError(f"{name!r}: {len(shape)} dimensions; the format allows 255")
+        numel = t.numel()
+        if t.is_meta or numel == 0:
+            if codec.opaque:
+                what = "meta" if t.is_meta else "zero-element"
+                raise FormatError(f"{name!r}: refusing to write a {what} {t.dtype} tensor: {_DOC_ZERO}")
+        if t.is_meta:
+            src = None
+            nbytes = 0
+        else:
+            src = t.detach()
+            if src.device.type != "cpu":
+                src = src.cpu()
+            src = src.resolve_conj().resolve_neg().contiguous()
+            nbytes = numel * codec.itemsize
+        long_shape = any(d >= L.LONG_DIM for d in shape)
+        items.append(_Item(name, name_b, src, codec, shape, nbytes, long_shape))
+    return items
+
+
+def _plan(items: list[_Item], align: int) -> tuple[int, int, int, int]:
+    """Assign offsets; returns (version, flags, metadata_len, file_size)."""
+    version = L.VERSION_NON_OPAQUE
+    if any(i.codec.opaque for i in items):
+        version = L.VERSION_OPAQUE
+    if any(i.is_meta for i in items):
+        version = L.VERSION_META
+    versioned = any(i.long_shape for i in items)
+    flags = 0
+    if versioned:
+        version = L.VERSION_LONG
+        flags = L.FLAG_VERSIONED_HEADERS
+    needed = sum(L.metadata_entry_size(len(i.name_b), len(i.codec.encoded), len(i.shape),
+                                       i.long_shape, versioned) for i in items)
+    if align == 1:
+        metadata_len = max(L.TENSORIZER_METADATA_SIZE, needed)  # identical to tensorizer
+    else:
+        page = min(align, 4096)
+        metadata_len = needed + (-(L.PROLOGUE_SIZE + needed)) % page
+    pos = L.PROLOGUE_SIZE + metadata_len
+    for it in items:
+        base = L.header_size(len(it.name_b), len(it.codec.encoded), len(it.shape), it.long_shape)
+        pad = (-(pos + base)) % align if it.nbytes else 0
+        it.header_offset = pos
+        it.plan = L.build_header(0, L.TENSOR_TYPE_STATE_DICT, it.name_b, it.codec.encoded,
+                                 it.shape, it.long_shape, it.nbytes, pad)
+        it.data_offset = pos + len(it.plan.buf)
+        pos = it.end
+    return version, flags, metadata_len, pos + len(L.TERMINATOR)
+
+
+# ------------------------------------------------------------------ hashing tasks
+
+
+def _fused_task(fd: int, it: _Item) -> Callable[[], None]:
+    """Hash + write one tensor chunk by chunk, then its header."""
+    def task() -> None:
+        assert it.plan is not None and it.src is not None
+        head = it.plan.buf
+        sha = hashlib.sha256(head)
+        crc = isal_zlib.crc32(head)
+        mv = tensor_memoryview(it.src)
+        off = it.data_offset
+        for p in range(0, it.nbytes, HASH_CHUNK):
+            chunk = mv[p:p + HASH_CHUNK]
+            sha.update(chunk)
+            crc = isal_zlib.crc32(chunk, crc)
+            pwrite_all(fd, chunk, off + p)
+        it.crc32, it.sha256 = crc, sha.digest()
+        pwrite_all(fd, memoryview(it.plan.finish(it.crc32, it.sha256)), it.header_offset)
+    return task
+
+
+def _group_task(fd: int, group: list[_Item]) -> Callable[[], None]:
+    """Assemble consecutive small tensors (headers + data) in one buffer, one pwrite."""
+    def task() -> None:
+        start = group[0].header_offset
+        buf = bytearray(group[-1].end - start)
+        view = memoryview(buf)
+        for it in group:
+            assert it.plan is not None
+            h0 = it.header_offset - start
+            d0 = it.data_offset - start
+            view[h0:d0] = it.plan.buf
+            if it.nbytes:
+                assert it.src is not None
+                view[d0:d0 + it.nbytes] = tensor_memoryview(it.src)
+            region = view[h0:d0 + it.nbytes]
+            it.crc32 = isal_zlib.crc32(region)
+            it.sha256 = hashlib.sha256(region).digest()
+            view[h0:d0] = it.plan.finish(it.crc32, it.sha256)
+        pwrite_all(fd, view, start)
+    return task
+
+
+class _Split:
+    """A tensor too large for one task: SHA-256 in one task, CRC+write in others."""
+
+    def __init__(self, fd: int, it: _Item) -> None:
+        self.fd, self.it = fd, it
+        self.mv = tensor_memoryview(it.src) if it.src is not None else memoryview(b"")
+        n = it.nbytes
+        self.ranges = [(p, min(n, p + COPY_TASK_BYTES)) for p in range(0, n, COPY_TASK_BYTES)]
+        self.crcs: list[int] = [0] * len(self.ranges)
+        self.sha = b""
+
+    def sha_task(self) -> None:
+        assert self.it.plan is not None
+        sha = hashlib.sha256(self.it.plan.buf)
+        for p in range(0, len(self.mv), 4 << 20):
+            sha.update(self.mv[p:p + (4 << 20)])
+        self.sha = sha.digest()
+
+    def copy_task(self, k: int) -> Callable[[], None]:
+        def task() -> None:
+            lo, hi = self.ranges[k]
+            crc = 0
+            for p in range(lo, hi, HASH_CHUNK):
+                chunk = self.mv[p:min(hi, p + HASH_CHUNK)]
+                crc = isal_zlib.crc32(chunk, crc)
+                pwrite_all(self.fd, chunk, self.it.data_offset + p)
+            self.crcs[k] = crc
+        return task
+
+    def finish(self) -> None:
+        it = self.it
+        assert it.plan is not None
+        crc = isal_zlib.crc32(it.plan.buf)
+        for (lo, hi), c in zip(self.ranges, self.crcs):
+            crc = isal_zlib.crc32_combine(crc, c, hi - lo)
+        it.crc32, it.sha256 = crc, self.sha
+        pwrite_all(self.fd, memoryview(it.plan.finish(crc, self.sha)), it.header_offset)
+
+
+def _build_tasks(fd: int, items: list[_Item], threads: int) -> tuple[list[Callable[[], None]], list[_Split]]:
+    """Tasks in the order to start them: split hashes, largest fused tensors, groups."""
+    total = sum(i.nbytes for i in items)
+    split_at = max(SPLIT_MIN, total // max(1, threads))
+    splits: list[_Split] = []
+    weighted: list[tuple[int, Callable[[], None]]] = []
+    group: list[_Item] = []
+    group_bytes = 0
+
+    def flush() -> None:
+        nonlocal group, group_bytes
+        if group:
+            weighted.append((group_bytes, _group_task(fd, group)))
+            group, group_bytes = [], 0
+
+    for it in items:
+        if it.nbytes < SMALL_TENSOR:
+            group.append(it)
+            group_bytes += it.nbytes + len(it.plan.buf if it.plan else b"")
+            if group_bytes >= GROUP_BYTES:
+                flush()
+            continue
+        flush()
+        if threads > 1 and it.nbytes > split_at:
+            splits.append(_Split(fd, it))
+        else:
+            weighted.append((it.nbytes, _fused_task(fd, it)))
+    flush()
+    tasks: list[Callable[[], None]] = [s.sha_task for s in splits]
+    tasks += [s.copy_task(k) for s in splits for k in range(len(s.ranges))]
+    tasks += [t for _, t in sorted(weighted, key=lambda w: -w[0])]
+    return tasks, splits
+
+
+def _run(tasks: list[Callable[[], None]], threads: int) -> None:
+    if threads <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            t()
+        return
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megashard-write") as pool:
+        futures = [pool.submit(t) for t in tasks]
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,
+               align: int = 4096, fsync: bool = False,
+               threads: int | None = None) -> list[L.TensorInfo]:
+    """Write `tensors` as a tensorizer `.tensors` file; return the entries in file order.
+
+    align=1 reproduces tensorizer's write_state_dict byte for byte; align>1
+    (power of two) pads inside each tensor header so that data starts on an
+    `align` boundary. fsync=True makes the file durable before returning.
+    """
+    if not isinstance(align, int) or align < 1 or align > MAX_ALIGN or align & (align - 1):
+        raise FormatError(f"align must be a power of two between 1 and {MAX_ALIGN}, got {align!r}")
+    path_s = os.fspath(path)
+    items = _prepare(tensors)
+    version, flags, metadata_len, file_size = _plan(items, align)
+    nthreads = threads if threads is not None else default_threads()
+    if nthreads < 1:
+        raise FormatError(f"threads must be >= 1, got {threads}")
+    versioned = bool(flags & L.FLAG_VERSIONED_HEADERS)
+
+    fd = os.open(path_s, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    ok = False
+    try:
+        tasks, splits = _build_tasks(fd, items, nthreads)
+        _run(tasks, nthreads)
+        for s in splits:
+            s.finish()
+        meta = b"".join(
+            L.pack_metadata_entry(i.name_b, L.TENSOR_TYPE_STATE_DICT, i.codec.encoded, i.shape,
+                                  i.long_shape, i.header_offset, i.data_offset, i.nbytes, versioned)
+            for i in items)
+        meta += bytes(metadata_len - len(meta))
+        tensor_size = sum(i.nbytes for i in items)
+        last = items[-1].end
+        pwrite_all(fd, memoryview(L.TERMINATOR), last)
+        pwrite_all(fd, memoryview(meta), L.PROLOGUE_SIZE)
+        # The prologue goes last: until it is written the file has no magic.
+        pwrite_all(fd, memoryview(L.pack_prologue(version, flags, tensor_size, len(items),
+                                                  metadata_len)), 0)
+        if fsync:
+            os.fsync(fd)
+        ok = True
+    finally:
+        os.close(fd)
+        if not ok:
+            try:
+                os.unlink(path_s)
+            except OSError:
+                pass
+    if fsync:
+        _fsync_dir(path_s)
+    log.debug("wrote %s: %d tensors, %d bytes, data version %d", path_s, len(items), file_size, version)
+    return [L.TensorInfo(i.name, i.codec.dtype, i.shape, i.header_offset, i.data_offset, i.nbytes,
+                         i.crc32, i.sha256.hex(), L.TENSOR_TYPE_STATE_DICT, i.is_meta)
+            for i in items]
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,
+              align: int = 4096, fsync: bool = False, threads: int | None = None) -> None:
+    """Like :func:`write_file`, without returning the entries."""
+    write_file(tensors, path, align=align, fsync=fsync, threads=threads)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the directory entry durable too (a new file is not durable without it)."""
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+

@@ -1,0 +1,43 @@
+"""megashard for Megatron: save/load Megatron training state as megashard checkpoints.
+
+Two ways to use it:
+
+* Megatron-LM's ``pretrain_gpt.py``::
+
+      import megashard.megatron as msm
+      msm.install()                                   # routes save/load (see hooks.py)
+      pretrain(..., extra_args_provider=msm.add_arguments)
+      # then run with --save-format tensors
+
+* your own training loop (megatron-core only): :func:`save_checkpoint` and
+  :func:`load_checkpoint` with ``args=...`` (see ``examples/pretrain_gpt.py``).
+
+On a machine without CUDA, :func:`megashard.megatron.cpu_compat.apply` makes
+megatron-core run on CPU (gloo); it is never applied when CUDA is available.
+"""
+from __future__ import annotations
+
+from .args import add_arguments
+from .checkpointing import (
+    TRACKER_FILENAME,
+    checkpoint_dir,
+    find_checkpoint,
+    is_megashard_checkpoint,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+)
+from .hooks import install, uninstall
+
+__all__ = [
+    "add_arguments",
+    "install",
+    "uninstall",
+    "save_checkpoint",
+    "load_checkpoint",
+    "find_checkpoint",
+    "is_megashard_checkpoint",
+    "checkpoint_dir",
+    "read_tracker",
+    "TRACKER_FILENAME",
+]

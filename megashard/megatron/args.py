@@ -1,0 +1,66 @@
+"""Command-line flags for megashard, usable as Megatron-LM's ``extra_args_provider``.
+
+Megatron-LM has no hook for a new checkpoint format (``--ckpt-format`` is a closed
+list and an unknown value crashes in ``save_checkpoint``), so megashard adds its own
+``--save-format`` flag instead of extending ``--ckpt-format``.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+SAVE_FORMATS = ("torch_dist", "torch", "tensors")
+LOAD_MODES = ("auto", "own", "scatter")
+
+
+def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--save-format`` and megashard's options to ``parser``; return it.
+
+    Signature matches Megatron-LM's ``extra_args_provider`` (``parser -> parser``).
+    Flags already defined on ``parser`` are left alone, so calling this twice, or on
+    a parser that defines some of them, is safe.
+    """
+    group = parser.add_argument_group(title="megashard checkpointing")
+    if not _has(parser, "--save-format"):
+        group.add_argument(
+            "--save-format", type=str, default=None, choices=SAVE_FORMATS,
+            help="Checkpoint format for --save. 'tensors' writes megashard checkpoints "
+                 "(tensorizer .tensors shards + JSON manifest, no pickle); 'torch_dist' and "
+                 "'torch' use Megatron's own writers (default: Megatron's --ckpt-format). "
+                 "--load detects a megashard checkpoint by itself.",
+        )
+    if not _has(parser, "--megashard-load-mode"):
+        group.add_argument(
+            "--megashard-load-mode", type=str, default="auto", choices=LOAD_MODES,
+            help="How megashard reads a checkpoint: 'own' (every rank reads its own byte "
+                 "ranges), 'scatter' (one reader per node streams to the node's ranks), "
+                 "'auto' (own when every rank sees the checkpoint directory, else scatter).",
+        )
+    if not _has(parser, "--megashard-verify-on-load"):
+        group.add_argument(
+            "--megashard-verify-on-load", action="store_true", default=False,
+            help="Verify the checksums of every file read while loading a megashard checkpoint.",
+        )
+    if not _has(parser, "--megashard-non-strict-load"):
+        group.add_argument(
+            "--megashard-non-strict-load", dest="megashard_strict_load", action="store_false",
+            default=True,
+            help="Tolerate tensors missing from the checkpoint (they keep their current "
+                 "values and are listed in the log) instead of failing.",
+        )
+    return parser
+
+
+def uses_megashard_save(args: Any) -> bool:
+    """True when ``--save-format tensors`` was given."""
+    return getattr(args, "save_format", None) == "tensors"
+
+
+def megatron_save_format(args: Any) -> Optional[str]:
+    """The Megatron ``--ckpt-format`` a non-megashard ``--save-format`` maps to (or None)."""
+    fmt = getattr(args, "save_format", None)
+    return fmt if fmt in ("torch_dist", "torch") else None

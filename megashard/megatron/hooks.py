@@ -1,0 +1,137 @@
+"""``install()``: route Megatron-LM's checkpoint save/load through megashard.
+
+Megatron-LM's training loop calls ``save_checkpoint`` / ``load_checkpoint`` which
+``megatron/training/training.py`` imports *by name* from
+``megatron/training/checkpointing.py``; patching only the checkpointing module would
+miss those call sites, so both modules' names are replaced. The wrappers send
+
+* saves with ``--save-format tensors`` to :func:`megashard.megatron.save_checkpoint`,
+  every other save to Megatron's original (with ``--save-format torch|torch_dist``
+  mapped onto ``--ckpt-format``);
+* loads whose ``--load`` (or ``--pretrained-checkpoint``) directory holds a megashard
+  checkpoint to :func:`megashard.megatron.load_checkpoint`, every other load to the
+  original — no flag needed.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import checkpointing as ms_ckpt
+from .args import megatron_save_format, uses_megashard_save
+from .state import log_rank
+
+logger = logging.getLogger(__name__)
+
+#: (module, attribute name, original) for uninstall()
+_PATCHED: List[Tuple[Any, str, Any]] = []
+_MODULES = ("megatron.training.checkpointing", "megatron.training.training")
+
+
+def is_installed() -> bool:
+    return bool(_PATCHED)
+
+
+def _megatron_args() -> Any:
+    from megatron.training.global_vars import get_args
+
+    return get_args()
+
+
+def _load_root(args: Any, load_arg: str) -> Optional[str]:
+    """The directory Megatron would load from (with --pretrained-checkpoint fallback)."""
+    root = getattr(args, load_arg, None)
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained and not (root and os.path.isfile(ms_ckpt.tracker_path(root))):
+        return pretrained
+    return root
+
+
+def make_save_wrapper(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                        num_floating_point_operations_so_far: float, checkpointing_context: Any = None,
+                        *args: Any, **kwargs: Any) -> Any:
+        margs = _megatron_args()
+        if uses_megashard_save(margs) and not kwargs.get("non_persistent_ckpt", False):
+            if getattr(margs, "async_save", False):
+                log_rank(logging.WARNING, "--async-save: megashard saves synchronously")
+            ms_ckpt.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                                    num_floating_point_operations_so_far, checkpointing_context,
+                                    args=margs, release=bool(kwargs.get("release", False)))
+            return None
+        fmt = megatron_save_format(margs)
+        if fmt and getattr(margs, "ckpt_format", None) != fmt:
+            margs.ckpt_format = fmt
+            if hasattr(margs, "use_dist_ckpt"):
+                margs.use_dist_ckpt = fmt != "torch"
+        return original(iteration, model, optimizer, opt_param_scheduler,
+                        num_floating_point_operations_so_far, checkpointing_context, *args, **kwargs)
+
+    save_checkpoint.__megashard_wrapped__ = original  # type: ignore[attr-defined]
+    return save_checkpoint
+
+
+def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
+    @functools.wraps(original)
+    def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                        strict: bool = True, *args: Any, **kwargs: Any) -> Any:
+        margs = _megatron_args()
+        root = _load_root(margs, load_arg)
+        if ms_ckpt.find_checkpoint(root, getattr(margs, "ckpt_step", None)) is None:
+            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
+        log_rank(logging.INFO, "--%s %s holds a megashard checkpoint: loading with megashard",
+                 load_arg.replace("_", "-"), root)
+        result = ms_ckpt.load_checkpoint(
+            ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
+            skip_load_to_model_and_opt=bool(kwargs.get("skip_load_to_model_and_opt", False)), args=margs)
+        if ckpt_module is not None:  # keep Megatron's bookkeeping consistent
+            if hasattr(ckpt_module, "set_loaded_iteration"):
+                ckpt_module.set_loaded_iteration(result[0])
+            if hasattr(ckpt_module, "set_checkpoint_version") and \
+                    getattr(ckpt_module, "get_checkpoint_version", lambda: None)() is None:
+                ckpt_module.set_checkpoint_version(3.0)
+        return result
+
+    load_checkpoint.__megashard_wrapped__ = original  # type: ignore[attr-defined]
+    return load_checkpoint
+
+
+def install() -> Dict[str, bool]:
+    """Patch Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` (idempotent).
+
+    Call it once before ``pretrain(...)``. Returns which modules were patched.
+    """
+    import importlib
+
+    ckpt_module = importlib.import_module("megatron.training.checkpointing")
+    original_save = getattr(ckpt_module.save_checkpoint, "__megashard_wrapped__", ckpt_module.save_checkpoint)
+    original_load = getattr(ckpt_module.load_checkpoint, "__megashard_wrapped__", ckpt_module.load_checkpoint)
+    save_w = make_save_wrapper(original_save)
+    load_w = make_load_wrapper(original_load, ckpt_module)
+    done: Dict[str, bool] = {}
+    for name in _MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as e:
+            log_rank(logging.WARNING, "megashard.megatron.install: cannot import %s (%s)", name, e)
+            done[name] = False
+            continue
+        for attr, wrapper in (("save_checkpoint", save_w), ("load_checkpoint", load_w)):
+            if hasattr(mod, attr):
+                current = getattr(mod, attr)
+                if not hasattr(current, "__megashard_wrapped__"):
+                    _PATCHED.append((mod, attr, current))
+                setattr(mod, attr, wrapper)
+        done[name] = True
+    log_rank(logging.INFO, "megashard installed into %s", ", ".join(k for k, v in done.items() if v))
+    return done
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    while _PATCHED:
+        mod, attr, original = _PATCHED.pop()
+        setattr(mod, attr, original)

@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""megashard vs megatron-core ``torch_dist``: save / load / reshard / scatter throughput.
+
+Usage::
+
+    python scripts/bench.py [--size-gib 2] [--reps 3] [--tiny-reps 5] [--workdir DIR]
+
+Prints ONE JSON object on stdout (progress goes to stderr). Every phase runs in a
+fresh pair of gloo ranks (``scripts/_bench_worker.py``, launched like torchrun
+with RANK/WORLD_SIZE/MASTER_ADDR=127.0.0.1/MASTER_PORT, OMP_NUM_THREADS=1), does
+a warm-up and ``--reps`` timed repetitions, reports the median, per-rank peak
+RSS (VmHWM, reset after the model is built) and then checks the loaded bytes
+bit-for-bit. Loads read from a warm page cache (the checkpoint was just
+written; dropping caches needs root). Saves include fsync (both systems).
+
+Phases (2 ranks; the model is TP=2 unless noted):
+  ms_save            megashard.save                        (checkpoint for the ms_load_* phases)
+  ms_load_own        megashard.load mode="own"             same layout
+  ms_load_reshard    megashard.load mode="own"             TP1·DP2: each rank loads every full tensor
+  ms_load_scatter    megashard.load mode="scatter"         MEGASHARD_NODE_ID equal on both ranks: 1 reader
+  td_save            dist_checkpointing.save (torch_dist)  (checkpoint for the td_load_* phases)
+  td_load            dist_checkpointing.load               same layout
+  td_load_reshard    dist_checkpointing.load               TP1·DP2
+  ms_tiny_save / td_tiny_save                              a ~0.65 MB model: fixed overhead
+Checkpoints are deleted at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from _bench_worker import model_bytes, spec_for_size, tiny_spec  # noqa: E402
+
+GIB = 1 << 30
+GB = 1e9
+WORLD = 2
+PHASES = ["ms_save", "ms_load_own", "ms_load_reshard", "ms_load_scatter",
+          "td_save", "td_load", "td_load_reshard", "ms_tiny_save", "td_tiny_save"]
+TARGETS = {  # ratio name -> minimum
+    "save_vs_torch_dist": 5.0,
+    "own_load_vs_torch_dist_load": 2.0,
+    "reshard_load_vs_torch_dist_reshard": 1.5,
+    "scatter_vs_own": 0.7,
+}
+TINY_SAVE_TARGET_S = 0.25
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_phase(phase: str, ckpt: str, out_dir: str, size_bytes: float, reps: int, timeout: float,
+              fsync: bool) -> List[Dict[str, Any]]:
+    """Launch the two ranks of one phase, wait (kill on timeout) and return their JSON results."""
+    port = free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                   LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+                   PYTHONWARNINGS="ignore")
+        env.pop("GROUP_RANK", None)
+        if phase.endswith("scatter"):
+            env["MEGASHARD_NODE_ID"] = "bench-node"  # both ranks on one "node": rank 0 reads for both
+        else:
+            env.pop("MEGASHARD_NODE_ID", None)
+        cmd = [sys.executable, os.path.join(HERE, "_bench_worker.py"), "--phase", phase, "--ckpt", ckpt,
+               "--out", out_dir, "--size-bytes", str(size_bytes), "--reps", str(reps)]
+        if not fsync:
+            cmd.append("--no-fsync")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr))
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    hung = [r for r, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    results = []
+    for rank in range(WORLD):
+        path = os.path.join(out_dir, f"{phase}-rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+        else:
+            results.append({"phase": phase, "rank": rank, "ok": False,
+                            "error": "hung (killed)" if rank in hung else f"exit code {procs[rank].returncode}"})
+    bad = [r for r in results if not r.get("ok")]
+    if bad:
+        raise RuntimeError(f"phase {phase} failed:\n" + "\n".join(
+            f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}" for r in bad))
+    mism = [m for r in results for m in r.get("mismatches", [])]
+    if mism:
+        raise RuntimeError(f"phase {phase}: loaded data differs from what was saved: {mism[:10]}")
+    return results
+
+
+def summarize(results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per repetition the slowest rank's wall time counts; median over repetitions."""
+    reps = len(results[0]["times_s"])
+    per_rep = [max(r["times_s"][i] for r in results) for i in range(reps)]
+    out: Dict[str, Any] = {
+        "median_s": statistics.median(per_rep),
+        "times_s": [round(t, 4) for t in per_rep],
+        "warmup_s": round(max(r["warmup_s"] for r in results), 4),
+        "delivered_bytes": sum(r["local_bytes"] for r in results),
+        "peak_rss_mib": [round(r["rss_peak_mib"], 1) for r in results],
+        "baseline_rss_mib": [round(r["rss_baseline_mib"], 1) for r in results],
+        "rss_over_baseline_mib": [round(r["rss_peak_mib"] - r["rss_baseline_mib"], 1) for r in results],
+        "read_syscall_bytes": [int(statistics.median(r["rchar_bytes"])) for r in results],
+    }
+    if results[0].get("load_stats"):
+        out["bytes_read_from_storage"] = [int(statistics.median(s["bytes_read"] for s in r["load_stats"]))
+                                          for r in results]
+        out["bytes_received"] = [int(statistics.median(s["bytes_received"] for s in r["load_stats"]))
+                                 for r in results]
+        out["mode"] = results[0]["load_stats"][-1]["mode"]
+    ck = results[0].get("checkpoint_bytes")
+    if ck is not None:
+        out["checkpoint_bytes"] = ck
+    return out
+
+
+def rate(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / GB, 3)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gib", type=float, default=2.0, help="model size (GiB, ≥); default 2")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per phase after a warm-up")
+    ap.add_argument("--tiny-reps", type=int, default=5, help="repetitions for the tiny-model saves")
+    ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
+    ap.add_argument("--no-fsync", action="store_true", help="megashard saves without fsync (diagnostic)")
+    ap.add_argument("--phase-timeout", type=float, default=900.0)
+    a = ap.parse_args(argv)
+    phases = [p for p in a.phases.split(",") if p]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        ap.error(f"unknown phases {sorted(unknown)}")
+
+    size_bytes = a.size_gib * GIB
+    spec = spec_for_size(size_bytes)
+    work = tempfile.mkdtemp(prefix="megashard-bench-", dir=a.workdir)
+    out_dir = os.path.join(work, "results")
+    os.makedirs(out_dir)
+    ckpts = {"ms": os.path.join(work, "ms_ckpt"), "td": os.path.join(work, "td_ckpt"),
+             "ms_tiny": os.path.join(work, "ms_tiny"), "td_tiny": os.path.join(work, "td_tiny")}
+    log(f"model: H={spec.hidden} V={spec.vocab} L={spec.layers}, {model_bytes(spec) / GIB:.3f} GiB; work dir {work}")
+    summary: Dict[str, Dict[str, Any]] = {}
+    t_start = time.monotonic()
+    try:
+        for phase in phases:
+            tiny = "tiny" in phase
+            ckpt = ckpts[phase.split("_")[0] + ("_tiny" if tiny else "")]
+            log(f"phase {phase} ...")
+            t0 = time.monotonic()
+            res = run_phase(phase, ckpt, out_dir, 0 if tiny else size_bytes, a.tiny_reps if tiny else a.reps,
+                            a.phase_timeout, not a.no_fsync)
+            summary[phase] = summarize(res)
+            log(f"phase {phase}: median {summary[phase]['median_s']:.3f} s (phase wall {time.monotonic() - t0:.0f} s)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    report = build_report(a, spec, summary, time.monotonic() - t_start)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_report(a: argparse.Namespace, spec: Any, s: Dict[str, Dict[str, Any]], wall: float) -> Dict[str, Any]:
+    mb = model_bytes(spec)
+    res: Dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1),
+                    "platform": platform.platform(), "python": platform.python_version()},
+        "setup": {"ranks": WORLD, "backend": "gloo (CPU)", "model_bytes": mb,
+                  "model": {"hidden": spec.hidden, "vocab": spec.vocab, "layers": spec.layers,
+                            "dtypes": "bf16 matrices, fp32 biases/layernorms"},
+                  "tiny_model_bytes": model_bytes(tiny_spec()), "reps": a.reps, "tiny_reps": a.tiny_reps,
+                  "page_cache": "warm (loads read a checkpoint just written)",
+                  "fsync": not a.no_fsync, "bench_wall_s": round(wall, 1)},
+        "phases": s,
+    }
+    try:
+        import megatron.core
+        import torch
+        res["setup"]["versions"] = {"torch": torch.__version__, "megatron_core": megatron.core.__version__}
+    except Exception:  # noqa: BLE001
+        pass
+    m: Dict[str, Any] = {}
+
+    def have(*names: str) -> bool:
+        return all(n in s for n in names)
+
+    if have("ms_save"):
+        m["megashard_save_GBps"] = rate(s["ms_save"]["checkpoint_bytes"], s["ms_save"]["median_s"])
+        m["megashard_save_s"] = round(s["ms_save"]["median_s"], 3)
+    if have("td_save"):
+        m["torch_dist_save_GBps"] = rate(s["td_save"]["checkpoint_bytes"], s["td_save"]["median_s"])
+        m["torch_dist_save_s"] = round(s["td_save"]["median_s"], 3)
+    for ph, name in (("ms_load_own", "megashard_own_load"), ("ms_load_reshard", "megashard_reshard_load"),
+                     ("ms_load_scatter", "megashard_scatter_load"), ("td_load", "torch_dist_load"),
+                     ("td_load_reshard", "torch_dist_reshard_load")):
+        if have(ph):
+            m[name + "_GBps"] = rate(s[ph]["delivered_bytes"], s[ph]["median_s"])
+            m[name + "_s"] = round(s[ph]["median_s"], 3)
+    if have("ms_tiny_save"):
+        m["megashard_tiny_save_s"] = round(s["ms_tiny_save"]["median_s"], 4)
+    if have("td_tiny_save"):
+        m["torch_dist_tiny_save_s"] = round(s["td_tiny_save"]["median_s"], 4)
+    res["metrics"] = m
+
+    ratios: Dict[str, Any] = {}
+
+    def ratio(name: str, num: str, den: str) -> None:
+        if num in m and den in m:
+            r = m[num] / m[den]
+            ratios[name] = {"value": round(r, 2), "target": TARGETS[name], "met": r >= TARGETS[name]}
+
+    ratio("save_vs_torch_dist", "megashard_save_GBps", "torch_dist_save_GBps")
+    ratio("own_load_vs_torch_dist_load", "megashard_own_load_GBps", "torch_dist_load_GBps")
+    ratio("reshard_load_vs_torch_dist_reshard", "megashard_reshard_load_GBps", "torch_dist_reshard_load_GBps")
+    ratio("scatter_vs_own", "megashard_scatter_load_GBps", "megashard_own_load_GBps")
+    if "megashard_tiny_save_s" in m:
+        ratios["tiny_save_seconds"] = {"value": m["megashard_tiny_save_s"], "target": f"<= {TINY_SAVE_TARGET_S}",
+                                       "met": m["megashard_tiny_save_s"] <= TINY_SAVE_TARGET_S,
+                                       "torch_dist_s": m.get("torch_dist_tiny_save_s")}
+    res["ratios"] = ratios
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())

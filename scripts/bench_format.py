@@ -1,0 +1,330 @@
+#!/usr/bin/env python
+"""Benchmark megashard.format against tensorizer, torch.save and safetensors.
+
+One run measures, on a transformer-shaped state dict (bf16 weights, fp32 norms,
+biases and embedding), with the page cache warm:
+
+  write: megashard save_file | tensorizer write_state_dict+close | torch.save |
+         safetensors save_file | raw floor (parallel os.pwrite of the same bytes)
+  read:  megashard load_file | megashard open_file().read(out=existing) |
+         tensorizer TensorDeserializer (default readers, cpu) | torch.load(weights_only) |
+         safetensors load_file + clone | raw floor (parallel preadv into touched memory)
+
+Every loaded result is touched (one byte per 4 KiB page) inside the timing.
+Each case: one warm-up, then the median of --runs (>= 3). Before every timed
+write the target is deleted and dirty pages are flushed (os.sync) outside the
+timing, so that one tool's writeback does not slow the next.
+Prints ONE JSON object on stdout (progress goes to stderr).
+
+    python scripts/bench_format.py [--size-gib 2] [--runs 5] [--quick] [--dir bench_out]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megashard.format import load_file, open_file, save_file  # noqa: E402
+from megashard.format.fastio import default_threads, tensor_memoryview  # noqa: E402
+
+GB = 1e9
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_state_dict(size_gib: float, hidden: int = 2048, vocab: int = 32000) -> dict[str, torch.Tensor]:
+    """GPT-like layers: bf16 matmul weights, fp32 norms/biases, fp32 embedding."""
+    target = int(size_gib * 2**30)
+    gen = torch.Generator().manual_seed(0)
+    sd: dict[str, torch.Tensor] = {}
+    ffn = 4 * hidden
+
+    def rnd(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+    emb_rows = min(vocab, max(1024, target // (16 * hidden * 4)))
+    sd["embedding.word_embeddings.weight"] = rnd((emb_rows, hidden), torch.float32)
+    total = sum(t.nbytes for t in sd.values())
+    i = 0
+    while total < target:
+        p = f"decoder.layers.{i}."
+        layer = {
+            p + "input_layernorm.weight": rnd((hidden,), torch.float32),
+            p + "input_layernorm.bias": rnd((hidden,), torch.float32),
+            p + "self_attention.linear_qkv.weight": rnd((3 * hidden, hidden), torch.bfloat16),
+            p + "self_attention.linear_qkv.bias": rnd((3 * hidden,), torch.float32),
+            p + "self_attention.linear_proj.weight": rnd((hidden, hidden), torch.bfloat16),
+            p + "self_attention.linear_proj.bias": rnd((hidden,), torch.float32),
+            p + "pre_mlp_layernorm.weight": rnd((hidden,), torch.float32),
+            p + "pre_mlp_layernorm.bias": rnd((hidden,), torch.float32),
+            p + "mlp.linear_fc1.weight": rnd((ffn, hidden), torch.bfloat16),
+            p + "mlp.linear_fc1.bias": rnd((ffn,), torch.float32),
+            p + "mlp.linear_fc2.weight": rnd((hidden, ffn), torch.bfloat16),
+            p + "mlp.linear_fc2.bias": rnd((hidden,), torch.float32),
+        }
+        sd.update(layer)
+        total += sum(t.nbytes for t in layer.values())
+        i += 1
+    sd["decoder.final_layernorm.weight"] = rnd((hidden,), torch.float32)
+    sd["output_layer.weight"] = rnd((emb_rows, hidden), torch.bfloat16)
+    return sd
+
+
+def touch(tensors: dict[str, torch.Tensor]) -> int:
+    """Read one byte per 4 KiB page of every tensor (forces mmap-backed loaders to fault in)."""
+    s = 0
+    for t in tensors.values():
+        t = t.detach()
+        if t.numel() == 0:
+            continue
+        flat = t.reshape(-1).view(torch.uint8)
+        s += int(flat[::4096].sum())
+    return s
+
+
+class Case:
+    """One measured operation; `run` returns what `after` inspects (e.g. touches)."""
+
+    def __init__(self, key: str, label: str, fn: Callable[[], object],
+                 before: Callable[[], None] | None = None,
+                 after: Callable[[object], object] | None = None) -> None:
+        self.key, self.label, self.fn, self.before, self.after = key, label, fn, before, after
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def once(self, record: bool) -> None:
+        if self.before:
+            self.before()
+        gc.collect()
+        c0, t0 = time.process_time(), time.perf_counter()
+        res = self.fn()
+        if self.after:
+            self.after(res)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        del res
+        gc.collect()
+        if record:
+            self.wall.append(dt)
+            self.cpu.append(dc)
+
+
+def interleave(cases: list[Case], runs: int) -> None:
+    """Round-robin the cases (one warm-up round, then `runs` rounds).
+
+    Interleaving makes every tool see the same background load on a shared machine.
+    """
+    for k in range(runs + 1):
+        for c in cases:
+            c.once(record=k > 0)
+    for c in cases:
+        log(f"  {c.label}: " + ", ".join(f"{t:.3f}" for t in c.wall) + " s wall, cpu "
+            + ", ".join(f"{t:.2f}" for t in c.cpu))
+
+
+def fresh(path: Path) -> Callable[[], None]:
+    def before() -> None:
+        if path.exists():
+            path.unlink()
+        os.sync()
+    return before
+
+
+def raw_write(path: Path, views: list[memoryview], threads: int) -> None:
+    """The floor: the same bytes, parallel os.pwrite from tensor memory, no hashing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    chunks: list[tuple[memoryview, int]] = []
+    off = 0
+    for v in views:
+        for p in range(0, len(v), 16 << 20):
+            c = v[p:p + (16 << 20)]
+            chunks.append((c, off + p))
+        off += len(v)
+    lock = threading.Lock()
+    it = iter(chunks)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                item = next(it, None)
+            if item is None:
+                return
+            c, o = item
+            os.pwrite(fd, c, o)
+
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.close(fd)
+
+
+def raw_read(path: Path, buf: memoryview, threads: int) -> None:
+    """The floor: parallel os.preadv of the whole file into an already-touched buffer."""
+    fd = os.open(path, os.O_RDONLY)
+    n = len(buf)
+    step = 16 << 20
+    offsets = list(range(0, n, step))
+    lock = threading.Lock()
+    it = iter(offsets)
+
+    def worker() -> None:
+        while True:
+            with lock:
+                o = next(it, None)
+            if o is None:
+                return
+            os.preadv(fd, [buf[o:o + step]], o)
+
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gib", type=float, default=None, help="state dict size (default 2, --quick 0.25)")
+    ap.add_argument("--runs", type=int, default=5, help="timed runs per case (median; >= 3)")
+    ap.add_argument("--quick", action="store_true", help="small dict, 3 runs: a smoke test")
+    ap.add_argument("--dir", default=str(Path(__file__).resolve().parents[1] / "bench_out"))
+    ap.add_argument("--skip-others", action="store_true", help="skip torch.save and safetensors")
+    args = ap.parse_args(argv)
+    size = args.size_gib if args.size_gib is not None else (0.25 if args.quick else 2.0)
+    runs = max(3, 3 if args.quick else args.runs)
+    out_dir = Path(args.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = default_threads()
+
+    import safetensors.torch as st
+    import tensorizer
+    from tensorizer import TensorDeserializer, TensorSerializer
+
+    log(f"building a {size} GiB state dict ...")
+    sd = make_state_dict(size)
+    nbytes = sum(t.nbytes for t in sd.values())
+    log(f"  {len(sd)} tensors, {nbytes / GB:.3f} GB")
+    p_ms = out_dir / "megashard.tensors"
+    p_tz = out_dir / "tensorizer.tensors"
+    p_raw = out_dir / "raw.bin"
+    p_pt = out_dir / "torch.pt"
+    p_st = out_dir / "st.safetensors"
+
+    def tz_write() -> None:
+        s = TensorSerializer(str(p_tz))
+        s.write_state_dict(sd)
+        s.close()
+
+    def tz_read() -> dict[str, torch.Tensor]:
+        d = TensorDeserializer(str(p_tz), device="cpu")
+        out = {k: d[k] for k in d.keys()}
+        d.close()
+        return out
+
+    contiguous = [tensor_memoryview(t) for t in sd.values()]
+    writes = [
+        Case("megashard_save_file", "megashard save_file", lambda: save_file(sd, p_ms), fresh(p_ms)),
+        Case("tensorizer_write", "tensorizer write_state_dict+close", tz_write, fresh(p_tz)),
+        Case("raw_pwrite_floor", f"raw parallel pwrite ({threads} threads)",
+             lambda: raw_write(p_raw, contiguous, threads), fresh(p_raw)),
+    ]
+    if not args.skip_others:
+        writes += [
+            Case("torch_save", "torch.save", lambda: torch.save(sd, p_pt), fresh(p_pt)),
+            Case("safetensors_save", "safetensors save_file", lambda: st.save_file(sd, str(p_st)), fresh(p_st)),
+        ]
+    log("writes (interleaved):")
+    interleave(writes, runs)
+
+    existing = {k: torch.empty_like(v) for k, v in sd.items()}
+    for v in existing.values():
+        v.reshape(-1).view(torch.uint8).fill_(1)
+
+    def read_existing() -> dict[str, torch.Tensor]:
+        with open_file(p_ms) as r:
+            for k, v in existing.items():
+                r.read(k, out=v)
+        return existing
+
+    floor_buf = torch.ones(nbytes, dtype=torch.uint8)
+    fb = tensor_memoryview(floor_buf)
+    reads = [
+        Case("megashard_load_file", "megashard load_file", lambda: load_file(p_ms), after=touch),
+        Case("megashard_read_into_existing", "megashard read(out=existing)", read_existing, after=touch),
+        Case("tensorizer_load", "tensorizer TensorDeserializer (default readers)", tz_read, after=touch),
+    ]
+    floor_threads = sorted({2, threads, 4})
+    reads += [Case(f"raw_preadv_floor_{nt}", f"raw parallel preadv into touched buffer ({nt} threads)",
+                   lambda nt=nt: raw_read(p_raw, fb, nt)) for nt in floor_threads]
+    if not args.skip_others:
+        reads += [
+            Case("torch_load", "torch.load(weights_only=True)", lambda: torch.load(p_pt, weights_only=True),
+                 after=touch),
+            Case("safetensors_load_clone", "safetensors load_file + clone",
+                 lambda: {k: v.clone() for k, v in st.load_file(str(p_st)).items()}, after=touch),
+        ]
+    log("reads (interleaved, page cache warm):")
+    interleave(reads, runs)
+    assert all(torch.equal(existing[k].reshape(-1).view(torch.uint8), sd[k].reshape(-1).view(torch.uint8))
+               for k in sd)
+    ms_size = p_ms.stat().st_size
+    for p in (p_ms, p_tz, p_raw, p_pt, p_st):
+        if p.exists():
+            p.unlink()
+
+    res = {c.key: c.wall for c in writes + reads}
+    cpu = {c.key: c.cpu for c in writes + reads}
+    best_nt = min(floor_threads, key=lambda nt: statistics.median(res[f"raw_preadv_floor_{nt}"]))
+    res["raw_preadv_floor"] = res[f"raw_preadv_floor_{best_nt}"]
+    cpu["raw_preadv_floor"] = cpu[f"raw_preadv_floor_{best_nt}"]
+    med = {k: statistics.median(v) for k, v in res.items()}
+    gbps = {k: round(nbytes / GB / v, 3) for k, v in med.items()}
+    ratios = {
+        "write_vs_tensorizer": round(med["tensorizer_write"] / med["megashard_save_file"], 3),
+        "load_file_vs_tensorizer": round(med["tensorizer_load"] / med["megashard_load_file"], 3),
+        "read_into_existing_vs_raw_floor": round(med["raw_preadv_floor"] / med["megashard_read_into_existing"], 3),
+        "write_vs_raw_floor": round(med["raw_pwrite_floor"] / med["megashard_save_file"], 3),
+    }
+    targets = {
+        "write_vs_tensorizer>=1.2": ratios["write_vs_tensorizer"] >= 1.2,
+        "load_file_vs_tensorizer>=1.3": ratios["load_file_vs_tensorizer"] >= 1.3,
+        "read_into_existing_vs_raw_floor>=0.7": ratios["read_into_existing_vs_raw_floor"] >= 0.7,
+    }
+    result = {
+        "config": {
+            "size_gib": size, "tensor_bytes": nbytes, "tensors": len(sd), "runs": runs,
+            "megashard_file_bytes": ms_size, "io_threads": threads, "raw_read_floor_threads": best_nt,
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "tensorizer": tensorizer.__version__, "page_cache": "warm", "GB": "1e9 bytes",
+        },
+        "median_s": {k: round(v, 4) for k, v in med.items()},
+        "median_cpu_s": {k: round(statistics.median(v), 3) for k, v in cpu.items()},
+        "GBps": gbps,
+        "ratios": ratios,
+        "targets_met": targets,
+    }
+    print(json.dumps(result, indent=1))
+    if not any(out_dir.iterdir()) and out_dir.name == "bench_out":
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

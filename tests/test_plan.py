@@ -1,0 +1,147 @@
+"""Pure planning functions: writer balance, coverage, read plans, scatter extents."""
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megashard import plan
+from megashard.plan import Box, SavedPiece, ShardId
+
+
+def test_assign_writers_balances_replicas_dp2_dp4():
+    rng = random.Random(0)
+    for dp in (2, 4):
+        sizes = [rng.choice([4096, 65536, 1 << 20, 3 << 20, 16 << 20]) for _ in range(200)]
+        holders = {ShardId(f"k{i}", (0,), (s,)): list(range(dp)) for i, s in enumerate(sizes)}
+        nbytes = {sid: sid.shape[0] for sid in holders}
+        out = plan.assign_writers(holders, nbytes)
+        assert set(out) == set(holders)  # every shard written exactly once
+        load = [0] * dp
+        for sid, r in out.items():
+            load[r] += nbytes[sid]
+        mean = sum(load) / dp
+        assert max(load) <= 1.25 * mean, (dp, load)
+
+
+def test_assign_writers_single_holder_and_determinism():
+    holders = {ShardId("a", (0,), (4,)): [3], ShardId("b", (0,), (4,)): [1, 2]}
+    nbytes = {k: 16 for k in holders}
+    a = plan.assign_writers(holders, nbytes)
+    b = plan.assign_writers(dict(reversed(list(holders.items()))), nbytes)
+    assert a == b and a[ShardId("a", (0,), (4,))] == 3
+
+
+def test_coverage_detects_holes_and_overlaps():
+    full = [(Box((0, 0), (2, 4)), None), (Box((2, 0), (2, 4)), None)]
+    assert plan.coverage_problems("k", (4, 4), full) == []
+    assert plan.coverage_problems("k", (4, 4), full[:1])  # hole
+    assert plan.coverage_problems("k", (4, 4), full + [(Box((1, 0), (2, 4)), None)])  # overlap
+    flat = [(Box((0, 0), (4, 4)), (0, 7)), (Box((0, 0), (4, 4)), (7, 16))]
+    assert plan.coverage_problems("k", (4, 4), flat) == []
+    assert plan.coverage_problems("k", (4, 4), flat[:1])
+
+
+def _materialize(global_t, pieces_spec):
+    """Saved pieces -> (flat byte file image, SavedPiece list)."""
+    blob = bytearray()
+    pieces = []
+    for off, shape, flat in pieces_spec:
+        idx = tuple(slice(o, o + s) for o, s in zip(off, shape))
+        data = global_t[idx].contiguous().reshape(-1)
+        a, b = flat or (0, data.numel())
+        pieces.append(SavedPiece(Box(off, shape), (a, b), "f", len(blob)))
+        blob += data[a:b].numpy().tobytes()
+    return bytes(blob), pieces
+
+
+def _execute(want, want_flat, pieces, blob, dtype):
+    wp = plan.plan_want(want, want_flat, pieces, 4)
+    if wp.direct:
+        r = wp.reads[0]
+        return torch.frombuffer(bytearray(blob[r.file_offset:r.file_offset + r.nbytes]), dtype=dtype)
+    bufs = [torch.zeros(n, dtype=dtype) for n in wp.buffers]
+    for r in wp.reads:
+        bufs[r.buffer].view(torch.uint8)[r.buffer_offset:r.buffer_offset + r.nbytes] = torch.frombuffer(
+            bytearray(blob[r.file_offset:r.file_offset + r.nbytes]), dtype=torch.uint8)
+    out = torch.full(want.shape, -1, dtype=dtype)
+    for p in wp.placements:
+        idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
+        out[idx] = bufs[p.buffer].as_strided(p.shape, p.strides, p.storage_offset)
+    assert wp.covered == want.numel
+    return out.reshape(-1)[want_flat[0]:want_flat[1]] if want_flat else out
+
+
+def _grid(shape, parts):
+    """Split ``shape`` into a regular grid with ``parts[i]`` pieces along dim i."""
+    boxes = [((), ())]
+    for n, p in zip(shape, parts):
+        step = n // p
+        boxes = [(o + (i * step,), s + (step,)) for o, s in boxes for i in range(p)]
+    return boxes
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_plan_want_matches_slicing(data):
+    shape = tuple(data.draw(st.lists(st.sampled_from([2, 4, 6]), min_size=1, max_size=3)))
+    g = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int32).reshape(shape)
+    save_parts = tuple(data.draw(st.sampled_from([1, 2])) for _ in shape)
+    load_parts = tuple(data.draw(st.sampled_from([1, 2])) for _ in shape)
+    flatten_saved = data.draw(st.booleans())
+    spec = []
+    for off, shp in _grid(shape, save_parts):
+        n = int(torch.tensor(shp).prod())
+        if flatten_saved and n > 1:
+            cut = data.draw(st.integers(1, n - 1))
+            spec += [(off, shp, (0, cut)), (off, shp, (cut, n))]
+        else:
+            spec.append((off, shp, None))
+    blob, pieces = _materialize(g, spec)
+    for off, shp in _grid(shape, load_parts):
+        want = Box(off, shp)
+        idx = tuple(slice(o, o + s) for o, s in zip(off, shp))
+        expect = g[idx]
+        n = want.numel
+        if data.draw(st.booleans()) and n > 1:
+            a = data.draw(st.integers(0, n - 1))
+            b = data.draw(st.integers(a + 1, n))
+            got = _execute(want, (a, b), pieces, blob, torch.int32)
+            assert torch.equal(got, expect.reshape(-1)[a:b])
+        else:
+            got = _execute(want, None, pieces, blob, torch.int32)
+            assert torch.equal(got.reshape(expect.shape), expect)
+
+
+def test_plan_want_reads_only_needed_span():
+    # one saved (8, 8) tensor; want rows 2..4 -> reads 2 rows, not the whole tensor
+    pieces = [SavedPiece(Box((0, 0), (8, 8)), (0, 64), "f", 0)]
+    wp = plan.plan_want(Box((2, 0), (2, 8)), None, pieces, 2)
+    assert wp.read_bytes == 2 * 8 * 2
+    # a column block needs the span from its first to last element
+    wp = plan.plan_want(Box((0, 4), (8, 4)), None, pieces, 2)
+    assert wp.read_bytes == (7 * 8 + 8 - 4) * 2
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 200), st.integers(1, 80)), min_size=1, max_size=40),
+       st.integers(16, 128))
+def test_schedule_extents_invariants(ranges, cap):
+    subops = []
+    for f, a, n in ranges:
+        for sf, off, k, _ in plan.split_op((f"f{f}", a, n), cap):
+            subops.append((sf, off, k))
+    sched = plan.schedule_extents(subops, cap)
+    seen = sorted(i for _, m in sched for i in m)
+    assert seen == list(range(len(subops)))
+    for ext, members in sched:
+        assert ext.stop - ext.start <= cap
+        for i in members:
+            f, a, n = subops[i]
+            assert f == ext.file and ext.start <= a and a + n <= ext.stop
+    # the serving order restricted to any subset sorted by (file, offset, nbytes, index) is monotone
+    order = [i for _, m in sched for i in sorted(m, key=lambda j: (subops[j][1], subops[j][2], j))]
+    keys = [(subops[i][0], subops[i][1], subops[i][2], i) for i in order]
+    assert keys == sorted(keys)
