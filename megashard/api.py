@@ -380,7 +380,7 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
             f"shape mismatch: {sh.key!r} saved with global shape {tuple(rec.global_shape)}, requested {tuple(sh.global_shape)}")
         return sh.data
     dest = sh.data
-    n_el = (sh.flat_range.stop - sh.flat_range.start) if sh.flattened_range is not None else plan.numel(sh.local_shape)
+    n_el = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else plan.numel(sh.local_shape)
     if dest is None:
         dest = torch.empty(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
     if dest.numel() != n_el:
@@ -389,7 +389,7 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
     want = Box(tuple(sh.global_offset), tuple(sh.chunk_shape))
     pieces = [s.piece() for s in rec.shards]
     isz = itemsize(sh.dtype)
-    wp = plan.plan_want(want, sh.flat_range and (sh.flat_range.start, sh.flat_range.stop), pieces, isz)
+    wp = plan.plan_want(want, sh.flat_range, pieces, isz)
     for s in rec.shards:
         if s.file:
             work.touched.setdefault(s.file, set()).add(s.name)
@@ -417,7 +417,7 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
             idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
             chunk[idx].copy_(src)
         if flat is not None:
-            dest.copy_(chunk.reshape(-1)[flat.start:flat.stop])
+            dest.copy_(chunk.reshape(-1)[flat[0]:flat[1]])
         elif chunk.data_ptr() != dest.data_ptr():
             dest.copy_(chunk.view(dest.shape))
 

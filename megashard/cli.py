@@ -10,6 +10,7 @@ lazily, so file commands work without the checkpoint layer). Exit codes: 0 ok,
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -102,10 +103,9 @@ def _print_nested(value: Any, out: TextIO, indent: int = 0) -> None:
 
 def _checkpoint_tools() -> Any:
     try:
-        from . import checkpoint_tools
+        return importlib.import_module("megashard.checkpoint_tools")
     except ImportError as e:
         raise MegashardError(f"checkpoint directory support is unavailable: {e}") from e
-    return checkpoint_tools
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

@@ -46,3 +46,23 @@ class DistributedError(MegashardError):
             indented = "\n    ".join(msg.rstrip().splitlines())
             lines.append(f"  [rank {rank}] {indented}")
         super().__init__("\n".join(lines))
+
+
+_COMBINED: dict = {}
+
+
+def distributed_error(failures: Mapping[int, str], what: str = "operation") -> DistributedError:
+    """A DistributedError that is also the failing ranks' own error class when they agree.
+
+    So ``except StateDictError`` works the same in one process and in a job of many ranks.
+    """
+    names = {msg.split(":", 1)[0].strip() for msg in failures.values()}
+    cls: type = DistributedError
+    if len(names) == 1:
+        base = {c.__name__: c for c in (FormatError, ChecksumError, UnsupportedFormatError, CheckpointError,
+                                         StateDictError)}.get(names.pop())
+        if base is not None:
+            cls = _COMBINED.get(base)
+            if cls is None:
+                cls = _COMBINED[base] = type(f"Distributed{base.__name__}", (DistributedError, base), {})
+    return cls(failures, what)

@@ -545,7 +545,8 @@ class _Decoder:
             )
         for k, types in required.items():
             v = obj[k]
-            if types is not None and not (type(v) in types if isinstance(types, tuple) else type(v) is types):
+            allowed_types = types if isinstance(types, tuple) else (types,)
+            if types is not None and type(v) not in allowed_types:
                 raise CheckpointError(
                     f"cannot load {_show(path)!r}: malformed {tag!r} tagged value "
                     f"(field {k!r} is {type(v).__name__})"

@@ -112,20 +112,19 @@ def fsync_path(path: PathLike) -> None:
     rename-based commit needs. Filesystems that cannot fsync directories
     (EINVAL/ENOTSUP) are tolerated: there is nothing more we could do there.
     """
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
+    flags = os.O_RDONLY
+    if os.path.isdir(path):
+        flags |= getattr(os, "O_DIRECTORY", 0)
     fd = os.open(path, flags)
     try:
         os.fsync(fd)
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF) or not stat.S_ISDIR(os.fstat(fd).st_mode):
+        unsupported = e.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)
+        if not (unsupported and stat.S_ISDIR(os.fstat(fd).st_mode)):
             raise
         logger.debug("directory fsync not supported for %s: %s", path, e)
     finally:
         os.close(fd)
-
-
-def _parent(path: str) -> str:
-    return os.path.dirname(os.path.abspath(path))
 
 
 def write_file_atomic(path: PathLike, data: Union[bytes, str]) -> None:

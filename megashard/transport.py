@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from .errors import DistributedError, MegashardError
+from .errors import MegashardError, distributed_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,7 +104,7 @@ class Comm:
         everything = self.all_gather_json({"error": error, "payload": payload})
         failures = {r: e["error"] for r, e in enumerate(everything) if e["error"]}
         if failures:
-            raise DistributedError(failures, what)
+            raise distributed_error(failures, what)
         return [e["payload"] for e in everything]
 
     def run(self, what: str, fn: Callable[[], T]) -> Tuple[Optional[T], Optional[str]]:

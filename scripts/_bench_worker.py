@@ -254,12 +254,77 @@ def fresh_dir(path: str, create: bool) -> None:
 
 def torch_dist_cpu_shim() -> None:
     """TORCH_DIST CPU SHIM: megatron-core's torch_dist save stages tensors with
-    ``torch.cuda.synchronize()`` (filesystem_async.preload_tensors), which raises on
-    CPU-only torch. Only this no-op is needed for sync save/load on CPU
-    (shared/docs/megatron-checkpointing.md §3.4); the broader
+    ``torch.cuda.synchronize()`` (filesystem_async.preload_tensors) and allocates its
+    failure flag on ``torch.cuda.current_device()`` (state_dict_saver.py:252), both of
+    which raise on CPU-only torch. These two patches are all sync save/load needs on
+    CPU (shared/docs/megatron-checkpointing.md §3.4); the broader
     megashard.megatron.cpu_compat is deliberately not used, because it wraps torch
     factories and Tensor methods and would slow the baseline down."""
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+
+class StackSampler:
+    """In-process wall-clock sampling profiler over all threads (py-spy cannot attach
+    in this VM). Every ``interval`` s it records each thread's Python stack; a thread
+    blocked in C (preadv, fsync, gloo recv, hashing) shows as the Python line that
+    called into C, which is what the time breakdown needs."""
+
+    def __init__(self, interval: float = 0.005, depth: int = 40) -> None:
+        import threading
+
+        self.interval, self.depth = interval, depth
+        self.samples: Dict[str, Dict[Tuple[str, ...], int]] = {}
+        self.n = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            self.n += 1
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = []
+                f: Any = frame
+                while f is not None and len(stack) < self.depth:
+                    co = f.f_code
+                    stack.append(f"{os.path.basename(co.co_filename)}:{co.co_name}:{f.f_lineno}")
+                    f = f.f_back
+                name = names.get(ident, "?")
+                name = "main" if name == "MainThread" else name.rsplit("_", 1)[0]
+                per = self.samples.setdefault(name, {})
+                key = tuple(reversed(stack))
+                per[key] = per.get(key, 0) + 1
+
+    def __enter__(self) -> "StackSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, top: int = 25) -> Dict[str, Any]:
+        """Per thread group: leaf lines and inclusive functions, as % of wall samples."""
+        out: Dict[str, Any] = {"samples": self.n, "interval_s": self.interval, "threads": {}}
+        for name, per in self.samples.items():
+            total = sum(per.values())
+            leaf: Dict[str, int] = {}
+            incl: Dict[str, int] = {}
+            for stack, c in per.items():
+                leaf[stack[-1]] = leaf.get(stack[-1], 0) + c
+                for fn in {":".join(x.split(":")[:2]) for x in stack}:
+                    incl[fn] = incl.get(fn, 0) + c
+            pct = lambda d: [(k, round(100.0 * v / max(1, self.n), 1))  # noqa: E731
+                             for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+            out["threads"][name] = {"thread_samples": total, "leaf_pct_of_wall": pct(leaf),
+                                    "inclusive_pct_of_wall": pct(incl)}
+        return out
 
 
 # ---------------------------------------------------------------------------
@@ -275,6 +340,7 @@ class Ctx:
     ckpt: str
     reps: int
     fsync: bool
+    profile: bool = False
 
 
 def _layout(phase: str, rank: int, world: int) -> Tuple[int, int, int]:
@@ -294,6 +360,7 @@ def run_phase(ctx: Ctx) -> Dict[str, Any]:
     if system == "torch_dist":
         torch_dist_cpu_shim()
         from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: F401 - import cost before timing
     t_build = time.perf_counter()
     shards = local_shards(ctx.spec, tp, tp_rank, dp_rank, "pattern" if is_save else "zeros")
     build_s = time.perf_counter() - t_build
@@ -324,10 +391,16 @@ def run_phase(ctx: Ctx) -> Dict[str, Any]:
     stats: List[Any] = []
     rchars: List[int] = []
     last: Any = None
-    for _ in range(ctx.reps):
+    profile: Optional[Dict[str, Any]] = None
+    for i in range(ctx.reps):
         prepare()
         r0 = rchar()
-        t, last = timed(one)
+        if ctx.profile and i == ctx.reps - 1:  # profile only the last repetition
+            with StackSampler() as sampler:
+                t, last = timed(one)
+            profile = sampler.report()
+        else:
+            t, last = timed(one)
         rchars.append(rchar() - r0)
         times.append(t)
         if system == "megashard" and not is_save:
@@ -352,7 +425,7 @@ def run_phase(ctx: Ctx) -> Dict[str, Any]:
         "rss_baseline_mib": rss_base_kib / 1024, "rss_peak_mib": rss_peak_kib / 1024,
         "peak_is_phase_only": peak_reset,
         "checkpoint_bytes": ckpt_bytes, "mismatches": bad,
-        "node_id": os.environ.get("MEGASHARD_NODE_ID"),
+        "node_id": os.environ.get("MEGASHARD_NODE_ID"), "profile": profile,
     }
 
 
@@ -364,11 +437,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--size-bytes", type=float, default=0, help="model size; 0 = the tiny model")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-fsync", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="sample stacks during the last repetition")
     a = ap.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     spec = spec_for_size(a.size_bytes) if a.size_bytes > 0 else tiny_spec()
-    ctx = Ctx(a.phase, rank, world, spec, a.ckpt, a.reps, not a.no_fsync)
+    ctx = Ctx(a.phase, rank, world, spec, a.ckpt, a.reps, not a.no_fsync, a.profile)
     try:
         res = run_phase(ctx)
         res["spec"] = {"hidden": spec.hidden, "vocab": spec.vocab, "layers": spec.layers,

@@ -71,7 +71,7 @@ def free_port() -> int:
 
 
 def run_phase(phase: str, ckpt: str, out_dir: str, size_bytes: float, reps: int, timeout: float,
-              fsync: bool) -> List[Dict[str, Any]]:
+              fsync: bool, profile: bool = False) -> List[Dict[str, Any]]:
     """Launch the two ranks of one phase, wait (kill on timeout) and return their JSON results."""
     port = free_port()
     procs = []
@@ -89,6 +89,8 @@ def run_phase(phase: str, ckpt: str, out_dir: str, size_bytes: float, reps: int,
                "--out", out_dir, "--size-bytes", str(size_bytes), "--reps", str(reps)]
         if not fsync:
             cmd.append("--no-fsync")
+        if profile:
+            cmd.append("--profile")
         procs.append(subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr))
     deadline = time.monotonic() + timeout
     for p in procs:
@@ -159,6 +161,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
     ap.add_argument("--no-fsync", action="store_true", help="megashard saves without fsync (diagnostic)")
     ap.add_argument("--phase-timeout", type=float, default=900.0)
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="sample every thread's stack during the last repetition; write the breakdown to FILE")
     a = ap.parse_args(argv)
     phases = [p for p in a.phases.split(",") if p]
     unknown = set(phases) - set(PHASES)
@@ -174,6 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
              "ms_tiny": os.path.join(work, "ms_tiny"), "td_tiny": os.path.join(work, "td_tiny")}
     log(f"model: H={spec.hidden} V={spec.vocab} L={spec.layers}, {model_bytes(spec) / GIB:.3f} GiB; work dir {work}")
     summary: Dict[str, Dict[str, Any]] = {}
+    profiles: Dict[str, Any] = {}
     t_start = time.monotonic()
     try:
         for phase in phases:
@@ -181,13 +186,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             ckpt = ckpts[phase.split("_")[0] + ("_tiny" if tiny else "")]
             log(f"phase {phase} ...")
             t0 = time.monotonic()
+            load_before = os.getloadavg()[0]
             res = run_phase(phase, ckpt, out_dir, 0 if tiny else size_bytes, a.tiny_reps if tiny else a.reps,
-                            a.phase_timeout, not a.no_fsync)
+                            a.phase_timeout, not a.no_fsync, bool(a.profile))
             summary[phase] = summarize(res)
+            if a.profile:
+                profiles[phase] = [r.get("profile") for r in res]
+            # other processes on this machine compete for the 2 CPUs: record how busy it was
+            summary[phase]["loadavg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
             log(f"phase {phase}: median {summary[phase]['median_s']:.3f} s (phase wall {time.monotonic() - t0:.0f} s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+    if a.profile:
+        with open(a.profile, "w") as f:
+            json.dump(profiles, f, indent=1)
+        log(f"profiles written to {a.profile}")
     report = build_report(a, spec, summary, time.monotonic() - t_start)
     print(json.dumps(report, indent=2))
     return 0

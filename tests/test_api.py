@@ -22,34 +22,34 @@ from layouts import Layout, bit_equal, check_state, extras, model_state
 # -- rank bodies (top level so spawn can import them) ---------------------------------
 
 
-def _save_body(rank, world, layout, ckpt, distopt):
+def _save_body(rank, world, layout, ckpt, distopt, pg=None):
     sd = model_state(layout, rank, distopt=distopt)
     sd.update(extras(rank))
-    megashard.save(sd, ckpt, layout={"tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "dp": layout.dp})
+    megashard.save(sd, ckpt, process_group=pg,
+                   layout={"tp": layout.tp, "pp": layout.pp, "vp": layout.vp, "dp": layout.dp})
     return True
 
 
-def _load_body(rank, world, layout, ckpt, distopt, mode, paths=None):
+def _load_body(rank, world, layout, ckpt, distopt, mode, saved_world, pg=None, chunk=None):
     from megashard.api import LAST_LOAD_STATS
 
     sd = model_state(layout, rank, empty=True, distopt=distopt)
     sd.update({"iteration": 0, "rng": torch.zeros(5056, dtype=torch.uint8)})
-    path = paths[rank] if paths else ckpt
-    out = megashard.load(sd, path, mode=mode)
-    bad = check_state(sd)
-    same_rank_saved = layout.world == world
+    kw = {"scatter_chunk_bytes": chunk} if chunk else {}
+    out = megashard.load(sd, ckpt, mode=mode, process_group=pg, **kw)
     ex = extras(rank)
     return {
-        "bad": bad,
+        "bad": check_state(sd),
         "iteration": out["iteration"],
         "args_lr": out["args"].lr,
         "args_dtype": str(out["args"].dtype),
         "blob_ok": out["blob"] == ex["blob"],
         "note": repr(out["note"]),
-        "rng_ok": bool(torch.equal(out["rng"], ex["rng"])) if same_rank_saved else None,
+        "rng_ok": bool(torch.equal(out["rng"], ex["rng"])),
         "rng_inplace": out["rng"] is sd["rng"],
         "stats": dict(LAST_LOAD_STATS.__dict__),
         "returned_tensor_is_template": _first_sharded_identity(sd, out),
+        "same_world": saved_world == layout.world,
     }
 
 
@@ -61,29 +61,70 @@ def _first_sharded_identity(template, out):
     return None
 
 
-def _save(layout, ckpt, distopt=False):
-    if layout.world == 1:
-        _save_body(0, 1, layout, ckpt, distopt)
-    else:
-        all_ok(run_ranks(_save_body, layout.world, layout, ckpt, distopt))
-
-
-def _load(layout, ckpt, distopt=False, mode="auto", paths=None, env=None):
-    if layout.world == 1 and not paths:
-        return [_load_body(0, 1, layout, ckpt, distopt, mode)]
-    return all_ok(run_ranks(_load_body, layout.world, layout, ckpt, distopt, mode, paths, env=env))
-
-
-def _assert_loaded(results, exact_rank_state=True):
+def _assert_loaded(results):
     for r, res in enumerate(results):
         assert res["bad"] == [], f"rank {r}: {res['bad']}"
         assert res["iteration"] == 1234
         assert res["args_lr"] == 3e-4 and res["args_dtype"] == "torch.bfloat16"
         assert res["blob_ok"]
         assert res["returned_tensor_is_template"] is True
-        if exact_rank_state:
-            assert res["rng_ok"] is True and res["rng_inplace"] is True
+        assert res["rng_inplace"] is True
+        if res["same_world"]:  # rank-local state comes back to the same rank
+            assert res["rng_ok"] is True
             assert res["note"] == repr({"rank": r, 7: "int key", "t": (1, 2.5, None)})
+
+
+def _lid(l):
+    return f"tp{l.tp}pp{l.pp}vp{l.vp}dp{l.dp}"
+
+
+# (name, save layout, load layout, distopt, mode, node ids for the load or None, hide dir from non-readers, chunk)
+CASES = [
+    ("same_tp2", Layout(tp=2), Layout(tp=2), False, "auto", None, False, None),
+    ("same_pp2vp2", Layout(pp=2, vp=2), Layout(pp=2, vp=2), False, "own", None, False, None),
+    ("same_tp2pp2", Layout(tp=2, pp=2), Layout(tp=2, pp=2), False, "auto", None, False, None),
+    ("tp2_to_tp1", Layout(tp=2), Layout(tp=1), False, "auto", None, False, None),
+    ("tp1_to_tp4", Layout(tp=1), Layout(tp=4), False, "auto", None, False, None),
+    ("pp2vp2_to_pp1", Layout(pp=2, vp=2), Layout(pp=1), False, "auto", None, False, None),
+    ("dp2_to_dp1", Layout(dp=2), Layout(dp=1), False, "auto", None, False, None),
+    ("tp2_to_tp1dp2", Layout(tp=2), Layout(tp=1, dp=2), False, "auto", None, False, None),
+    ("tp2pp2_to_tp4", Layout(tp=2, pp=2), Layout(tp=4), False, "auto", None, False, None),
+    ("distopt_tp2dp2_to_tp1dp2", Layout(tp=2, dp=2), Layout(tp=1, dp=2), True, "auto", None, False, None),
+    ("distopt_tp2dp2_to_tp4", Layout(tp=2, dp=2), Layout(tp=4), True, "auto", None, False, None),
+    ("dedup_dp4", Layout(dp=4), Layout(dp=4), False, "auto", None, False, None),
+    ("scatter_hidden_2nodes", Layout(tp=2, dp=2), Layout(tp=2, dp=2), False, "auto", ["A", "A", "B", "B"], True, None),
+    ("scatter_reshard_small_chunks", Layout(tp=2), Layout(tp=1, dp=2), False, "scatter", None, False, 1000),
+]
+
+
+def _scenarios(rank, world, base):
+    """Every save/load case in one world of 4 ranks, using subgroups for smaller layouts."""
+    import torch.distributed as dist
+
+    groups = {n: dist.new_group(list(range(n))) for n in (1, 2, 4)}
+    out = {}
+    for name, src, dst, distopt, mode, nodes, hide, chunk in CASES:
+        ckpt = os.path.join(base, name)
+        if rank < src.world:
+            _save_body(rank, src.world, src, ckpt, distopt, groups[src.world])
+        dist.barrier()
+        if nodes:
+            os.environ["MEGASHARD_NODE_ID"] = nodes[rank]
+        path = ckpt
+        if hide and nodes and nodes.index(nodes[rank]) != rank:
+            path = os.path.join(base, "not-visible-" + str(rank))  # only node readers see the files
+        if rank < dst.world:
+            out[name] = _load_body(rank, dst.world, dst, path, distopt, mode, src.world, groups[dst.world], chunk)
+        os.environ.pop("MEGASHARD_NODE_ID", None)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("scenarios"))
+    res = all_ok(run_ranks(_scenarios, 4, base, timeout=400))
+    return base, {name: [r[name] for r in res if name in r] for name, *_ in CASES}
 
 
 # -- tests -----------------------------------------------------------------------------
@@ -92,58 +133,51 @@ def _assert_loaded(results, exact_rank_state=True):
 def test_single_process_roundtrip(tmp_path):
     lay = Layout()
     ckpt = str(tmp_path / "ckpt")
-    _save(lay, ckpt)
-    _assert_loaded(_load(lay, ckpt))
+    _save_body(0, 1, lay, ckpt, False)
+    _assert_loaded([_load_body(0, 1, lay, ckpt, False, "auto", 1)])
     m = read_manifest(ckpt)
     assert m.world_size == 1 and m.layout["tp"] == 1
     assert verify_checkpoint(ckpt) == []
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], "temporary directory left behind"
 
 
-@pytest.mark.parametrize("layout", [Layout(tp=2), Layout(pp=2, vp=2), Layout(tp=2, pp=2)], ids=str)
-def test_multi_rank_roundtrip_same_layout(tmp_path, layout):
-    ckpt = str(tmp_path / "ckpt")
-    _save(layout, ckpt)
-    _assert_loaded(_load(layout, ckpt))
-    m = read_manifest(ckpt)
-    # one file per model chunk per writing rank
+@pytest.mark.parametrize("name", ["same_tp2", "same_pp2vp2", "same_tp2pp2"])
+def test_multi_rank_roundtrip_same_layout(scenarios, name):
+    base, res = scenarios
+    case = next(c for c in CASES if c[0] == name)
+    _assert_loaded(res[name])
+    assert all(r["stats"]["mode"] == "own" for r in res[name])
+    m = read_manifest(os.path.join(base, name))
     model_files = [f for f in m.files if f.startswith("model")]
-    assert len(model_files) == layout.world * layout.vp
-    assert verify_checkpoint(ckpt) == []
+    assert len(model_files) == case[1].world * case[1].vp  # one file per model chunk per rank
+    assert verify_checkpoint(os.path.join(base, name)) == []
 
 
-@pytest.mark.parametrize(
-    "src,dst",
-    [
-        (Layout(tp=2), Layout(tp=1)),
-        (Layout(tp=1), Layout(tp=4)),
-        (Layout(pp=2, vp=2), Layout(pp=1)),
-        (Layout(dp=2), Layout(dp=1)),
-        (Layout(tp=2), Layout(tp=1, dp=2)),
-        (Layout(tp=2, pp=2), Layout(tp=4)),
-    ],
-    ids=lambda l: f"tp{l.tp}pp{l.pp}vp{l.vp}dp{l.dp}",
-)
-def test_reshard(tmp_path, src, dst):
-    ckpt = str(tmp_path / "ckpt")
-    _save(src, ckpt)
-    _assert_loaded(_load(dst, ckpt), exact_rank_state=src.world == dst.world)
+@pytest.mark.parametrize("name", [c[0] for c in CASES if "_to_" in c[0]])
+def test_reshard(scenarios, name):
+    base, res = scenarios
+    case = next(c for c in CASES if c[0] == name)
+    assert len(res[name]) == case[2].world
+    _assert_loaded(res[name])
+    if case[3]:
+        m = read_manifest(os.path.join(base, name))
+        assert any(s.flat for t in m.tensors.values() for s in t.shards)
 
 
-def test_reshard_distributed_optimizer_flat_ranges(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    _save(Layout(tp=2, dp=2), ckpt, distopt=True)
-    m = read_manifest(ckpt)
-    assert any(s.flat for t in m.tensors.values() for s in t.shards)
-    _assert_loaded(_load(Layout(tp=1, dp=2), ckpt, distopt=True), exact_rank_state=False)  # flat -> other flat
-    _assert_loaded(_load(Layout(tp=4), ckpt, distopt=True), exact_rank_state=False)
+def test_own_mode_reads_only_needed_bytes(scenarios):
+    base, res = scenarios
+    # same layout: each rank reads exactly its own shards' bytes, not whole files of others
+    m = read_manifest(os.path.join(base, "same_tp2"))
+    total = sum(s.nbytes for t in m.tensors.values() for s in t.shards)
+    replicated = sum(s.nbytes for k, t in m.tensors.items() for s in t.shards if "layernorm" in k)
+    rng_bytes = 5056  # the rank-local RNG tensor
+    expect = (total - replicated) // 2 + replicated + rng_bytes
+    assert [r["stats"]["bytes_read"] for r in res["same_tp2"]] == [expect, expect]
 
 
-def test_dp_dedup_writes_each_byte_once_and_balances(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    lay = Layout(dp=4)
-    _save(lay, ckpt)
-    m = read_manifest(ckpt)
+def test_dp_dedup_writes_each_byte_once_and_balances(scenarios):
+    base, res = scenarios
+    m = read_manifest(os.path.join(base, "dedup_dp4"))
     for key, t in m.tensors.items():
         total = sum((s.flat[1] - s.flat[0]) if s.flat else int(torch.tensor(s.shape).prod()) for s in t.shards)
         assert total == int(torch.tensor(t.global_shape).prod()), key
@@ -157,43 +191,37 @@ def test_dp_dedup_writes_each_byte_once_and_balances(tmp_path):
     assert max(per_rank.values()) <= 1.25 * mean, per_rank
 
 
-def test_scatter_one_reader_per_node_hidden_dir(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    lay = Layout(tp=2, dp=2)
-    _save(lay, ckpt)
-    data_bytes = sum(s.nbytes for t in read_manifest(ckpt).tensors.values() for s in t.shards)
-    # ranks 0,1 = node A, ranks 2,3 = node B; only the readers (0 and 2) can see the directory
-    env = {"0": {"MEGASHARD_NODE_ID": "A"}, "1": {"MEGASHARD_NODE_ID": "A"},
-           "2": {"MEGASHARD_NODE_ID": "B"}, "3": {"MEGASHARD_NODE_ID": "B"}}
-    hidden = str(tmp_path / "not-visible-here")
-    paths = [ckpt, hidden, ckpt, hidden]
-    res = _load(lay, ckpt, mode="auto", paths=paths, env=env)
-    _assert_loaded(res)
-    stats = [r["stats"] for r in res]
+def test_scatter_one_reader_per_node_hidden_dir(scenarios):
+    base, res = scenarios
+    name = "scatter_hidden_2nodes"
+    _assert_loaded(res[name])
+    m = read_manifest(os.path.join(base, name))
+    data_bytes = sum(s.nbytes for t in m.tensors.values() for s in t.shards)
+    stats = [r["stats"] for r in res[name]]
     assert all(s["mode"] == "scatter" for s in stats)
     assert stats[1]["bytes_read"] == 0 and stats[3]["bytes_read"] == 0
-    assert stats[1]["bytes_received"] > 0
-    # each node needs all model bytes (TP ranks together need everything): read once per node
+    assert stats[1]["bytes_received"] > 0 and stats[3]["bytes_received"] > 0
+    # each node's TP ranks together need every model byte: read once per node, never twice
     for reader in (0, 2):
         assert data_bytes <= stats[reader]["bytes_read"] <= data_bytes + 64 * 1024, (stats[reader], data_bytes)
 
 
-def test_scatter_small_chunks_bounded_staging(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    _save(Layout(tp=2), ckpt)
-    res = all_ok(run_ranks(_load_small_chunks, 2, ckpt))
-    assert res[0]["bad"] == [] and res[1]["bad"] == []
-
-
-def _load_small_chunks(rank, world, ckpt):
-    lay = Layout(tp=1, dp=2)
-    sd = model_state(lay, rank, empty=True)
-    megashard.load(sd, ckpt, mode="scatter", scatter_chunk_bytes=1000)
-    return {"bad": check_state(sd)}
+def test_scatter_small_chunks(scenarios):
+    base, res = scenarios
+    _assert_loaded(res["scatter_reshard_small_chunks"])
+    assert res["scatter_reshard_small_chunks"][1]["stats"]["bytes_read"] == 0
 
 
 def _failing_save(rank, world, ckpt, how):
     sd = model_state(Layout(tp=2), rank)
+    sd.update(extras(rank))
+    megashard.save(sd, ckpt)  # a previous good checkpoint
+    from megashard.api import read_manifest as _rm
+
+    before = _rm(ckpt).to_json() if rank == 0 else None
+    if before is not None:
+        with open(ckpt + ".before", "w") as f:
+            f.write(before)
     if how == "unsupported" and rank == 1:
         sd["oops"] = object()
     if how == "write" and rank == 1:
@@ -225,8 +253,6 @@ def _failing_save(rank, world, ckpt, how):
 @pytest.mark.parametrize("how", ["unsupported", "write"])
 def test_failing_rank_makes_every_rank_raise(tmp_path, how):
     ckpt = str(tmp_path / "ckpt")
-    _save(Layout(tp=2), ckpt)  # a previous good checkpoint
-    before = read_manifest(ckpt).to_json()
     res = all_ok(run_ranks(_failing_save, 2, ckpt, how, timeout=120))
     for r in res:
         assert r["raised"] == "DistributedError" and r["failures"] == [1], r
@@ -235,25 +261,23 @@ def test_failing_rank_makes_every_rank_raise(tmp_path, how):
         assert "oops" in res[0]["msg"]
     else:
         assert "No space left" in res[0]["msg"]
-    assert read_manifest(ckpt).to_json() == before
-    _assert_loaded(_load(Layout(tp=2), ckpt))
+    assert read_manifest(ckpt).to_json() == open(ckpt + ".before").read()
+    _assert_loaded([_load_body(0, 1, Layout(tp=1), ckpt, False, "auto", 2)])
 
 
 def test_sigkilled_rank_leaves_previous_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    _save(Layout(tp=2), ckpt)
-    before = read_manifest(ckpt).to_json()
     res = run_ranks(_failing_save, 2, ckpt, "sigkill", timeout=150)
     assert res[1][0] is False  # killed
     # rank 0 must not hang and must not commit
     assert res[0][0] is False or res[0][1]["raised"] is not None
-    assert read_manifest(ckpt).to_json() == before
-    _assert_loaded(_load(Layout(tp=2), ckpt))
+    assert read_manifest(ckpt).to_json() == open(ckpt + ".before").read()
+    _assert_loaded([_load_body(0, 1, Layout(tp=1), ckpt, False, "auto", 2)])
 
 
 def test_strict_reports_all_mismatches_and_nonstrict_loads_rest(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    _save(Layout(), ckpt)
+    _save_body(0, 1, Layout(), ckpt, False)
     sd = model_state(Layout(), 0, empty=True)
     chunk = sd["model"]
     chunk["extra"] = ShardedTensor("does.not.exist", torch.zeros(3), (3,), (0,))
@@ -294,7 +318,7 @@ def test_pickle_payload_is_never_executed(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pickle, "loads", no_pickle)
     monkeypatch.setattr(pickle, "load", no_pickle)
-    monkeypatch.setattr(pickle.Unpickler, "find_class", no_pickle)
+    monkeypatch.setattr(pickle, "Unpickler", no_pickle)
     monkeypatch.setattr(torch, "load", no_pickle)
     out = megashard.load({"w": torch.zeros(4)}, ckpt)
     assert out["small"] == payload and out["big"] == big

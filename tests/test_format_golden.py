@@ -49,6 +49,10 @@ def all_numpy_dtypes() -> dict[str, torch.Tensor]:
         "uint8": base.abs().to(torch.uint8),
         "bool": base > 0,
         "complex64": torch.complex(base, -base),
+        "complex128": torch.complex(base, base).to(torch.complex128),
+        "uint16": base.abs().to(torch.int32).to(torch.uint16),
+        "uint32": base.abs().to(torch.int64).to(torch.uint32),
+        "uint64": base.abs().to(torch.int64).to(torch.uint64),
         "zero_dim_i32": torch.tensor(-7, dtype=torch.int32),
         "empty_f16": torch.zeros(4, 0, dtype=torch.float16),
         "transposed": base.t(),
@@ -63,6 +67,9 @@ def opaque_dtypes() -> dict[str, torch.Tensor]:
         "bf16": base.bfloat16(),
         "fp8_e4m3": base.to(torch.float8_e4m3fn),
         "fp8_e5m2": base.to(torch.float8_e5m2),
+        "fp8_e4m3fnuz": base.to(torch.float8_e4m3fnuz),
+        "fp8_e5m2fnuz": base.to(torch.float8_e5m2fnuz),
+        "complex32": torch.complex(base, base).to(torch.complex32),
         "bf16_scalar": torch.tensor(3.25, dtype=torch.bfloat16),
         "bf16_noncontig": base.bfloat16().t(),
         "f32": base,
@@ -77,6 +84,7 @@ def test_pinned_reference_file(tmp_path: Path) -> None:
     assert hashlib.sha256(data).hexdigest() == PINNED_SHA256
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("make", [reference_dict, all_numpy_dtypes, opaque_dtypes],
                          ids=["reference", "numpy_dtypes_v1", "opaque_dtypes_v2"])
 def test_bytes_equal_tensorizer(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]

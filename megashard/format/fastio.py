@@ -18,6 +18,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Sequence, Union
 
+import numpy
 import torch
 
 from ..errors import FormatError
@@ -99,18 +100,30 @@ def run_parallel(tasks: Sequence[Callable[[], None]], threads: int) -> None:
         raise first
 
 
+class _ArrayInterface:
+    """Exposes raw memory to numpy; holds the tensor so the memory outlives the view."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
-    """A writable byte memoryview over a contiguous CPU tensor's memory (no copy)."""
+    """A writable byte memoryview over a contiguous CPU tensor's memory (no copy).
+
+    Goes through numpy's array interface on the raw pointer: works for every
+    dtype (bf16/fp8 have no numpy type) and costs ~3 us, a third of
+    reshape/view/numpy().
+    """
     if t.device.type != "cpu":
         raise FormatError(f"tensor on {t.device} has no host memory to read into or write from")
     if not t.is_contiguous():
         raise FormatError("tensor memory must be contiguous")
-    if t.numel() == 0:
+    n = t.numel() * t.element_size()
+    if n == 0:
         return memoryview(bytearray(0))
-    flat = t.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    holder = _ArrayInterface()
+    holder.owner = t
+    holder.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (n,), "typestr": "|u1", "version": 3}
+    return memoryview(numpy.asarray(holder))
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -245,6 +258,8 @@ def parallel_read(path_or_fd: PathOrFd, requests: Sequence[tuple[int, torch.Tens
         for i, (offset, dest) in enumerate(requests):
             if not isinstance(dest, torch.Tensor):
                 raise FormatError(f"{name}: request {i}: destination is not a tensor")
+            if dest.device.type != "cpu" or not dest.is_contiguous():
+                raise FormatError(f"{name}: request {i}: destination must be a contiguous CPU tensor")
             mv = tensor_memoryview(dest)
             if offset < 0 or offset + len(mv) > size:
                 raise FormatError(

@@ -182,20 +182,13 @@ def build_header(module_idx: int, tensor_type: int, name: bytes, dtype: bytes,
     aligns the data without confusing any tensorizer release.
     """
     size = header_size(len(name), len(dtype), len(shape), long_shape, pad)
-    dim_fmt = "Q" if long_shape else "I"
-    parts = [
-        _START.pack(size, module_idx, tensor_type, len(name)), name,
-        bytes((len(dtype),)), dtype,
-        bytes((len(shape),)), struct.pack(f"<{len(shape)}{dim_fmt}", *shape),
-        _HASH_HEAD.pack(HASH_SECTION_LEN, 2),
-        _CRC_SEG.pack(HASH_CRC32, 4, 0),
-        _SHA_SEG.pack(HASH_SHA256, 32, bytes(32)),
-        bytes(pad), _DATA_LEN.pack(data_length),
-    ]
-    buf = bytearray(b"".join(parts))
+    fmt = (f"<QHBH{len(name)}sB{len(dtype)}sB{len(shape)}{'Q' if long_shape else 'I'}"
+           f"HBBBIBB32s{pad}xq")
+    buf = bytearray(struct.pack(fmt, size, module_idx, tensor_type, len(name), name, len(dtype), dtype,
+                                len(shape), *shape, HASH_SECTION_LEN, 2, HASH_CRC32, 4, 0,
+                                HASH_SHA256, 32, bytes(32), data_length))
     assert len(buf) == size
-    sha_seg_end = size - _DATA_LEN.size - pad
-    sha_at = sha_seg_end - 32
+    sha_at = size - _DATA_LEN.size - pad - 32
     crc_at = sha_at - 2 - 4
     return HeaderPlan(buf, crc_at, sha_at)
 
@@ -343,8 +336,8 @@ def validate_entries(entries: list[MetaEntry], header: FileHeader, path: str,
         if e.name in seen:
             raise FormatError(f"{where}: duplicate tensor name")
         seen.add(e.name)
-        if e.data_length < 0 or e.data_length >= 1 << 63:
-            raise FormatError(f"{where}: negative data length")
+        if e.expected_nbytes >= 1 << 62:
+            raise FormatError(f"{where}: shape {list(e.shape)} is too large to be a tensor")
         if e.data_length != e.expected_nbytes:
             if not (e.data_length == 0 and header.version >= VERSION_META):
                 raise FormatError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import threading
 from typing import Iterator, Sequence
 
@@ -49,7 +50,10 @@ class TensorFileReader:
         self._headers: dict[str, L.ParsedHeader] = {}
         self._lock = threading.Lock()
         try:
-            self._size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{self.path}: not a regular file")
+            self._size = st.st_size
             prologue = self._pread(0, min(L.PROLOGUE_SIZE, self._size))
             self._file_header = L.parse_prologue(prologue, self.path, self._size)
             meta = self._pread(L.PROLOGUE_SIZE, self._file_header.metadata_len)
@@ -243,13 +247,20 @@ class TensorFileReader:
             order = sorted(range(len(tasks)), key=lambda i: -selected[i].data_length)
             run_parallel([tasks[i] for i in order], self._threads)
         out: dict[str, torch.Tensor] = {}
+        typed: dict[torch.dtype, torch.Tensor] = {}
         for e, o in zip(selected, offsets):
             if e.is_meta:
                 out[e.name] = torch.empty(e.shape, dtype=e.codec.dtype, device="meta")
             elif e.data_length == 0:
                 out[e.name] = torch.empty(e.shape, dtype=e.codec.dtype)
             else:
-                out[e.name] = buf[o:o + e.data_length].view(e.codec.dtype).view(e.shape)
+                # One typed view of the buffer per dtype; as_strided is ~4x cheaper than
+                # slice + view + view when there are thousands of small tensors.
+                t = typed.get(e.codec.dtype)
+                if t is None:
+                    t = typed[e.codec.dtype] = buf.view(e.codec.dtype)
+                out[e.name] = t.as_strided(e.shape, _contiguous_strides(e.shape),
+                                            t.storage_offset() + o // e.codec.itemsize)
         return out
 
     # ------------------------------------------------------------ hashes
@@ -305,6 +316,15 @@ class TensorFileReader:
         order = sorted(range(len(self._entries)), key=lambda i: -self._entries[i].data_length)
         run_parallel([lambda i=i: task(i) for i in order], self._threads)
         return [p for p in problems if p is not None]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def open_file(path: str | os.PathLike[str]) -> TensorFileReader:

@@ -18,6 +18,7 @@ leaves a file that looks complete.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -26,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import numpy
 import torch
 from isal import isal_zlib
 
@@ -189,6 +191,7 @@ def _group_task(fd: int, group: list[_Item]) -> Callable[[], None]:
     def task() -> None:
         start = group[0].header_offset
         buf = bytearray(group[-1].end - start)
+        base = numpy.frombuffer(buf, dtype=numpy.uint8).ctypes.data
         view = memoryview(buf)
         for it in group:
             assert it.plan is not None
@@ -197,7 +200,7 @@ def _group_task(fd: int, group: list[_Item]) -> Callable[[], None]:
             view[h0:d0] = it.plan.buf
             if it.nbytes:
                 assert it.src is not None
-                view[d0:d0 + it.nbytes] = tensor_memoryview(it.src)
+                ctypes.memmove(base + d0, it.src.data_ptr(), it.nbytes)
             region = view[h0:d0 + it.nbytes]
             it.crc32 = isal_zlib.crc32(region)
             it.sha256 = hashlib.sha256(region).digest()

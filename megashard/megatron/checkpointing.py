@@ -123,6 +123,21 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
+def load_common(ckpt: str, keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Rank 0's top-level non-tensor values (``args``, ``iteration``, …) without a template."""
+    api = _api()
+    if hasattr(api, "load_common"):
+        return _call(api.load_common, ckpt, keys)
+    # core API without load_common yet: decode rank 0's saved tree from the manifest
+    from megashard import jsonstate
+
+    tree = api.read_manifest(ckpt).tree_for_rank(0)
+    if isinstance(tree, dict) and keys is not None:
+        tree = {k: v for k, v in tree.items() if k in keys}
+    decoded = jsonstate.decode(tree, resolver=lambda ref, path: None)
+    return {k: v for k, v in decoded.items() if v is not None} if isinstance(decoded, dict) else {}
+
+
 def is_megashard_checkpoint(path: Optional[str]) -> bool:
     """True if ``path`` is a megashard checkpoint directory."""
     if not path or not os.path.isdir(path):
@@ -313,7 +328,7 @@ def load_checkpoint(
         raise CheckpointError(f"{ckpt} is not a megashard checkpoint (iteration {iteration} from "
                               f"{'--ckpt-step' if ckpt_step else tracker_path(load_dir)})")
     t0 = time.perf_counter()
-    common = _call(_api().load_common, ckpt)
+    common = load_common(ckpt, ["args", "iteration", "num_floating_point_operations_so_far", "checkpoint_version", "content_metadata"])
     ckpt_args = common.get("args") or types.SimpleNamespace()
     content_md = common.get("content_metadata") or {}
     finetune = bool(_flag(args, "finetune")) or release
@@ -351,9 +366,11 @@ def load_checkpoint(
         template.pop(key, None)
     prepared = st.prepare_for_load(template)
     strict_load = bool(_flag(args, "megashard_strict_load", True))
-    loaded = _call(_api().load, prepared.request, ckpt,
-                   mode=_flag(args, "megashard_load_mode", "auto") or "auto",
-                   strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
+    # no_grad: template ShardedTensors wrap live nn.Parameters, which are filled in place
+    with torch.no_grad():
+        loaded = _call(_api().load, prepared.request, ckpt,
+                       mode=_flag(args, "megashard_load_mode", "auto") or "auto",
+                       strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
     loaded = st.finish_load(loaded, prepared)
 
     if finetune:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import copy
 import enum
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -349,6 +350,74 @@ def clean_metadata(md: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in md.items() if k != "dp_cp_group"}
 
 
+@contextlib.contextmanager
+def allow_flattened_range() -> Iterator[None]:
+    """Let megatron-core build flattened-range ShardedTensors (DistributedOptimizer state).
+
+    megatron-core >= 0.16 still *builds* the ``fully_sharded_model_space`` optimizer
+    state (one flattened ShardedTensor per model parameter and DP rank: reshardable over
+    TP, PP and DP) and still *loads* it, but ``ShardedTensor.validate_metadata_integrity``
+    rejects ``flattened_range`` because torch_dist no longer writes it. megashard does
+    write and reshard it, so while the optimizer's ``sharded_state_dict`` runs, that one
+    check is replaced by the equivalent checks for flattened shards.
+    """
+    from megatron.core.dist_checkpointing import mapping
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    cls = mapping.ShardedTensor
+    original = cls.validate_metadata_integrity
+
+    def validate(self: Any) -> None:
+        fr = self.flattened_range
+        if fr is None:
+            return original(self)
+        if self.data is not None:
+            if self.data.dtype != self.dtype:
+                raise CheckpointingException(f"Data dtype should match `dtype` attribute for {self}")
+            if self.data.dim() != 1 or self.data.numel() != fr.stop - fr.start:
+                raise CheckpointingException(f"flattened data must be 1-D with {fr.stop - fr.start} elements: {self}")
+        if len(self.global_shape) != len(self.global_offset):
+            raise CheckpointingException(f"Global offset and global shape ranks differ for {self}")
+        if len(self.local_shape) + self.prepend_axis_num != len(self.global_shape):
+            raise CheckpointingException(f"local shape + prepend_axis_num != global rank for {self}")
+        numel = 1
+        for d in self.local_shape:
+            numel *= int(d)
+        if not (0 <= fr.start <= fr.stop <= numel):
+            raise CheckpointingException(f"flattened_range {fr} outside the local shape for {self}")
+
+    cls.validate_metadata_integrity = validate
+    try:
+        yield
+    finally:
+        cls.validate_metadata_integrity = original
+
+
+def ensure_distributed_optimizer_state(optimizer: Any) -> None:
+    """Give a never-stepped DistributedOptimizer (torch Adam) an initial state with ``step``.
+
+    With torch's Adam (no Apex / Transformer Engine, e.g. on CPU) megatron-core's
+    ``DistributedOptimizer.state_dict()`` reads ``state['step']`` of every parameter and
+    fails on a fresh optimizer, so a load template could not be built before the first
+    step. Apex/TE optimizers keep ``step`` in the param groups and are left alone.
+    """
+    try:
+        from megatron.core.optimizer import distrib_optimizer as do
+    except ImportError:  # pragma: no cover
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, do.DistributedOptimizer) or inner is None or len(inner.state) > 0:
+            continue
+        if getattr(do, "HAVE_APEX_OR_TE", True) and not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
 @dataclass
 class StateRequest:
     """What goes into (or is requested from) a checkpoint."""
@@ -392,9 +461,12 @@ def build_state_dict(
         sd[key] = chunk.sharded_state_dict(metadata=request.metadata)
 
     if request.optimizer and optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False):
-        sd["optimizer"] = optimizer.sharded_state_dict(
-            sd, is_loading=request.is_loading, metadata=request.metadata
-        )
+        if request.is_loading:
+            ensure_distributed_optimizer_state(optimizer)
+        with allow_flattened_range():
+            sd["optimizer"] = optimizer.sharded_state_dict(
+                sd, is_loading=request.is_loading, metadata=request.metadata
+            )
     if request.scheduler and opt_param_scheduler is not None:
         sd["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if request.rng:

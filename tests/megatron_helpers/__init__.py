@@ -1,0 +1,1 @@
+"""Helpers for the Megatron integration tests (tests/test_megatron_*.py)."""

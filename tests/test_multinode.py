@@ -1,0 +1,118 @@
+"""Scatter load across two torchrun "nodes" on one machine (2 agents x 2 ranks, gloo).
+
+Both ``torch.distributed.run`` agents run here on 127.0.0.1 with the static
+rendezvous (``--node-rank``/``--master-addr``/``--master-port``); torchrun sets
+``GROUP_RANK`` (the node rank), which megashard uses as the node id. The rank
+script is ``tests/scripts/multinode_scatter.py``; this test asserts on its JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SCRIPT = HERE / "scripts" / "multinode_scatter.py"
+NNODES, NPROC = 2, 2
+WORLD = NNODES * NPROC
+LAUNCH_TIMEOUT_S = 150  # a hang is a bug: kill everything past this
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp: Path) -> Dict[str, List[dict]]:
+    """Start both agents, wait (killing their process groups on timeout), collect results."""
+    ckpt, out = tmp / "ckpt", tmp / "out"
+    out.mkdir()
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    for var in ("MEGASHARD_NODE_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # the node id must come from torchrun's GROUP_RANK
+    procs, logs = [], []
+    for node in range(NNODES):
+        log = open(tmp / f"agent{node}.log", "wb")
+        logs.append(log)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NNODES),
+               "--nproc-per-node", str(NPROC), "--node-rank", str(node), "--rdzv-backend", "static",
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
+               str(SCRIPT), "--ckpt", str(ckpt), "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    hung = []
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                hung.append(p.pid)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the agent and its ranks (own session)
+                p.wait()
+        for log in logs:
+            log.close()
+
+    def agent_logs() -> str:
+        return "\n".join(f"--- agent {n} ---\n" + (tmp / f"agent{n}.log").read_text(errors="replace")[-4000:]
+                         for n in range(NNODES))
+
+    assert not hung, f"torchrun agents {hung} hung (> {LAUNCH_TIMEOUT_S}s)\n{agent_logs()}"
+    assert [p.returncode for p in procs] == [0] * NNODES, f"agents failed\n{agent_logs()}"
+    results: Dict[str, List[dict]] = {}
+    for case in ("shared", "readers_only"):
+        files = [out / f"{case}-rank{r}.json" for r in range(WORLD)]
+        missing = [f.name for f in files if not f.exists()]
+        assert not missing, f"no result from {missing}\n{agent_logs()}"
+        results[case] = [json.loads(f.read_text()) for f in files]
+    return results
+
+
+@pytest.fixture(scope="module")
+def multinode_results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[dict]]:
+    return _launch(tmp_path_factory.mktemp("multinode"))
+
+
+def _assert_one_reader_per_node(results: List[dict]) -> None:
+    by_node: Dict[str, List[dict]] = {}
+    for r in results:
+        assert r["mismatches"] == [], f"rank {r['rank']}: loaded data differs: {r['mismatches']}"
+        assert r["mode"] == "scatter", f"rank {r['rank']}: mode {r['mode']}"
+        by_node.setdefault(r["node"], []).append(r)
+    assert sorted(by_node) == ["0", "1"], f"node ids (GROUP_RANK) seen: {sorted(by_node)}"
+    for node, ranks in by_node.items():
+        assert sorted(r["local_rank"] for r in ranks) == list(range(NPROC))
+        for r in ranks:
+            if r["local_rank"] == 0:
+                # the reader reads every byte its node needs, exactly once, and nothing else
+                assert r["bytes_read"] == r["node_needed_bytes"], (node, r)
+                assert r["bytes_received"] == 0, (node, r)
+            else:
+                assert r["bytes_read"] == 0, f"non-reader rank {r['rank']} read from storage: {r}"
+                assert r["bytes_received"] == r["needed_bytes"], (node, r)
+
+
+def test_multinode_scatter_one_reader_per_node(multinode_results: Dict[str, List[dict]]) -> None:
+    results = multinode_results["shared"]
+    assert all(r["path_exists"] for r in results)
+    _assert_one_reader_per_node(results)
+
+
+def test_multinode_auto_scatter_when_only_readers_see_checkpoint(multinode_results: Dict[str, List[dict]]) -> None:
+    results = multinode_results["readers_only"]
+    for r in results:
+        assert r["path_exists"] == (r["local_rank"] == 0), r
+    _assert_one_reader_per_node(results)
