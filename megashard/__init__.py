@@ -18,6 +18,9 @@ __version__ = "0.1.0"
 __all__ = [
     "save",
     "load",
+    "load_common",
+    "is_checkpoint",
+    "read_manifest",
     "ShardedTensor",
     "MegashardError",
     "FormatError",
@@ -31,7 +34,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # Lazy so that `import megashard.format` stays light (no torch.distributed import).
-    if name in ("save", "load"):
+    if name in ("save", "load", "load_common", "is_checkpoint", "read_manifest"):
         from . import api
 
         return getattr(api, name)

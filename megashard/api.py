@@ -364,7 +364,8 @@ class _LoadWork:
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+    """The raw bytes of a contiguous tensor, outside autograd (parameters are filled in place)."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWork, path: str) -> Optional[torch.Tensor]:
@@ -686,7 +687,7 @@ def load(
             log.warning("%s%s", _rank_prefix(comm), p)
         return res
 
-    result, err = comm.run("load/plan", plan_local)
+    result, err = comm.run("load/plan", torch.no_grad()(plan_local))
     comm.agree(err, "load")
 
     if chosen == "own":
@@ -696,6 +697,7 @@ def load(
         (nread, nrecv), err = _scatter(comm, base, manifest, work.ops, readers, scatter_chunk_bytes, threads)
         stats.bytes_read, stats.bytes_received = nread, nrecv
     if err is None:
+        @torch.no_grad()
         def fin() -> None:
             for f in work.finish:
                 f()
@@ -708,6 +710,54 @@ def load(
     log.info("%sloaded %s (%s mode, %.1f MB read, %.2f s)", _rank_prefix(comm), base, chosen,
              stats.bytes_read / 1e6, stats.seconds)
     return _finalize_tree(result)
+
+
+def load_common(
+    checkpoint_dir: str | os.PathLike,
+    keys: Optional[Sequence[str]] = None,
+    *,
+    process_group: Any = None,
+) -> Dict[str, Any]:
+    """Top-level non-tensor values saved by rank 0 (e.g. ``args``, ``iteration``), without a template.
+
+    Collective when a process group is initialised: rank 0 reads and broadcasts, so it
+    works when only rank 0 can see the checkpoint. Tensor-valued entries are skipped.
+    """
+    comm = Comm(process_group)
+    base = os.path.abspath(os.fspath(checkpoint_dir))
+
+    def read() -> Any:
+        if comm.rank != 0 and comm.world_size > 1:
+            return None
+        m = read_manifest(base)
+        tree = m.tree_for_rank(0)
+        work = _LoadWork()
+        value = _decode_saved_tree(tree, m, work)
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{base}: saved state is not a dict")
+        out = {}
+        for k, v in value.items():
+            if keys is not None and k not in keys:
+                continue
+            v = _finalize_tree(_strip_tensors(v))
+            if v is not _SHARDED:
+                out[k] = v
+        return jsonstate.encode(out)
+
+    encoded, err = comm.run("load_common", read)
+    comm.agree(err, "load_common")
+    encoded = comm.broadcast_json(encoded, 0)
+    return jsonstate.decode(encoded)
+
+
+def _strip_tensors(v: Any) -> Any:
+    if isinstance(v, (torch.Tensor, _LazyBytes)):
+        return _SHARDED
+    if isinstance(v, dict):
+        return {k: _strip_tensors(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_strip_tensors(x) for x in v]
+    return v
 
 
 def _format_problems(problems: List[str], base: str) -> str:
