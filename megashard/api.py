@@ -27,7 +27,7 @@ import torch
 
 from . import jsonstate, plan, storage
 from .errors import CheckpointError, MegashardError, StateDictError
-from .format import parallel_read, write_file
+from .format import empty_buffer, parallel_read, write_file
 from .manifest import Manifest, ShardRecord, TensorRecord, dtype_from_name, dtype_name, itemsize
 from .plan import Box, ShardId
 from .sharded import ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor
@@ -368,6 +368,14 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
+def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A temporary; large ones are huge-page backed so first-touch page faults stay cheap."""
+    nbytes = numel * itemsize(dtype)
+    if nbytes >= (8 << 20):
+        return empty_buffer(nbytes).view(dtype)[:numel]
+    return torch.empty(numel, dtype=dtype)
+
+
 def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWork, path: str) -> Optional[torch.Tensor]:
     """Plan reads for one requested shard; returns the tensor that will hold it."""
     if rec is None:
@@ -406,20 +414,22 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
         if not direct_ok:
             work.finish.append(lambda d=dest, t=target: d.copy_(t.view(d.shape)))
         return dest
-    bufs = [torch.empty(n, dtype=sh.dtype) for n in wp.buffers]
+    chunk_is_dest = sh.flat_range is None and dest.is_contiguous() and dest.device.type == "cpu"
+    chunk = dest.view(want.shape) if chunk_is_dest else torch.empty(want.shape, dtype=dest.dtype)
+    bufs = [_empty(n, sh.dtype) for n in wp.buffers]
     for r in wp.reads:
-        work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(bufs[r.buffer])[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        target = chunk if r.buffer == -1 else bufs[r.buffer]
+        work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(target)[r.buffer_offset:r.buffer_offset + r.nbytes]))
 
-    def place(dest=dest, wp=wp, bufs=bufs, want=want, flat=sh.flat_range) -> None:
-        chunk = torch.empty(want.shape, dtype=dest.dtype) if (flat is not None or not dest.is_contiguous()
-                                                              or dest.device.type != "cpu") else dest.view(want.shape)
+    def place(dest=dest, wp=wp, bufs=bufs, chunk=chunk, flat=sh.flat_range) -> None:
         for p in wp.placements:
             src = bufs[p.buffer].as_strided(p.shape, p.strides, p.storage_offset)
             idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
             chunk[idx].copy_(src)
+        bufs.clear()  # free temporaries as soon as they are placed
         if flat is not None:
             dest.copy_(chunk.reshape(-1)[flat[0]:flat[1]])
-        elif chunk.data_ptr() != dest.data_ptr():
+        elif not chunk_is_dest:
             dest.copy_(chunk.view(dest.shape))
 
     work.finish.append(place)

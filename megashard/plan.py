@@ -192,7 +192,7 @@ class ReadOp:
     file: str
     file_offset: int
     nbytes: int
-    buffer: int  # index into WantPlan.buffers (-1 = the destination itself)
+    buffer: int  # index into WantPlan.buffers; -1 = the want's chunk itself (C order)
     buffer_offset: int
 
 
@@ -250,24 +250,28 @@ def plan_want(
             continue
         sub = inter.relative_to(chunk)
         lo, hi = covering_span(chunk.shape, sub)
-        buf = len(plan.buffers)
-        plan.buffers.append(hi - lo)
+        dst = inter.relative_to(want_chunk)
+        dlo, dhi = covering_span(want_chunk.shape, dst)
+        # contiguous on both sides (e.g. a TP split along dim 0, stacked layers): read in place
+        in_place = (hi - lo) == inter.numel == (dhi - dlo)
+        buf = -1
+        if not in_place:
+            buf = len(plan.buffers)
+            plan.buffers.append(hi - lo)
         got = 0
         for p in cps:
             x, y = max(lo, p.flat[0]), min(hi, p.flat[1])
             if y <= x:
                 continue
             got += y - x
-            plan.reads.append(
-                ReadOp(p.file, p.data_offset + (x - p.flat[0]) * itemsize, (y - x) * itemsize, buf, (x - lo) * itemsize)
-            )
+            at = (dlo + x - lo) if in_place else (x - lo)
+            plan.reads.append(ReadOp(p.file, p.data_offset + (x - p.flat[0]) * itemsize, (y - x) * itemsize, buf,
+                                     at * itemsize))
         if got < hi - lo:
-            # part of the chunk was never saved: leave it uncovered
-            plan.buffers[buf] = hi - lo
-            continue
-        plan.placements.append(
-            Placement(buf, inter.shape, c_strides(chunk.shape), flat_index(sub.offset, chunk.shape) - lo, inter.relative_to(want_chunk))
-        )
+            continue  # part of the chunk was never saved: leave it uncovered
+        if not in_place:
+            plan.placements.append(
+                Placement(buf, inter.shape, c_strides(chunk.shape), flat_index(sub.offset, chunk.shape) - lo, dst))
         plan.covered += inter.numel
     return plan
 

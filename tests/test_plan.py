@@ -63,10 +63,11 @@ def _execute(want, want_flat, pieces, blob, dtype):
         r = wp.reads[0]
         return torch.frombuffer(bytearray(blob[r.file_offset:r.file_offset + r.nbytes]), dtype=dtype)
     bufs = [torch.zeros(n, dtype=dtype) for n in wp.buffers]
-    for r in wp.reads:
-        bufs[r.buffer].view(torch.uint8)[r.buffer_offset:r.buffer_offset + r.nbytes] = torch.frombuffer(
-            bytearray(blob[r.file_offset:r.file_offset + r.nbytes]), dtype=torch.uint8)
     out = torch.full(want.shape, -1, dtype=dtype)
+    for r in wp.reads:
+        target = out.reshape(-1) if r.buffer == -1 else bufs[r.buffer]
+        target.view(torch.uint8)[r.buffer_offset:r.buffer_offset + r.nbytes] = torch.frombuffer(
+            bytearray(blob[r.file_offset:r.file_offset + r.nbytes]), dtype=torch.uint8)
     for p in wp.placements:
         idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
         out[idx] = bufs[p.buffer].as_strided(p.shape, p.strides, p.storage_offset)
@@ -123,6 +124,15 @@ def test_plan_want_reads_only_needed_span():
     # a column block needs the span from its first to last element
     wp = plan.plan_want(Box((0, 4), (8, 4)), None, pieces, 2)
     assert wp.read_bytes == (7 * 8 + 8 - 4) * 2
+    assert len(wp.buffers) == 1  # strided: through a temporary
+
+
+def test_plan_want_dim0_split_reads_in_place():
+    # TP split along dim 0 loaded unsplit: both halves land directly in the destination
+    pieces = [SavedPiece(Box((0, 0), (4, 8)), (0, 32), "f", 0), SavedPiece(Box((4, 0), (4, 8)), (0, 32), "g", 0)]
+    wp = plan.plan_want(Box((0, 0), (8, 8)), None, pieces, 2)
+    assert wp.buffers == [] and wp.placements == [] and wp.covered == 64
+    assert sorted((r.file, r.buffer, r.buffer_offset) for r in wp.reads) == [("f", -1, 0), ("g", -1, 64)]
 
 
 @settings(max_examples=50, deadline=None)

@@ -28,9 +28,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from . import state as st
-from .state import log_rank
+from .state import get_logger
 
-logger = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 
@@ -69,7 +69,7 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
         t = torch.tensor([iteration], dtype=torch.long, device=_collective_device())
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         if int(t.item()) != iteration:
-            log_rank(logging.WARNING, "tracker iteration %d differs from max over ranks %d; using the max",
+            log.warning("tracker iteration %d differs from max over ranks %d; using the max",
                      iteration, int(t.item()))
             iteration = int(t.item())
     return iteration, release
@@ -248,7 +248,7 @@ def save_checkpoint(
     chunks = [st.unwrap_model(m) for m in st.as_chunk_list(model)]
     layout = _layout()
     ckpt = checkpoint_dir(root, iteration, release)
-    log_rank(logging.INFO, "saving checkpoint at iteration %d to %s in megashard (.tensors) format",
+    log.info("saving checkpoint at iteration %d to %s in megashard (.tensors) format",
              iteration, ckpt)
 
     request = st.StateRequest(
@@ -271,7 +271,7 @@ def save_checkpoint(
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         write_tracker(root, iteration, release)
     _barrier()
-    log_rank(logging.INFO, "saved checkpoint at iteration %d to %s in %.2f s", iteration, ckpt,
+    log.info("saved checkpoint at iteration %d to %s in %.2f s", iteration, ckpt,
              time.perf_counter() - t0)
     return ckpt
 
@@ -303,7 +303,7 @@ def load_checkpoint(
     load_dir = getattr(args, load_arg, None)
     pretrained = getattr(args, "pretrained_checkpoint", None)
     if pretrained and not (load_dir and os.path.isfile(tracker_path(load_dir))):
-        log_rank(logging.WARNING, "no checkpoint in %s; fine-tuning from %s", load_dir, pretrained)
+        log.warning("no checkpoint in %s; fine-tuning from %s", load_dir, pretrained)
         load_dir = pretrained
         args.finetune = True
 
@@ -312,10 +312,10 @@ def load_checkpoint(
     if ckpt_step:
         iteration, release = int(ckpt_step), False
     if iteration < 0 and not release:
-        log_rank(logging.WARNING, "could not find the tracker file %s; starting from random init",
+        log.warning("could not find the tracker file %s; starting from random init",
                  tracker_path(load_dir) if load_dir else "(no --load)")
         if _flag(args, "exit_on_missing_checkpoint"):
-            log_rank(logging.ERROR, "'--exit-on-missing-checkpoint' set and no checkpoint under %s: exiting",
+            log.error("'--exit-on-missing-checkpoint' set and no checkpoint under %s: exiting",
                      load_dir)
             _barrier()
             sys.exit(1)
@@ -341,7 +341,7 @@ def load_checkpoint(
 
     load_rng = not finetune and not _flag(args, "no_load_rng") and not getattr(ckpt_args, "no_save_rng", False)
     if load_rng and ckpt_tp_pp != run_tp_pp:
-        log_rank(logging.WARNING, "%s: RNG state will be ignored", mismatch)
+        log.warning("%s: RNG state will be ignored", mismatch)
         load_rng = False
     load_optim = (not finetune and not _flag(args, "no_load_optim")
                   and not getattr(ckpt_args, "no_save_optim", False) and optimizer is not None)
@@ -381,6 +381,7 @@ def load_checkpoint(
                            loaded.get("num_floating_point_operations_so_far", 0)) or 0
 
     if not finetune and common.get("args") is not None:
+        check_checkpoint_args(args, ckpt_args)
         _restore_counters(args, ckpt_args)
 
     if not skip_load_to_model_and_opt:
@@ -398,11 +399,19 @@ def load_checkpoint(
         st.restore_rng_state(rng[dp_rank] if len(rng) > dp_rank else rng[0])
 
     _barrier()
-    log_rank(logging.INFO, "loaded checkpoint %s at iteration %d (optimizer %s, rng %s%s) in %.2f s",
+    log.info("loaded checkpoint %s at iteration %d (optimizer %s, rng %s%s) in %.2f s",
              ckpt, iteration, "loaded" if load_optim else "not loaded",
              "loaded" if load_rng else "not loaded", ", finetune" if finetune else "",
              time.perf_counter() - t0)
     return iteration, num_flops
+
+
+def check_checkpoint_args(args: Any, ckpt_args: Any) -> None:
+    """Megatron's ``check_checkpoint_args``: the model architecture must match the checkpoint's."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        if hasattr(args, name) and hasattr(ckpt_args, name) and getattr(args, name) != getattr(ckpt_args, name):
+            raise ValueError(f"{name} value from checkpoint ({getattr(ckpt_args, name)}) is not equal to "
+                             f"the input argument value ({getattr(args, name)})")
 
 
 def _restore_counters(args: Any, ckpt_args: Any) -> None:

@@ -21,9 +21,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import checkpointing as ms_ckpt
 from .args import megatron_save_format, uses_megashard_save
-from .state import log_rank
+from .state import get_logger
 
-logger = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 #: (module, attribute name, original) for uninstall()
 _PATCHED: List[Tuple[Any, str, Any]] = []
@@ -57,7 +57,7 @@ def make_save_wrapper(original: Callable) -> Callable:
         margs = _megatron_args()
         if uses_megashard_save(margs) and not kwargs.get("non_persistent_ckpt", False):
             if getattr(margs, "async_save", False):
-                log_rank(logging.WARNING, "--async-save: megashard saves synchronously")
+                log.warning("--async-save: megashard saves synchronously")
             ms_ckpt.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                                     num_floating_point_operations_so_far, checkpointing_context,
                                     args=margs, release=bool(kwargs.get("release", False)))
@@ -82,7 +82,7 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
         root = _load_root(margs, load_arg)
         if ms_ckpt.find_checkpoint(root, getattr(margs, "ckpt_step", None)) is None:
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
-        log_rank(logging.INFO, "--%s %s holds a megashard checkpoint: loading with megashard",
+        log.info("--%s %s holds a megashard checkpoint: loading with megashard",
                  load_arg.replace("_", "-"), root)
         result = ms_ckpt.load_checkpoint(
             ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
@@ -116,7 +116,7 @@ def install() -> Dict[str, bool]:
         try:
             mod = importlib.import_module(name)
         except ImportError as e:
-            log_rank(logging.WARNING, "megashard.megatron.install: cannot import %s (%s)", name, e)
+            log.warning("megashard.megatron.install: cannot import %s (%s)", name, e)
             done[name] = False
             continue
         for attr, wrapper in (("save_checkpoint", save_w), ("load_checkpoint", load_w)):
@@ -126,7 +126,7 @@ def install() -> Dict[str, bool]:
                     _PATCHED.append((mod, attr, current))
                 setattr(mod, attr, wrapper)
         done[name] = True
-    log_rank(logging.INFO, "megashard installed into %s", ", ".join(k for k, v in done.items() if v))
+    log.info("megashard installed into %s", ", ".join(k for k, v in done.items() if v))
     return done
 
 

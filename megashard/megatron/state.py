@@ -36,6 +36,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+
 CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
@@ -51,9 +52,15 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def log_rank(level: int, msg: str, *args: Any) -> None:
-    """Log with a ``[rank N]`` prefix (library code never prints)."""
-    logger.log(level, "[rank %d] " + msg, _rank(), *args)
+class RankLogger(logging.LoggerAdapter):
+    """Prefixes every message with ``[rank N]`` (the global rank, once distributed is up)."""
+
+    def process(self, msg: Any, kwargs: Any) -> Tuple[Any, Any]:
+        return f"[rank {_rank()}] {msg}", kwargs
+
+
+def get_logger(name: str) -> RankLogger:
+    return RankLogger(logging.getLogger(name), {})
 
 
 def unwrap_model(model: Any) -> Any:
@@ -225,7 +232,7 @@ def jsonable_args(args: Any) -> Optional[argparse.Namespace]:
             v = f"<unrepresentable {type(value).__module__}.{type(value).__qualname__}: {value!r:.200}>"
         setattr(out, name, v)
     if lossy:
-        log_rank(logging.DEBUG, "args stored as repr strings: %s", ", ".join(lossy))
+        get_logger(__name__).debug("args stored as repr strings: %s", ", ".join(lossy))
     return out
 
 
