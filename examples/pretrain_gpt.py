@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import random
 import sys
@@ -346,6 +347,12 @@ def train_step(args: argparse.Namespace, iteration: int, model: List[Any], optim
     return loss, float(grad_norm) if grad_norm is not None else float("nan")
 
 
+def flops_per_iteration(args: argparse.Namespace) -> float:
+    """Megatron's dense-GPT estimate (forward + backward) for one global batch."""
+    b, s, L, h, v = args.global_batch_size, args.seq_length, args.num_layers, args.hidden_size, args.vocab_size
+    return 24.0 * b * s * L * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * L * h))
+
+
 def params_digest(model: List[Any]) -> str:
     """SHA-256 over every rank's parameters (gathered), to compare runs of the same layout."""
     h = hashlib.sha256()
@@ -386,6 +393,7 @@ def log0(msg: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     device = initialize(args)
     from megatron.core import parallel_state as mpu
@@ -409,8 +417,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if loaded_dir:
         what = ("weights only (--finetune)" if args.finetune else
                 "without optimizer (--no-load-optim)" if args.no_load_optim else "full state")
-        log0(f"started from checkpoint {loaded_dir} (iteration {start_iteration}, {what}) "
-             f"in {time.perf_counter() - t0:.2f} s")
+        log0(f"started from checkpoint {loaded_dir} (iteration {start_iteration}, {what}, "
+             f"num-floating-point-operations-so-far {num_flops!r}) in {time.perf_counter() - t0:.2f} s")
     else:
         log0("started from scratch (no checkpoint)")
     log0(f"params-digest {params_digest(model)} | rng-digest {rng_digest()} | "
@@ -426,6 +434,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     while iteration < args.train_iters:
         loss, grad_norm = train_step(args, iteration, model, optimizer, scheduler, device)
         iteration += 1
+        num_flops += flops_per_iteration(args)
         if is_reporter:
             print(f"iteration {iteration} | loss {loss!r} | lr {optimizer.param_groups[0]['lr']!r} | "
                   f"grad-norm {grad_norm!r}", flush=True)

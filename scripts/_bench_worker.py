@@ -218,16 +218,30 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def rchar() -> int:
-    """Bytes this process passed through read()/pread()/readv() (storage and pipes/sockets)."""
+def proc_io(field: str) -> int:
+    """A /proc/self/io counter: ``rchar`` = bytes passed through read()/pread()/readv()
+    (page cache, pipes and sockets alike); ``read_bytes`` = bytes fetched from the block
+    device (0 when the page cache is warm); -1 if unavailable."""
     try:
         with open("/proc/self/io") as f:
             for line in f:
-                if line.startswith("rchar:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except OSError:
         pass
     return -1
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (robust to other load on the machine)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def io_counters() -> Tuple[int, int]:
+    return proc_io("rchar"), proc_io("read_bytes")
 
 
 def dir_bytes(path: str) -> int:
@@ -386,22 +400,30 @@ def run_phase(ctx: Ctx) -> Dict[str, Any]:
     rss_base_kib = _status_kib("VmRSS")
     peak_reset = reset_peak_rss()
     prepare()
+    io0 = io_counters()
     warmup_s, _ = timed(one)
+    warmup_disk = io_counters()[1] - io0[1]
     times: List[float] = []
     stats: List[Any] = []
     rchars: List[int] = []
+    disk: List[int] = []
+    cpu: List[float] = []
     last: Any = None
     profile: Optional[Dict[str, Any]] = None
     for i in range(ctx.reps):
         prepare()
-        r0 = rchar()
+        io0 = io_counters()
+        c0 = cpu_seconds()
         if ctx.profile and i == ctx.reps - 1:  # profile only the last repetition
             with StackSampler() as sampler:
                 t, last = timed(one)
             profile = sampler.report()
         else:
             t, last = timed(one)
-        rchars.append(rchar() - r0)
+        cpu.append(cpu_seconds() - c0)
+        io1 = io_counters()
+        rchars.append(io1[0] - io0[0])
+        disk.append(io1[1] - io0[1])
         times.append(t)
         if system == "megashard" and not is_save:
             stats.append(last)
@@ -420,8 +442,9 @@ def run_phase(ctx: Ctx) -> Dict[str, Any]:
         "phase": ctx.phase, "rank": ctx.rank, "world": ctx.world, "system": system,
         "tp": tp, "dp": ctx.world // tp, "build_s": build_s,
         "local_bytes": local_bytes, "n_shards": len(shards),
-        "warmup_s": warmup_s, "times_s": times, "median_s": statistics.median(times),
+        "warmup_s": warmup_s, "times_s": times, "cpu_s": cpu, "median_s": statistics.median(times),
         "load_stats": stats, "rchar_bytes": rchars,
+        "disk_read_bytes": disk, "warmup_disk_read_bytes": warmup_disk,
         "rss_baseline_mib": rss_base_kib / 1024, "rss_peak_mib": rss_peak_kib / 1024,
         "peak_is_phase_only": peak_reset,
         "checkpoint_bytes": ckpt_bytes, "mismatches": bad,

@@ -13,16 +13,17 @@ RSS (VmHWM, reset after the model is built) and then checks the loaded bytes
 bit-for-bit. Loads read from a warm page cache (the checkpoint was just
 written; dropping caches needs root). Saves include fsync (both systems).
 
-Phases (2 ranks; the model is TP=2 unless noted):
+Phases (2 ranks; the model is TP=2 unless noted), in this order:
   ms_save            megashard.save                        (checkpoint for the ms_load_* phases)
-  ms_load_own        megashard.load mode="own"             same layout
-  ms_load_reshard    megashard.load mode="own"             TP1·DP2: each rank loads every full tensor
-  ms_load_scatter    megashard.load mode="scatter"         MEGASHARD_NODE_ID equal on both ranks: 1 reader
   td_save            dist_checkpointing.save (torch_dist)  (checkpoint for the td_load_* phases)
   td_load            dist_checkpointing.load               same layout
+  ms_load_own        megashard.load mode="own"             same layout
+  ms_load_scatter    megashard.load mode="scatter"         MEGASHARD_NODE_ID equal on both ranks: 1 reader
+  ms_load_reshard    megashard.load mode="own"             TP1·DP2: each rank loads every full tensor
   td_load_reshard    dist_checkpointing.load               TP1·DP2
   ms_tiny_save / td_tiny_save                              a ~0.65 MB model: fixed overhead
-Checkpoints are deleted at the end.
+Checkpoints are deleted at the end. ``--profile FILE`` samples every thread's
+stack during the last repetition of each phase (py-spy cannot attach in this VM).
 """
 from __future__ import annotations
 
@@ -49,8 +50,10 @@ from _bench_worker import model_bytes, spec_for_size, tiny_spec  # noqa: E402
 GIB = 1 << 30
 GB = 1e9
 WORLD = 2
-PHASES = ["ms_save", "ms_load_own", "ms_load_reshard", "ms_load_scatter",
-          "td_save", "td_load", "td_load_reshard", "ms_tiny_save", "td_tiny_save"]
+# Compared phases run back to back, so that load from other processes on a shared
+# machine hits both sides of each ratio alike.
+PHASES = ["ms_save", "td_save", "td_load", "ms_load_own", "ms_load_scatter", "ms_load_reshard",
+          "td_load_reshard", "ms_tiny_save", "td_tiny_save"]
 TARGETS = {  # ratio name -> minimum
     "save_vs_torch_dist": 5.0,
     "own_load_vs_torch_dist_load": 2.0,
@@ -128,13 +131,18 @@ def summarize(results: List[Dict[str, Any]]) -> Dict[str, Any]:
     per_rep = [max(r["times_s"][i] for r in results) for i in range(reps)]
     out: Dict[str, Any] = {
         "median_s": statistics.median(per_rep),
+        "min_s": min(per_rep),
         "times_s": [round(t, 4) for t in per_rep],
+        # CPU seconds (user+sys, all threads) per rank, median over reps: insensitive to other load
+        "cpu_s": [round(statistics.median(r["cpu_s"]), 3) for r in results],
         "warmup_s": round(max(r["warmup_s"] for r in results), 4),
         "delivered_bytes": sum(r["local_bytes"] for r in results),
         "peak_rss_mib": [round(r["rss_peak_mib"], 1) for r in results],
         "baseline_rss_mib": [round(r["rss_baseline_mib"], 1) for r in results],
         "rss_over_baseline_mib": [round(r["rss_peak_mib"] - r["rss_baseline_mib"], 1) for r in results],
         "read_syscall_bytes": [int(statistics.median(r["rchar_bytes"])) for r in results],
+        "disk_read_bytes": [max(r["disk_read_bytes"]) for r in results],
+        "warmup_disk_read_bytes": [r["warmup_disk_read_bytes"] for r in results],
     }
     if results[0].get("load_stats"):
         out["bytes_read_from_storage"] = [int(statistics.median(s["bytes_read"] for s in r["load_stats"]))

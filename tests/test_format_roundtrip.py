@@ -170,6 +170,31 @@ def test_parallel_read(tmp_path: Path) -> None:
         parallel_read(p, [(os.path.getsize(p) - 4, torch.empty(2, dtype=torch.float32))])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_parallel_read_random_requests(tmp_path: Path, threads: int) -> None:
+    """Adjacent, overlapping, gapped, tiny and multi-MiB requests all get exactly their bytes."""
+    import random
+
+    rng = random.Random(threads)
+    blob = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8)
+    p = tmp_path / "blob.bin"
+    p.write_bytes(blob.numpy().tobytes())
+    requests, expected = [], []
+    pos = 0
+    for i in range(200):
+        n = rng.choice([1, 3, 64, 4096, 70_000, 300_000, 1 << 20]) if i % 100 else 9 << 20
+        start = rng.choice([pos, pos + rng.randint(1, 5000), rng.randint(0, (24 << 20) - n)])
+        start = min(start, (24 << 20) - n)
+        pos = start + n
+        dtype = rng.choice([torch.uint8, torch.int16, torch.float32]) if n % 4 == 0 else torch.uint8
+        dest = torch.empty(n // dtype.itemsize, dtype=dtype)
+        requests.append((start, dest))
+        expected.append(blob[start:start + n])
+    parallel_read(p, requests, threads=threads)
+    for (start, dest), exp in zip(requests, expected):
+        assert torch.equal(dest.view(torch.uint8), exp), start
+
+
 def test_empty_buffer() -> None:
     small = empty_buffer(100)
     assert small.dtype == torch.uint8 and small.numel() == 100
@@ -184,7 +209,7 @@ def test_empty_buffer() -> None:
 
 def test_large_tensor_split_path(tmp_path: Path) -> None:
     """A tensor bigger than its share of the work: SHA-256 and CRC+write run in separate tasks."""
-    big = torch.randint(0, 255, (200 << 20,), dtype=torch.uint8)
+    big = torch.randint(0, 255, (80 << 20,), dtype=torch.uint8)  # > SPLIT_MIN and > half the total
     sd = {"small": torch.ones(3), "big": big, "after": torch.arange(5)}
     p = tmp_path / "split.tensors"
     infos = write_file(sd, p, threads=2)

@@ -16,7 +16,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, Sequence, Union
 
 import numpy
 import torch
@@ -32,12 +32,11 @@ __all__ = [
 
 HUGE_PAGE = 2 << 20
 HUGE_THRESHOLD = 4 << 20  # below this, torch.empty is as good
-READ_CHUNK = 16 << 20  # one preadv per chunk of a large tensor
-MAX_RUN_BYTES = 32 << 20  # coalesced small requests per preadv
+PARALLEL_MIN = 2 << 20  # smaller reads run in the calling thread
+MIN_TASK_BYTES = 4 << 20  # smallest share of a parallel read handed to a thread
 MAX_GAP = 64 << 10  # file gap (headers, padding) swallowed into a scratch buffer
 IOV_MAX = 1024
 MAX_IO = 1 << 30  # Linux caps one read/write near 2 GiB; stay well below
-INLINE_BYTES = 8 << 20  # requests smaller than this run in the calling thread
 
 PathOrFd = Union[str, "os.PathLike[str]", int]
 
@@ -166,65 +165,70 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 
 _scratch = memoryview(bytearray(MAX_GAP))  # sink for skipped gaps; contents never read
 
+_Run = tuple[int, list[memoryview]]  # file offset, iovecs (destination pieces and gap sinks)
 
-def _plan_runs(requests: Iterable[tuple[int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
-    """Split large requests into chunks, coalesce small neighbours into one preadv."""
-    items = sorted(((off, mv) for off, mv in requests if len(mv)), key=lambda r: r[0])
-    runs: list[tuple[int, list[memoryview]]] = []
-    cur_off = -1
-    cur_end = -1
-    cur: list[memoryview] = []
-    cur_bytes = 0
-    for off, mv in items:
-        n = len(mv)
-        if n >= READ_CHUNK:
-            for p in range(0, n, READ_CHUNK):
-                runs.append((off + p, [mv[p:p + READ_CHUNK]]))
-            continue
-        gap = off - cur_end
-        if cur and 0 <= gap <= MAX_GAP and cur_bytes + n <= MAX_RUN_BYTES and len(cur) + 2 <= IOV_MAX:
+
+def _append(runs: list[list], off: int, piece: memoryview) -> None:
+    """Add `piece` (file offset `off`) to the last run when one preadv can cover both."""
+    if runs:
+        last = runs[-1]
+        gap = off - last[2]
+        if 0 <= gap <= MAX_GAP and len(last[1]) + 2 <= IOV_MAX and last[3] + gap + len(piece) <= MAX_IO:
             if gap:
-                cur.append(_scratch[:gap])
-            cur.append(mv)
-            cur_bytes += n + gap
-            cur_end = off + n
-            continue
-        if cur:
-            runs.append((cur_off, cur))
-        cur_off, cur_end, cur, cur_bytes = off, off + n, [mv], n
-    if cur:
-        runs.append((cur_off, cur))
-    return runs
+                last[1].append(_scratch[:gap])
+            last[1].append(piece)
+            last[2] = off + len(piece)
+            last[3] += gap + len(piece)
+            return
+    runs.append([off, [piece], off + len(piece), len(piece)])
+
+
+def plan_reads(requests: Sequence[tuple[int, memoryview]], threads: int) -> list[list[_Run]]:
+    """Partition requests into byte-balanced tasks of coalesced preadv runs.
+
+    Requests are sorted by file offset and cut into at most threads*4 tasks of
+    equal bytes (large tensors are split across tasks, small neighbours share a
+    preadv, small file gaps such as headers go to a scratch sink), so every
+    thread stays busy and syscalls, not task overhead, dominate.
+    """
+    items = sorted(((off, mv) for off, mv in requests if len(mv)), key=lambda r: r[0])
+    total = sum(len(mv) for _, mv in items)
+    if not total:
+        return []
+    if threads <= 1 or total < PARALLEL_MIN:
+        n_tasks = 1
+    else:
+        n_tasks = min(threads * 4, max(threads, total // MIN_TASK_BYTES))
+    target = -(-total // n_tasks)
+    tasks: list[list[_Run]] = []
+    runs: list[list] = []
+    filled = 0
+    for off, mv in items:
+        pos = 0
+        n = len(mv)
+        while pos < n:
+            take = min(n - pos, target - filled)
+            _append(runs, off + pos, mv[pos:pos + take])
+            pos += take
+            filled += take
+            if filled >= target:
+                tasks.append([(r[0], r[1]) for r in runs])
+                runs, filled = [], 0
+    if runs:
+        tasks.append([(r[0], r[1]) for r in runs])
+    return tasks
 
 
 def read_requests(fd: int, requests: Sequence[tuple[int, memoryview]], path: str,
                   threads: int) -> None:
     """Fill memoryviews from file offsets with parallel preadv (offsets pre-validated)."""
-    runs = _plan_runs(requests)
-    total = sum(len(v) for _, vs in runs for v in vs)
-    if threads <= 1 or total < INLINE_BYTES or len(runs) == 1:
-        for off, views in runs:
-            preadv_all(fd, views, off, path)
-        return
-    # Group runs into ~4 tasks per thread so the syscalls, not task overhead, dominate.
-    target = max(READ_CHUNK, total // (threads * 4))
-    tasks: list[Callable[[], None]] = []
-    batch: list[tuple[int, list[memoryview]]] = []
-    batch_bytes = 0
-    for run in runs:
-        batch.append(run)
-        batch_bytes += sum(len(v) for v in run[1])
-        if batch_bytes >= target:
-            tasks.append(_reader_task(fd, batch, path))
-            batch, batch_bytes = [], 0
-    if batch:
-        tasks.append(_reader_task(fd, batch, path))
-    run_parallel(tasks, threads)
+    tasks = plan_reads(requests, threads)
+    run_parallel([_reader_task(fd, t, path) for t in tasks], threads)
 
 
-def _reader_task(fd: int, batch: list[tuple[int, list[memoryview]]], path: str) -> Callable[[], None]:
+def _reader_task(fd: int, runs: list[_Run], path: str) -> Callable[[], None]:
     def task() -> None:
-        for off, views in batch:
+        for off, views in runs:
             preadv_all(fd, views, off, path)
     return task
 

@@ -70,7 +70,7 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         if int(t.item()) != iteration:
             log.warning("tracker iteration %d differs from max over ranks %d; using the max",
-                     iteration, int(t.item()))
+                        iteration, int(t.item()))
             iteration = int(t.item())
     return iteration, release
 
@@ -313,10 +313,10 @@ def load_checkpoint(
         iteration, release = int(ckpt_step), False
     if iteration < 0 and not release:
         log.warning("could not find the tracker file %s; starting from random init",
-                 tracker_path(load_dir) if load_dir else "(no --load)")
+                    tracker_path(load_dir) if load_dir else "(no --load)")
         if _flag(args, "exit_on_missing_checkpoint"):
             log.error("'--exit-on-missing-checkpoint' set and no checkpoint under %s: exiting",
-                     load_dir)
+                      load_dir)
             _barrier()
             sys.exit(1)
         return 0, 0

@@ -500,6 +500,8 @@ def prepare_for_save(sd: Dict[str, Any]) -> Dict[str, Any]:
     out = copy_structure(sd)
     apply_factories(out)
     extract_nonpersistent(out)
+    if "optimizer" in out:
+        strip_fs_model_space_steps(out["optimizer"])
     return out
 
 
@@ -509,6 +511,8 @@ def prepare_for_load(template: Dict[str, Any]) -> PreparedLoad:
     request = copy_structure(template)
     apply_factories(request)
     nonpersistent = extract_nonpersistent(request)
+    if "optimizer" in request:
+        strip_fs_model_space_steps(request["optimizer"])
     return PreparedLoad(request, template, nonpersistent)
 
 
@@ -561,12 +565,88 @@ def load_model_state(ddp_model: Sequence[Any], loaded: Dict[str, Any], strict: b
         chunk.load_state_dict(loaded[key], strict=strict)
 
 
-def load_optimizer_state(optimizer: Any, state: Any) -> None:
-    """``optimizer.load_state_dict`` under no_grad.
+def _is_fs_model_space(x: Any) -> bool:
+    return isinstance(x, dict) and x.get("param_state_sharding_type") == DISTRIB_OPTIM_SHARDING_TYPE
 
-    The DistributedOptimizer's fp32 main params are views of the model params when
-    the model is fp32; copying into them outside no_grad fails ("a view of a leaf
-    Variable that requires grad is being used in an in-place operation").
+
+def strip_fs_model_space_steps(optimizer_sd: Any) -> None:
+    """Drop the per-parameter ``step`` tensors from DistributedOptimizer param-state entries.
+
+    megatron-core leaves torch Adam's ``step`` as a plain rank-local tensor in every
+    ``fully_sharded_model_space`` entry; it duplicates ``param_groups[i]['step']`` and,
+    being indexed by this rank's parameter order, cannot be matched after a layout change.
     """
+    if _is_fs_model_space(optimizer_sd):
+        for entry in (optimizer_sd.get("param_state") or {}).values():
+            if isinstance(entry, dict):
+                entry.pop("step", None)
+    elif isinstance(optimizer_sd, dict):
+        for v in optimizer_sd.values():
+            strip_fs_model_space_steps(v)
+
+
+def _load_fs_model_space(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor]]) -> None:
+    """megatron-core's ``load_parameter_state_from_fs_model_space`` minus its torch-Adam bug.
+
+    The original builds the source dict without ``step`` but copies every key of the live
+    state (which, with torch's Adam, has ``step``): KeyError 'step'. Keys missing from the
+    checkpoint entry (``step``, restored from ``param_groups``) keep their current value.
+    """
+    idx = 0  # same parameter order as sharded_param_state_fs_model_space
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for per_dtype in gbuf_range_maps.values():
+            for gbuf_range_map in per_dtype:
+                for model_param in gbuf_range_map["param_map"]:
+                    entry = param_state[idx]
+                    src = {("param" if k == "fp32_param" else k): v for k, v in entry.items() if k != "step"}
+                    current = opt._get_main_param_and_optimizer_states(model_param)
+                    opt._set_main_param_and_optimizer_states(
+                        model_param, {k: src.get(k, current[k]) for k in current})
+                    idx += 1
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """``optimizer.load_state_dict`` under no_grad; DistributedOptimizer param state loaded here.
+
+    no_grad: the DistributedOptimizer's fp32 main params are views of the model params
+    when the model is fp32, and copying into them outside no_grad fails ("a view of a
+    leaf Variable that requires grad is being used in an in-place operation").
+    """
+    opts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if _is_fs_model_space(state):
+        pairs = [(opts[0], state)]
+    elif isinstance(state, dict) and all(isinstance(k, int) for k in state) and len(state) == len(opts):
+        pairs = [(o, state[k]) for o, k in zip(opts, sorted(state))]
+    else:
+        pairs = []
+    deferred = []
+    for opt, sub in pairs:
+        if _is_fs_model_space(sub) and "param_state" in sub:
+            deferred.append((opt, sub.pop("param_state")))
     with torch.no_grad():
         optimizer.load_state_dict(state)
+        for opt, param_state in deferred:
+            _load_fs_model_space(opt, param_state)
+        _unshare_step_tensors(opts)
+
+
+def _unshare_step_tensors(opts: Sequence[Any]) -> None:
+    """Give every parameter its own torch-Adam ``step`` tensor again.
+
+    ``DistributedOptimizer.load_state_dict`` (torch Adam, no Apex/TE) puts *one* step
+    tensor into every parameter's state, and torch's ``Optimizer.load_state_dict`` keeps
+    it shared; single-tensor Adam then does ``step += 1`` once per parameter, so the
+    bias correction after a resume is wrong. Megatron's own torch_dist loads have the
+    same problem on CPU; with Apex/TE (the GPU default) the step lives in param_groups.
+    """
+    for opt in opts:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or not hasattr(inner, "state"):
+            continue
+        seen: set = set()
+        for s in inner.state.values():
+            step = s.get("step") if isinstance(s, dict) else None
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    s["step"] = step.clone()
+                seen.add(id(s["step"]))
