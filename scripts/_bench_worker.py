@@ -1,10 +1,13 @@
-"""One rank of one benchmark phase (launched by ``scripts/bench.py``; not for direct use).
+"""One rank of one benchmark group (launched by ``scripts/bench.py``; not for direct use).
 
-Every phase runs in a fresh pair of processes so that peak RSS and caches of one
-phase do not leak into another. The rank reads its identity from the usual
-torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), runs a warm-up
-plus ``--reps`` timed repetitions of one operation, checks the loaded data
-bit-for-bit after the timed part, and writes one JSON file with its numbers.
+A group is a set of operations that are compared with each other (megashard save
+vs torch_dist save, ...). Each group runs in a fresh pair of processes; inside it
+the operations' repetitions are interleaved (A B, B A, A B, ...) so that load
+from other processes on a shared machine hits every side of a comparison alike.
+The rank reads its identity from the usual torchrun variables (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), warms every op up once, runs ``--reps`` rounds, checks
+loaded data bit-for-bit after the last round (untimed) and writes one JSON file.
+Peak RSS is per operation: VmHWM is reset (``/proc/self/clear_refs``) before each.
 
 The model is GPT-like and built directly as megatron-core ``ShardedTensor``s
 (``ShardedTensor.from_rank_offsets``): column-parallel weights split on their
@@ -24,11 +27,10 @@ import json
 import math
 import os
 import shutil
-import statistics
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -342,141 +344,195 @@ class StackSampler:
 
 
 # ---------------------------------------------------------------------------
-# phases
+# operations and groups
+
+
+@dataclass(frozen=True)
+class Op:
+    """One measured operation."""
+
+    name: str
+    system: str  # "megashard" | "torch_dist"
+    save: bool
+    ckpt: str  # checkpoint directory name under the work dir
+    mode: str = ""  # megashard load mode
+
+
+OPS: Dict[str, Op] = {o.name: o for o in [
+    Op("ms_save", "megashard", True, "ms_ckpt"),
+    Op("td_save", "torch_dist", True, "td_ckpt"),
+    Op("td_load", "torch_dist", False, "td_ckpt"),
+    Op("ms_load_own", "megashard", False, "ms_ckpt", "own"),
+    Op("ms_load_scatter", "megashard", False, "ms_ckpt", "scatter"),
+    Op("ms_load_reshard", "megashard", False, "ms_ckpt", "own"),
+    Op("td_load_reshard", "torch_dist", False, "td_ckpt"),
+    Op("ms_tiny_save", "megashard", True, "ms_tiny"),
+    Op("td_tiny_save", "torch_dist", True, "td_tiny"),
+]}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Operations compared in one pair of processes, repetitions interleaved."""
+
+    ops: Tuple[str, ...]
+    reshard: bool = False  # template TP1·DP=world instead of TP=world
+    tiny: bool = False
+
+
+GROUPS: Dict[str, Group] = {
+    "save": Group(("ms_save", "td_save")),
+    "load": Group(("td_load", "ms_load_own", "ms_load_scatter")),
+    "reshard": Group(("ms_load_reshard", "td_load_reshard"), reshard=True),
+    "tiny": Group(("ms_tiny_save", "td_tiny_save"), tiny=True),
+}
+SCATTER_NODE_ID = "bench-node"  # both ranks on one "node": rank 0 reads for both
 
 
 @dataclass
 class Ctx:
-    phase: str
+    group: str
     rank: int
     world: int
     spec: ModelSpec
-    ckpt: str
+    workdir: str
     reps: int
     fsync: bool
     profile: bool = False
 
 
-def _layout(phase: str, rank: int, world: int) -> Tuple[int, int, int]:
-    """(tp, tp_rank, dp_rank) of this phase's template: TP=world, or TP1·DP=world for reshard."""
-    if phase.endswith("reshard"):
-        return 1, 0, rank
-    return world, rank, 0
+@dataclass
+class OpRecord:
+    """What one rank measured for one operation over its repetitions."""
+
+    times_s: List[float] = field(default_factory=list)
+    cpu_s: List[float] = field(default_factory=list)
+    rchar_bytes: List[int] = field(default_factory=list)
+    disk_read_bytes: List[int] = field(default_factory=list)
+    rss_baseline_mib: List[float] = field(default_factory=list)
+    rss_peak_mib: List[float] = field(default_factory=list)
+    load_stats: List[Dict[str, Any]] = field(default_factory=list)
+    warmup_s: float = 0.0
+    mismatches: List[str] = field(default_factory=list)
+    profile: Optional[Dict[str, Any]] = None
 
 
-def run_phase(ctx: Ctx) -> Dict[str, Any]:
+def run_group(ctx: Ctx) -> Dict[str, Any]:
+    """Warm up every op once, then ``reps`` rounds (order alternating) of every op.
+
+    Between ops (untimed): save targets are removed, load templates re-zeroed, the
+    peak-RSS counter reset; so each op's peak RSS is its own although the ops share
+    a process. Loads are checked bit-for-bit after their last repetition.
+    """
     import megashard
     from megashard.api import LAST_LOAD_STATS
 
-    tp, tp_rank, dp_rank = _layout(ctx.phase, ctx.rank, ctx.world)
-    is_save = "save" in ctx.phase
-    system = "torch_dist" if ctx.phase.startswith("td_") else "megashard"
-    if system == "torch_dist":
-        torch_dist_cpu_shim()
-        from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: F401 - import cost before timing
+    torch_dist_cpu_shim()  # only affects torch.cuda.*, which megashard does not call on gloo
+    from megatron.core import dist_checkpointing
+
+    group = GROUPS[ctx.group]
+    tp, tp_rank, dp_rank = (1, 0, ctx.rank) if group.reshard else (ctx.world, ctx.rank, 0)
+    ops = [OPS[n] for n in group.ops]
+    saving = ops[0].save
     t_build = time.perf_counter()
-    shards = local_shards(ctx.spec, tp, tp_rank, dp_rank, "pattern" if is_save else "zeros")
+    shards = local_shards(ctx.spec, tp, tp_rank, dp_rank, "pattern" if saving else "zeros")
     build_s = time.perf_counter() - t_build
     local_bytes = sum(s.data.numel() * s.data.element_size() for s in shards)
     gc.collect()
+    peak_reset_works = reset_peak_rss()
+    records = {o.name: OpRecord() for o in ops}
 
-    def one() -> Any:
-        sd = sharded_state_dict(shards)
-        if system == "megashard" and is_save:
-            return megashard.save(sd, ctx.ckpt, fsync=ctx.fsync)
-        if system == "megashard":
-            mode = "scatter" if ctx.phase.endswith("scatter") else "own"
-            megashard.load(sd, ctx.ckpt, mode=mode)
-            return dict(LAST_LOAD_STATS.__dict__)
-        if is_save:
-            return dist_checkpointing.save(sd, ctx.ckpt)
-        return dist_checkpointing.load(sd, ctx.ckpt)
-
-    def prepare() -> None:
-        if is_save:  # untimed: remove the previous repetition's checkpoint
-            fresh_dir(ctx.ckpt, create=(system == "torch_dist"))
-
-    rss_base_kib = _status_kib("VmRSS")
-    peak_reset = reset_peak_rss()
-    prepare()
-    io0 = io_counters()
-    warmup_s, _ = timed(one)
-    warmup_disk = io_counters()[1] - io0[1]
-    times: List[float] = []
-    stats: List[Any] = []
-    rchars: List[int] = []
-    disk: List[int] = []
-    cpu: List[float] = []
-    last: Any = None
-    profile: Optional[Dict[str, Any]] = None
-    for i in range(ctx.reps):
-        prepare()
-        io0 = io_counters()
-        c0 = cpu_seconds()
-        if ctx.profile and i == ctx.reps - 1:  # profile only the last repetition
-            with StackSampler() as sampler:
-                t, last = timed(one)
-            profile = sampler.report()
+    def prepare(op: Op) -> None:
+        path = os.path.join(ctx.workdir, op.ckpt)
+        if op.save:
+            fresh_dir(path, create=(op.system == "torch_dist"))  # torch_dist wants an existing dir
         else:
-            t, last = timed(one)
-        cpu.append(cpu_seconds() - c0)
-        io1 = io_counters()
-        rchars.append(io1[0] - io0[0])
-        disk.append(io1[1] - io0[1])
-        times.append(t)
-        if system == "megashard" and not is_save:
-            stats.append(last)
-    rss_peak_kib = _status_kib("VmHWM")
+            for s in shards:
+                s.data.zero_()
+        if op.mode == "scatter":
+            os.environ["MEGASHARD_NODE_ID"] = SCATTER_NODE_ID
+        else:
+            os.environ.pop("MEGASHARD_NODE_ID", None)
+        gc.collect()
+        dist.barrier()
 
-    # correctness, after the timed part
-    if is_save:
-        bad: List[str] = []
-    elif system == "megashard":
-        bad = mismatches(shards, ctx.spec)
-    else:
-        loaded = last["model"]
-        bad = mismatches(shards, ctx.spec, loaded)
-    ckpt_bytes = dir_bytes(ctx.ckpt) if ctx.rank == 0 and os.path.isdir(ctx.ckpt) else None
-    return {
-        "phase": ctx.phase, "rank": ctx.rank, "world": ctx.world, "system": system,
-        "tp": tp, "dp": ctx.world // tp, "build_s": build_s,
-        "local_bytes": local_bytes, "n_shards": len(shards),
-        "warmup_s": warmup_s, "times_s": times, "cpu_s": cpu, "median_s": statistics.median(times),
-        "load_stats": stats, "rchar_bytes": rchars,
-        "disk_read_bytes": disk, "warmup_disk_read_bytes": warmup_disk,
-        "rss_baseline_mib": rss_base_kib / 1024, "rss_peak_mib": rss_peak_kib / 1024,
-        "peak_is_phase_only": peak_reset,
-        "checkpoint_bytes": ckpt_bytes, "mismatches": bad,
-        "node_id": os.environ.get("MEGASHARD_NODE_ID"), "profile": profile,
-    }
+    def execute(op: Op) -> Any:
+        sd = sharded_state_dict(shards)
+        path = os.path.join(ctx.workdir, op.ckpt)
+        if op.system == "megashard" and op.save:
+            return megashard.save(sd, path, fsync=ctx.fsync)
+        if op.system == "megashard":
+            megashard.load(sd, path, mode=op.mode)
+            return dict(LAST_LOAD_STATS.__dict__)
+        if op.save:
+            return dist_checkpointing.save(sd, path)
+        return dist_checkpointing.load(sd, path)
+
+    for op in ops:  # warm-up
+        prepare(op)
+        records[op.name].warmup_s, _ = timed(lambda: execute(op))
+    for i in range(ctx.reps):
+        for op in (ops if i % 2 == 0 else ops[::-1]):
+            rec = records[op.name]
+            prepare(op)
+            rec.rss_baseline_mib.append(_status_kib("VmRSS") / 1024)
+            reset_peak_rss()
+            io0, c0 = io_counters(), cpu_seconds()
+            if ctx.profile and i == ctx.reps - 1:  # sample the last repetition only
+                with StackSampler() as sampler:
+                    t, out = timed(lambda: execute(op))
+                rec.profile = sampler.report()
+            else:
+                t, out = timed(lambda: execute(op))
+            rec.cpu_s.append(cpu_seconds() - c0)
+            io1 = io_counters()
+            rec.rss_peak_mib.append(_status_kib("VmHWM") / 1024)
+            rec.times_s.append(t)
+            rec.rchar_bytes.append(io1[0] - io0[0])
+            rec.disk_read_bytes.append(io1[1] - io0[1])
+            if op.system == "megashard" and not op.save:
+                rec.load_stats.append(out)
+            if i == ctx.reps - 1 and not op.save:  # correctness, untimed
+                rec.mismatches = mismatches(shards, ctx.spec, out["model"] if op.system == "torch_dist" else None)
+            del out
+    os.environ.pop("MEGASHARD_NODE_ID", None)
+
+    result: Dict[str, Any] = {}
+    for op in ops:
+        rec = records[op.name]
+        path = os.path.join(ctx.workdir, op.ckpt)
+        result[op.name] = dict(
+            rec.__dict__, op=op.name, system=op.system, rank=ctx.rank, world=ctx.world, tp=tp,
+            dp=ctx.world // tp, build_s=build_s, local_bytes=local_bytes, n_shards=len(shards),
+            peak_is_op_only=peak_reset_works,
+            checkpoint_bytes=dir_bytes(path) if ctx.rank == 0 and os.path.isdir(path) else None)
+    return result
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--phase", required=True)
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--group", required=True, choices=sorted(GROUPS))
+    ap.add_argument("--workdir", required=True, help="checkpoints go here")
     ap.add_argument("--out", required=True, help="directory for the per-rank JSON result")
-    ap.add_argument("--size-bytes", type=float, default=0, help="model size; 0 = the tiny model")
+    ap.add_argument("--size-bytes", type=float, required=True, help="model size (ignored for the tiny group)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--no-fsync", action="store_true")
+    ap.add_argument("--no-fsync", action="store_true", help="megashard saves without fsync (diagnostic)")
     ap.add_argument("--profile", action="store_true", help="sample stacks during the last repetition")
     a = ap.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
-    spec = spec_for_size(a.size_bytes) if a.size_bytes > 0 else tiny_spec()
-    ctx = Ctx(a.phase, rank, world, spec, a.ckpt, a.reps, not a.no_fsync, a.profile)
+    spec = tiny_spec() if GROUPS[a.group].tiny else spec_for_size(a.size_bytes)
+    ctx = Ctx(a.group, rank, world, spec, a.workdir, a.reps, not a.no_fsync, a.profile)
     try:
-        res = run_phase(ctx)
-        res["spec"] = {"hidden": spec.hidden, "vocab": spec.vocab, "layers": spec.layers,
-                       "model_bytes": model_bytes(spec)}
-        res["ok"] = True
+        res: Dict[str, Any] = {"group": a.group, "rank": rank, "ok": True, "ops": run_group(ctx),
+                               "spec": {"hidden": spec.hidden, "vocab": spec.vocab, "layers": spec.layers,
+                                        "model_bytes": model_bytes(spec)}}
     except Exception as e:  # noqa: BLE001 - reported to the orchestrator
         import traceback
 
-        res = {"phase": a.phase, "rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}",
+        res = {"group": a.group, "rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}",
                "traceback": traceback.format_exc()}
-    with open(os.path.join(a.out, f"{a.phase}-rank{rank}.json"), "w") as f:
+    with open(os.path.join(a.out, f"{a.group}-rank{rank}.json"), "w") as f:
         json.dump(res, f)
     try:
         dist.destroy_process_group()

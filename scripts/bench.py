@@ -3,27 +3,32 @@
 
 Usage::
 
-    python scripts/bench.py [--size-gib 2] [--reps 3] [--tiny-reps 5] [--workdir DIR]
+    python scripts/bench.py [--size-gib 2] [--reps 3] [--tiny-reps 5] [--workdir DIR] [--profile FILE]
 
-Prints ONE JSON object on stdout (progress goes to stderr). Every phase runs in a
-fresh pair of gloo ranks (``scripts/_bench_worker.py``, launched like torchrun
-with RANK/WORLD_SIZE/MASTER_ADDR=127.0.0.1/MASTER_PORT, OMP_NUM_THREADS=1), does
-a warm-up and ``--reps`` timed repetitions, reports the median, per-rank peak
-RSS (VmHWM, reset after the model is built) and then checks the loaded bytes
-bit-for-bit. Loads read from a warm page cache (the checkpoint was just
-written; dropping caches needs root). Saves include fsync (both systems).
+Prints ONE JSON object on stdout (progress goes to stderr). Two gloo ranks on
+CPU, launched like torchrun (RANK/WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+OMP_NUM_THREADS=1) by ``scripts/_bench_worker.py``. The operations compared with
+each other run in one fresh pair of processes ("group") with their repetitions
+interleaved (A B, B A, ...), so that other load on a shared machine hits both
+sides of a ratio alike; each op gets a warm-up, then ``--reps`` timed
+repetitions (median reported; per repetition the slower rank counts). Peak RSS
+is per op (VmHWM reset before each). Loaded bytes are checked bit-for-bit.
+Loads read a warm page cache (the checkpoint was just written; dropping caches
+needs root; ``disk_read_bytes`` shows what came from the device). Saves include
+fsync on both systems.
 
-Phases (2 ranks; the model is TP=2 unless noted), in this order:
-  ms_save            megashard.save                        (checkpoint for the ms_load_* phases)
-  td_save            dist_checkpointing.save (torch_dist)  (checkpoint for the td_load_* phases)
-  td_load            dist_checkpointing.load               same layout
-  ms_load_own        megashard.load mode="own"             same layout
-  ms_load_scatter    megashard.load mode="scatter"         MEGASHARD_NODE_ID equal on both ranks: 1 reader
-  ms_load_reshard    megashard.load mode="own"             TP1·DP2: each rank loads every full tensor
-  td_load_reshard    dist_checkpointing.load               TP1·DP2
-  ms_tiny_save / td_tiny_save                              a ~0.65 MB model: fixed overhead
+Groups and ops (the model is TP=2 unless noted):
+  save     ms_save          megashard.save
+           td_save          dist_checkpointing.save (torch_dist)
+  load     td_load          dist_checkpointing.load, same layout
+           ms_load_own      megashard.load mode="own", same layout
+           ms_load_scatter  megashard.load mode="scatter", MEGASHARD_NODE_ID equal on both
+                            ranks: rank 0 reads everything and streams rank 1's part over gloo
+  reshard  ms_load_reshard  megashard.load into TP1·DP2 (each rank loads every full tensor)
+           td_load_reshard  dist_checkpointing.load into TP1·DP2
+  tiny     ms_tiny_save / td_tiny_save   a ~0.65 MB model: fixed overhead
 Checkpoints are deleted at the end. ``--profile FILE`` samples every thread's
-stack during the last repetition of each phase (py-spy cannot attach in this VM).
+stack during the last repetition of each op (py-spy cannot attach in this VM).
 """
 from __future__ import annotations
 
@@ -45,15 +50,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _bench_worker import model_bytes, spec_for_size, tiny_spec  # noqa: E402
+from _bench_worker import GROUPS, model_bytes, spec_for_size, tiny_spec  # noqa: E402
 
 GIB = 1 << 30
 GB = 1e9
 WORLD = 2
-# Compared phases run back to back, so that load from other processes on a shared
-# machine hits both sides of each ratio alike.
-PHASES = ["ms_save", "td_save", "td_load", "ms_load_own", "ms_load_scatter", "ms_load_reshard",
-          "td_load_reshard", "ms_tiny_save", "td_tiny_save"]
 TARGETS = {  # ratio name -> minimum
     "save_vs_torch_dist": 5.0,
     "own_load_vs_torch_dist_load": 2.0,
@@ -73,9 +74,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_phase(phase: str, ckpt: str, out_dir: str, size_bytes: float, reps: int, timeout: float,
-              fsync: bool, profile: bool = False) -> List[Dict[str, Any]]:
-    """Launch the two ranks of one phase, wait (kill on timeout) and return their JSON results."""
+def run_group(group: str, work: str, out_dir: str, size_bytes: float, reps: int, timeout: float,
+              fsync: bool, profile: bool) -> Dict[str, List[Dict[str, Any]]]:
+    """Launch the two ranks of one group, wait (kill on timeout); per op, the ranks' results."""
     port = free_port()
     procs = []
     for rank in range(WORLD):
@@ -83,12 +84,9 @@ def run_phase(phase: str, ckpt: str, out_dir: str, size_bytes: float, reps: int,
                    LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                    PYTHONWARNINGS="ignore")
-        env.pop("GROUP_RANK", None)
-        if phase.endswith("scatter"):
-            env["MEGASHARD_NODE_ID"] = "bench-node"  # both ranks on one "node": rank 0 reads for both
-        else:
-            env.pop("MEGASHARD_NODE_ID", None)
-        cmd = [sys.executable, os.path.join(HERE, "_bench_worker.py"), "--phase", phase, "--ckpt", ckpt,
+        for var in ("GROUP_RANK", "MEGASHARD_NODE_ID"):  # the worker sets the node id per op
+            env.pop(var, None)
+        cmd = [sys.executable, os.path.join(HERE, "_bench_worker.py"), "--group", group, "--workdir", work,
                "--out", out_dir, "--size-bytes", str(size_bytes), "--reps", str(reps)]
         if not fsync:
             cmd.append("--no-fsync")
@@ -108,21 +106,23 @@ def run_phase(phase: str, ckpt: str, out_dir: str, size_bytes: float, reps: int,
             p.wait()
     results = []
     for rank in range(WORLD):
-        path = os.path.join(out_dir, f"{phase}-rank{rank}.json")
+        path = os.path.join(out_dir, f"{group}-rank{rank}.json")
         if os.path.exists(path):
             with open(path) as f:
                 results.append(json.load(f))
         else:
-            results.append({"phase": phase, "rank": rank, "ok": False,
+            results.append({"group": group, "rank": rank, "ok": False,
                             "error": "hung (killed)" if rank in hung else f"exit code {procs[rank].returncode}"})
     bad = [r for r in results if not r.get("ok")]
     if bad:
-        raise RuntimeError(f"phase {phase} failed:\n" + "\n".join(
+        raise RuntimeError(f"group {group} failed:\n" + "\n".join(
             f"rank {r['rank']}: {r.get('error')}\n{r.get('traceback', '')}" for r in bad))
-    mism = [m for r in results for m in r.get("mismatches", [])]
-    if mism:
-        raise RuntimeError(f"phase {phase}: loaded data differs from what was saved: {mism[:10]}")
-    return results
+    per_op = {op: [r["ops"][op] for r in results] for op in GROUPS[group].ops}
+    for op, res in per_op.items():
+        mism = [m for r in res for m in r["mismatches"]]
+        if mism:
+            raise RuntimeError(f"{op}: loaded data differs from what was saved: {mism[:10]}")
+    return per_op
 
 
 def summarize(results: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -137,12 +137,14 @@ def summarize(results: List[Dict[str, Any]]) -> Dict[str, Any]:
         "cpu_s": [round(statistics.median(r["cpu_s"]), 3) for r in results],
         "warmup_s": round(max(r["warmup_s"] for r in results), 4),
         "delivered_bytes": sum(r["local_bytes"] for r in results),
-        "peak_rss_mib": [round(r["rss_peak_mib"], 1) for r in results],
-        "baseline_rss_mib": [round(r["rss_baseline_mib"], 1) for r in results],
-        "rss_over_baseline_mib": [round(r["rss_peak_mib"] - r["rss_baseline_mib"], 1) for r in results],
+        # per rank: max over repetitions of the op's own peak RSS, and of that peak minus
+        # the RSS just before the op (the model/template itself is in the baseline)
+        "peak_rss_mib": [round(max(r["rss_peak_mib"]), 1) for r in results],
+        "baseline_rss_mib": [round(min(r["rss_baseline_mib"]), 1) for r in results],
+        "rss_over_baseline_mib": [round(max(p - b for p, b in zip(r["rss_peak_mib"], r["rss_baseline_mib"])), 1)
+                                  for r in results],
         "read_syscall_bytes": [int(statistics.median(r["rchar_bytes"])) for r in results],
         "disk_read_bytes": [max(r["disk_read_bytes"]) for r in results],
-        "warmup_disk_read_bytes": [r["warmup_disk_read_bytes"] for r in results],
     }
     if results[0].get("load_stats"):
         out["bytes_read_from_storage"] = [int(statistics.median(s["bytes_read"] for s in r["load_stats"]))
@@ -163,46 +165,45 @@ def rate(nbytes: int, seconds: float) -> float:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=2.0, help="model size (GiB, ≥); default 2")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per phase after a warm-up")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per op after a warm-up")
     ap.add_argument("--tiny-reps", type=int, default=5, help="repetitions for the tiny-model saves")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
-    ap.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
+    ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated subset of " + ",".join(GROUPS))
     ap.add_argument("--no-fsync", action="store_true", help="megashard saves without fsync (diagnostic)")
-    ap.add_argument("--phase-timeout", type=float, default=900.0)
+    ap.add_argument("--group-timeout", type=float, default=900.0)
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="sample every thread's stack during the last repetition; write the breakdown to FILE")
     a = ap.parse_args(argv)
-    phases = [p for p in a.phases.split(",") if p]
-    unknown = set(phases) - set(PHASES)
+    groups = [g for g in a.groups.split(",") if g]
+    unknown = set(groups) - set(GROUPS)
     if unknown:
-        ap.error(f"unknown phases {sorted(unknown)}")
+        ap.error(f"unknown groups {sorted(unknown)}")
 
     size_bytes = a.size_gib * GIB
     spec = spec_for_size(size_bytes)
     work = tempfile.mkdtemp(prefix="megashard-bench-", dir=a.workdir)
     out_dir = os.path.join(work, "results")
     os.makedirs(out_dir)
-    ckpts = {"ms": os.path.join(work, "ms_ckpt"), "td": os.path.join(work, "td_ckpt"),
-             "ms_tiny": os.path.join(work, "ms_tiny"), "td_tiny": os.path.join(work, "td_tiny")}
     log(f"model: H={spec.hidden} V={spec.vocab} L={spec.layers}, {model_bytes(spec) / GIB:.3f} GiB; work dir {work}")
     summary: Dict[str, Dict[str, Any]] = {}
     profiles: Dict[str, Any] = {}
     t_start = time.monotonic()
     try:
-        for phase in phases:
-            tiny = "tiny" in phase
-            ckpt = ckpts[phase.split("_")[0] + ("_tiny" if tiny else "")]
-            log(f"phase {phase} ...")
+        for group in groups:
+            log(f"group {group} ({', '.join(GROUPS[group].ops)}) ...")
             t0 = time.monotonic()
             load_before = os.getloadavg()[0]
-            res = run_phase(phase, ckpt, out_dir, 0 if tiny else size_bytes, a.tiny_reps if tiny else a.reps,
-                            a.phase_timeout, not a.no_fsync, bool(a.profile))
-            summary[phase] = summarize(res)
-            if a.profile:
-                profiles[phase] = [r.get("profile") for r in res]
+            per_op = run_group(group, work, out_dir, size_bytes, a.tiny_reps if GROUPS[group].tiny else a.reps,
+                               a.group_timeout, not a.no_fsync, bool(a.profile))
             # other processes on this machine compete for the 2 CPUs: record how busy it was
-            summary[phase]["loadavg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-            log(f"phase {phase}: median {summary[phase]['median_s']:.3f} s (phase wall {time.monotonic() - t0:.0f} s)")
+            load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+            for op, res in per_op.items():
+                summary[op] = summarize(res)
+                summary[op]["loadavg_1min"] = load
+                if a.profile:
+                    profiles[op] = [r.get("profile") for r in res]
+            log(f"group {group}: " + ", ".join(f"{op} {summary[op]['median_s']:.3f} s" for op in per_op)
+                + f" (group wall {time.monotonic() - t0:.0f} s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -224,10 +225,10 @@ def build_report(a: argparse.Namespace, spec: Any, s: Dict[str, Dict[str, Any]],
         "setup": {"ranks": WORLD, "backend": "gloo (CPU)", "model_bytes": mb,
                   "model": {"hidden": spec.hidden, "vocab": spec.vocab, "layers": spec.layers,
                             "dtypes": "bf16 matrices, fp32 biases/layernorms"},
-                  "tiny_model_bytes": model_bytes(tiny_spec()), "reps": a.reps, "tiny_reps": a.tiny_reps,
+                  "tiny_model_bytes": model_bytes(tiny_spec()), "reps": a.reps, "interleaved": True, "tiny_reps": a.tiny_reps,
                   "page_cache": "warm (loads read a checkpoint just written)",
                   "fsync": not a.no_fsync, "bench_wall_s": round(wall, 1)},
-        "phases": s,
+        "ops": s,
     }
     try:
         import megatron.core

@@ -64,8 +64,10 @@ def test_tp2_layout_on_disk(tp2):
 
 def test_tp2_same_layout_resume_is_bit_exact(tp2):
     root, base = tp2
-    # --ckpt-step 3 overrides the tracker (which says 6), as in Megatron
-    run = pretrain(["--tensor-model-parallel-size", "2", "--load", str(root), "--ckpt-step", "3", *ITERS]).check()
+    # --ckpt-step 3 overrides the tracker (which says 6), as in Megatron; megashard's load
+    # options from add_arguments() are passed through (scatter: rank 0 reads, streams to rank 1)
+    run = pretrain(["--tensor-model-parallel-size", "2", "--load", str(root), "--ckpt-step", "3",
+                    "--megashard-load-mode", "scatter", "--megashard-verify-on-load", *ITERS]).check()
     assert f"{ckpt(root, 3)} (iteration 3, full state" in run.started
     assert sorted(run.losses) == [4, 5, 6]
     assert {i: run.losses[i] for i in (4, 5, 6)} == {i: base.losses[i] for i in (4, 5, 6)}
@@ -162,7 +164,7 @@ def ppvp(tmp_path_factory):
 
 def test_pp2_vp2_same_layout_resume_is_bit_exact(ppvp):
     root, base = ppvp
-    run = pretrain([*PP_VP, "--load", str(root), "--ckpt-step", "3", *ITERS]).check()
+    run = pretrain([*PP_VP, "--load", str(root), "--ckpt-step", "3", "--megashard-load-mode", "own", *ITERS]).check()
     assert {i: run.losses[i] for i in (4, 5, 6)} == {i: base.losses[i] for i in (4, 5, 6)}
     assert run.digests["start"] == base.digests["saved@3"]
 

@@ -18,7 +18,6 @@ and megashard's own ``megashard_load_mode``, ``megashard_verify_on_load``,
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import sys
 import time
@@ -124,18 +123,8 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def load_common(ckpt: str, keys: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """Rank 0's top-level non-tensor values (``args``, ``iteration``, …) without a template."""
-    api = _api()
-    if hasattr(api, "load_common"):
-        return _call(api.load_common, ckpt, keys)
-    # core API without load_common yet: decode rank 0's saved tree from the manifest
-    from megashard import jsonstate
-
-    tree = api.read_manifest(ckpt).tree_for_rank(0)
-    if isinstance(tree, dict) and keys is not None:
-        tree = {k: v for k, v in tree.items() if k in keys}
-    decoded = jsonstate.decode(tree, resolver=lambda ref, path: None)
-    return {k: v for k, v in decoded.items() if v is not None} if isinstance(decoded, dict) else {}
+    """Rank 0's top-level non-tensor values (``args``, ``iteration``, …); collective."""
+    return _call(_api().load_common, ckpt, keys)
 
 
 def is_megashard_checkpoint(path: Optional[str]) -> bool:

@@ -15,7 +15,6 @@ miss those call sites, so both modules' names are replaced. The wrappers send
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 

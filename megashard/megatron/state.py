@@ -15,27 +15,29 @@ so that a megashard checkpoint holds the same top-level keys as a ``torch_dist``
 * the distributed optimizer uses the ``fully_sharded_model_space`` sharding (flattened
   ShardedTensors per model parameter), which megashard reshards across TP/PP/DP.
 
-Only megatron-core's data model is used (``ShardedTensor``, ``ShardedObject``,
+From megatron-core only the data model (``ShardedTensor``, ``ShardedObject``,
 ``ShardedTensorFactory``, ``LocalNonpersistentObject``, ``apply_factories``,
-``apply_factory_merges``), so this works with megatron-core 0.16 and later.
+``apply_factory_merges``) and the models'/optimizers' own ``sharded_state_dict`` /
+``load_state_dict`` are used -- never the ``dist_checkpointing`` strategies -- so this
+works with megatron-core 0.16 and later. Four megatron-core 0.16 quirks of the
+DistributedOptimizer are handled here (see :func:`allow_flattened_range`,
+:func:`ensure_distributed_optimizer_state`, :func:`_load_fs_model_space`,
+:func:`_unshare_step_tensors`); they use DistributedOptimizer methods present from 0.16
+to the current main branch (``gbuf_ranges``, ``_get/_set_main_param_and_optimizer_states``).
 """
 from __future__ import annotations
 
 import argparse
 import base64
 import contextlib
-import copy
 import enum
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
-
 
 CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.

@@ -8,7 +8,7 @@ the Megatron-LM integration test process, after ``cpu_compat.apply()``.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+
 
 import torch
 

@@ -22,7 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository (me
 sys.path.insert(0, os.path.dirname(HERE))  # tests/ (megatron_helpers)
 MLM = os.environ.get("MEGATRON_LM_DIR")
 if MLM:
-    sys.path.insert(0, MLM)
+    # appended, not prepended: `megatron` is a namespace package, so with the tree last
+    # megatron.core still comes from the installed wheel (whose dataset helpers are
+    # compiled) and only megatron.training / pretrain_gpt.py come from the tree
+    sys.path.append(MLM)
 
 from megatron_helpers import mlm_stubs  # noqa: E402
 

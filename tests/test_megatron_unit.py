@@ -1,0 +1,101 @@
+"""Fast, single-process checks of megashard.megatron's building blocks (no torchrun)."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+import megashard.megatron as msm  # noqa: E402
+from megashard.megatron import checkpointing as ck  # noqa: E402
+from megashard.megatron import state as st  # noqa: E402
+
+
+def test_add_arguments_flags_and_defaults():
+    p = msm.add_arguments(argparse.ArgumentParser())
+    a = p.parse_args([])
+    assert (a.save_format, a.megashard_load_mode, a.megashard_verify_on_load, a.megashard_strict_load) == (
+        None, "auto", False, True)
+    a = p.parse_args(["--save-format", "tensors", "--megashard-load-mode", "scatter",
+                      "--megashard-verify-on-load", "--megashard-non-strict-load"])
+    assert (a.save_format, a.megashard_load_mode, a.megashard_verify_on_load, a.megashard_strict_load) == (
+        "tensors", "scatter", True, False)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--save-format", "zarr"])
+    # usable as extra_args_provider: returns the parser, safe to apply twice
+    assert msm.add_arguments(p) is p
+
+
+def test_model_keys_use_vp_stage():
+    chunks = [types.SimpleNamespace(vp_stage=1), types.SimpleNamespace(vp_stage=0)]
+    assert st.model_keys(chunks) == ["model1", "model0"]
+    assert st.model_keys([types.SimpleNamespace(vp_stage=0)]) == ["model"]
+
+
+def test_file_stems_one_file_per_chunk():
+    chunks = [types.SimpleNamespace(vp_stage=0), types.SimpleNamespace(vp_stage=1)]
+    layout = {"tp": 2, "tp_rank": 1, "pp": 2, "pp_rank": 1, "dp": 1, "dp_rank": 0, "ep": 1, "ep_rank": 0}
+    assert ck.file_stems(chunks, layout) == {
+        "model0": "model_tp01_pp001_vp0", "model1": "model_tp01_pp001_vp1", "__rest__": "state_tp01_pp001"}
+    layout.update(ep=2, ep_rank=1)
+    assert ck.file_stems(chunks[:1], layout)["model"] == "model_tp01_pp001_vp0_ep001"
+
+
+def test_checkpoint_dir_and_tracker(tmp_path):
+    assert ck.checkpoint_dir(str(tmp_path), 10).endswith("iter_0000010")
+    assert ck.read_tracker(str(tmp_path)) == (-1, False)
+    ck.write_tracker(str(tmp_path), 42)
+    assert ck.read_tracker(str(tmp_path)) == (42, False)
+    assert ck.find_checkpoint(str(tmp_path)) is None  # tracker but no megashard checkpoint
+
+
+def test_args_are_stored_as_json_values():
+    ns = argparse.Namespace(num_layers=4, params_dtype=torch.bfloat16, lr=1e-3, fn=print, groups=[1, (2, 3)],
+                            pg=object())
+    out = st.jsonable_args(ns)
+    assert out.num_layers == 4 and out.params_dtype is torch.bfloat16 and out.groups == [1, (2, 3)]
+    assert out.fn.startswith("<unrepresentable") and out.pg.startswith("<unrepresentable")
+
+
+def test_rng_state_roundtrip_is_json_and_exact():
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    g = torch.Generator().manual_seed(7)
+    tracker.set_states({"model-parallel-rng": g.get_state()})
+    random.seed(1); np.random.seed(2); torch.manual_seed(3)
+    saved = st.capture_rng_state()
+    json.dumps(saved)  # plain JSON, no pickle
+    expect = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(9); np.random.seed(9); torch.manual_seed(9)
+    tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(9).get_state()})
+    st.restore_rng_state(saved)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expect[0] and got[1] == expect[1] and torch.equal(got[2], expect[2])
+    assert torch.equal(tracker.get_states()["model-parallel-rng"], g.get_state())
+    tracker.reset()
+
+
+def test_nonpersistent_objects_removed_and_restored():
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    sd = {"optimizer": {"param_groups": [{"lr": 1.0, "params": LocalNonpersistentObject([0, 1])}]}}
+    prepared = st.prepare_for_load(sd)
+    assert prepared.request == {"optimizer": {"param_groups": [{"lr": 1.0}]}}
+    loaded = {"optimizer": {"param_groups": [{"lr": 0.5}]}}
+    out = st.finish_load(loaded, prepared)
+    assert out == {"optimizer": {"param_groups": [{"lr": 0.5, "params": [0, 1]}]}}
+
+
+def test_scalar_tensors_restored_from_numbers():
+    tmpl = {"optimizer": {"state": {"common_step": torch.tensor(0.0)}}}
+    loaded = {"optimizer": {"state": {"common_step": 7.0}}}
+    st.restore_scalar_tensors(loaded, tmpl)
+    assert torch.equal(loaded["optimizer"]["state"]["common_step"], torch.tensor(7.0))
