@@ -210,6 +210,18 @@ def _status_kib(field: str) -> int:
     return -1
 
 
+def release_free_memory() -> None:
+    """glibc ``malloc_trim(0)``: hand freed heap memory back to the OS, so that the next
+    op's RSS baseline is its live memory and its temporaries show in its own peak
+    (as in a fresh process) instead of reusing pages an earlier op left behind."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); False if not permitted."""
     try:
@@ -454,6 +466,7 @@ def run_group(ctx: Ctx) -> Dict[str, Any]:
         else:
             os.environ.pop("MEGASHARD_NODE_ID", None)
         gc.collect()
+        release_free_memory()
         dist.barrier()
 
     def execute(op: Op) -> Any:

@@ -178,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         ap.error(f"unknown groups {sorted(unknown)}")
+    if {"load", "reshard"} & set(groups) and "save" not in groups:
+        groups.insert(0, "save")  # the loads read the checkpoints the save group leaves behind
 
     size_bytes = a.size_gib * GIB
     spec = spec_for_size(size_bytes)

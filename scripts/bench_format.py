@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megashard.format import load_file, open_file, save_file  # noqa: E402
-from megashard.format.fastio import default_threads, tensor_memoryview  # noqa: E402
+from megashard.format.fastio import default_read_threads, default_threads, tensor_memoryview  # noqa: E402
 
 GB = 1e9
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         Case("megashard_read_into_existing", "megashard read(out=existing)", read_existing, after=touch),
         Case("tensorizer_load", "tensorizer TensorDeserializer (default readers)", tz_read, after=touch),
     ]
-    floor_threads = sorted({2, threads, 4})
+    floor_threads = sorted({2, 4, default_read_threads()})
     reads += [Case(f"raw_preadv_floor_{nt}", f"raw parallel preadv into touched buffer ({nt} threads)",
                    lambda nt=nt: raw_read(p_raw, fb, nt)) for nt in floor_threads]
     if not args.skip_others:
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "config": {
             "size_gib": size, "tensor_bytes": nbytes, "tensors": len(sd), "runs": runs,
-            "megashard_file_bytes": ms_size, "io_threads": threads, "raw_read_floor_threads": best_nt,
+            "megashard_file_bytes": ms_size, "write_threads": threads, "read_threads": default_read_threads(), "raw_read_floor_threads": best_nt,
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "tensorizer": tensorizer.__version__, "page_cache": "warm", "GB": "1e9 bytes",
         },

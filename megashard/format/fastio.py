@@ -26,7 +26,7 @@ from ..errors import FormatError
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "default_threads", "tensor_memoryview", "pwrite_all", "preadv_all", "parallel_read",
+    "default_threads", "default_read_threads", "tensor_memoryview", "pwrite_all", "preadv_all", "parallel_read",
     "empty_buffer", "io_pool", "run_parallel",
 ]
 
@@ -41,13 +41,22 @@ MAX_IO = 1 << 30  # Linux caps one read/write near 2 GiB; stay well below
 PathOrFd = Union[str, "os.PathLike[str]", int]
 
 
-def default_threads() -> int:
-    """Worker threads for I/O: the usable CPUs, at least 2, at most 8."""
+def usable_cpus() -> int:
     try:
-        n = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        n = os.cpu_count() or 2
-    return max(2, min(8, n))
+        return os.cpu_count() or 2
+
+
+def default_threads() -> int:
+    """Writer threads: the work is hashing (CPU-bound), so one per usable CPU (2..8)."""
+    return max(2, min(8, usable_cpus()))
+
+
+def default_read_threads() -> int:
+    """Reader threads: two per CPU (4..8): page-cache copies are CPU-bound, but cold
+    reads from disks and network filesystems need several requests in flight."""
+    return max(4, min(8, 2 * usable_cpus()))
 
 
 _pool_lock = threading.Lock()
@@ -270,7 +279,7 @@ def parallel_read(path_or_fd: PathOrFd, requests: Sequence[tuple[int, torch.Tens
                     f"{name}: request {i}: bytes [{offset}, {offset + len(mv)}) lie past the end "
                     f"of the file ({size} bytes; truncated?)")
             views.append((offset, mv))
-        read_requests(fd, views, name, threads or default_threads())
+        read_requests(fd, views, name, threads or default_read_threads())
     finally:
         if own:
             os.close(fd)

@@ -20,7 +20,7 @@ from isal import isal_zlib
 
 from ..errors import ChecksumError, FormatError
 from . import layout as L
-from .fastio import default_threads, empty_buffer, preadv_all, read_requests, run_parallel, tensor_memoryview
+from .fastio import default_read_threads, empty_buffer, preadv_all, read_requests, run_parallel, tensor_memoryview
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class TensorFileReader:
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
         self.path = os.fspath(path)
-        self._threads = threads or default_threads()
+        self._threads = threads or default_read_threads()
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
