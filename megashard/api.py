@@ -295,6 +295,10 @@ def save(
         manifest = _build_manifest(results, all_meta, comm.world_size, layout)
         storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_NAME), manifest.to_json())
         storage.commit_dir(temp_dir, final_dir)
+        try:  # leftovers of saves that crashed long ago (never a save in progress: age check)
+            storage.cleanup_stale_temps(os.path.dirname(final_dir), os.path.basename(final_dir))
+        except OSError as e:
+            log.warning("%scould not remove stale temporary directories: %s", _rank_prefix(comm), e)
 
     _, err = comm.run("save/commit", commit)
     comm.agree(err, "save")  # collective 3: everybody learns the outcome
@@ -704,7 +708,10 @@ def load(
         nread, err = comm.run("load/read", lambda: _execute_own(base, manifest, work.ops, threads))
         stats.bytes_read = nread or 0
     else:
-        (nread, nrecv), err = _scatter(comm, base, manifest, work.ops, readers, scatter_chunk_bytes, threads)
+        try:
+            (nread, nrecv), err = _scatter(comm, base, manifest, work.ops, readers, scatter_chunk_bytes, threads)
+        except Exception as e:  # noqa: BLE001 - must reach the final agreement, never skip it
+            (nread, nrecv), err = (0, 0), f"{type(e).__name__}: scatter transfer failed: {e}"
         stats.bytes_read, stats.bytes_received = nread, nrecv
     if err is None:
         @torch.no_grad()
