@@ -31,12 +31,10 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-
-MiB = 1 << 20
 
 
 # ---------------------------------------------------------------------------

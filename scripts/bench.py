@@ -171,6 +171,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated subset of " + ",".join(GROUPS))
     ap.add_argument("--no-fsync", action="store_true", help="megashard saves without fsync (diagnostic)")
     ap.add_argument("--group-timeout", type=float, default=900.0)
+    ap.add_argument("--markdown", default=None, metavar="FILE", help="also write the results as markdown tables")
     ap.add_argument("--profile", default=None, metavar="FILE",
                     help="sample every thread's stack during the last repetition; write the breakdown to FILE")
     a = ap.parse_args(argv)
@@ -215,7 +216,47 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(f"profiles written to {a.profile}")
     report = build_report(a, spec, summary, time.monotonic() - t_start)
     print(json.dumps(report, indent=2))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(markdown(report))
     return 0
+
+
+ROWS = [  # (op, what, GB/s of)
+    ("ms_save", "megashard save (TP2, fsync)", "checkpoint bytes"),
+    ("td_save", "torch_dist save (TP2, fsync)", "checkpoint bytes"),
+    ("ms_load_own", "megashard own load (TP2→TP2)", "bytes delivered"),
+    ("td_load", "torch_dist load (TP2→TP2)", "bytes delivered"),
+    ("ms_load_reshard", "megashard reshard load (TP2→TP1·DP2)", "bytes delivered"),
+    ("td_load_reshard", "torch_dist reshard load (TP2→TP1·DP2)", "bytes delivered"),
+    ("ms_load_scatter", "megashard scatter load (TP2, 1 reader)", "bytes delivered"),
+    ("ms_tiny_save", "megashard save, tiny model", "checkpoint bytes"),
+    ("td_tiny_save", "torch_dist save, tiny model", "checkpoint bytes"),
+]
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    """The report's main numbers as markdown tables."""
+    ops = report["ops"]
+    lines = ["| operation | median s | GB/s | of | bytes read per rank (storage) | peak RSS MiB per rank "
+             "(over pre-op RSS) | CPU s per rank |", "|---|---|---|---|---|---|---|"]
+    for op, what, of in ROWS:
+        if op not in ops:
+            continue
+        o = ops[op]
+        nbytes = o["checkpoint_bytes"] if of == "checkpoint bytes" else o["delivered_bytes"]
+        read = o.get("bytes_read_from_storage", o["read_syscall_bytes"] if "load" in op else None)
+        read_s = "—" if read is None else " / ".join(f"{b / GB:.2f} GB" for b in read)
+        if "load" in op and "bytes_read_from_storage" not in o:
+            read_s += " (rchar)"
+        rss = " / ".join(f"{p:.0f} (+{d:.0f})" for p, d in zip(o["peak_rss_mib"], o["rss_over_baseline_mib"]))
+        cpu = " / ".join(f"{c:.2f}" for c in o["cpu_s"])
+        lines.append(f"| {what} | {o['median_s']:.3f} | {nbytes / o['median_s'] / GB:.2f} | {of} ({nbytes / GB:.3f} GB)"
+                     f" | {read_s} | {rss} | {cpu} |")
+    lines += ["", "| ratio | value | target | met |", "|---|---|---|---|"]
+    for name, r in report["ratios"].items():
+        lines.append(f"| {name} | {r['value']} | {r['target']} | {'yes' if r['met'] else '**no**'} |")
+    return "\n".join(lines) + "\n"
 
 
 def build_report(a: argparse.Namespace, spec: Any, s: Dict[str, Dict[str, Any]], wall: float) -> Dict[str, Any]:
