@@ -28,6 +28,7 @@ import torch
 from . import jsonstate, plan, storage
 from .errors import CheckpointError, MegashardError, StateDictError
 from .format import empty_buffer, parallel_read, write_file
+from .format.fastio import default_read_threads, read_requests, tensor_memoryview
 from .manifest import Manifest, ShardRecord, TensorRecord, dtype_from_name, dtype_name, itemsize
 from .plan import Box, ShardId
 from .sharded import ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor
@@ -361,6 +362,8 @@ class _Op:
 
 @dataclass
 class _LoadWork:
+    rows_ok: bool = False  # own mode: strided overlaps are read run by run into the destination
+    view_ops: List[Tuple[str, int, memoryview]] = field(default_factory=list)
     ops: List[_Op] = field(default_factory=list)
     finish: List[Callable[[], None]] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
@@ -402,7 +405,7 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
     want = Box(tuple(sh.global_offset), tuple(sh.chunk_shape))
     pieces = [s.piece() for s in rec.shards]
     isz = itemsize(sh.dtype)
-    wp = plan.plan_want(want, sh.flat_range, pieces, isz)
+    wp = plan.plan_want(want, sh.flat_range, pieces, isz, rows_ok=work.rows_ok)
     for s in rec.shards:
         if s.file:
             work.touched.setdefault(s.file, set()).add(s.name)
@@ -421,6 +424,11 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
     chunk_is_dest = sh.flat_range is None and dest.is_contiguous() and dest.device.type == "cpu"
     chunk = dest.view(want.shape) if chunk_is_dest else torch.empty(want.shape, dtype=dest.dtype)
     bufs = [_empty(n, sh.dtype) for n in wp.buffers]
+    if wp.rows:
+        mv = tensor_memoryview(chunk.detach())
+        for rr in wp.rows:
+            n = rr.run_bytes
+            work.view_ops.extend((rr.file, src, mv[dst:dst + n]) for src, dst in rr.runs())
     for r in wp.reads:
         target = chunk if r.buffer == -1 else bufs[r.buffer]
         work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(target)[r.buffer_offset:r.buffer_offset + r.nbytes]))
@@ -594,16 +602,27 @@ def _check_files(base: str, manifest: Manifest, files: Sequence[str]) -> None:
             raise CheckpointError(f"{p}: size {size} differs from the manifest's {want} bytes; the file is damaged")
 
 
-def _execute_own(base: str, manifest: Manifest, ops: Sequence[_Op], threads: Optional[int]) -> int:
-    grouped = _group_by_file(ops)
-    _check_files(base, manifest, list(grouped))
+def _execute_own(base: str, manifest: Manifest, work: _LoadWork, threads: Optional[int]) -> int:
+    """Read every planned byte range straight into its destination (parallel preadv per file)."""
+    by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
+    for op in work.ops:
+        by_file.setdefault(op.file, []).append((op.offset, tensor_memoryview(op.dest)))
+    for f, off, mv in work.view_ops:
+        by_file.setdefault(f, []).append((off, mv))
+    _check_files(base, manifest, list(by_file))
     total = 0
-    for f, fops in grouped.items():
-        for op in fops:
-            if op.offset + op.nbytes > int(manifest.files[f].get("bytes", 0)):
-                raise CheckpointError(f"{os.path.join(base, f)}: byte range {op.offset}+{op.nbytes} past end of file")
-        parallel_read(os.path.join(base, f), [(op.offset, op.dest) for op in fops], threads=threads)
-        total += sum(op.nbytes for op in fops)
+    for f, reqs in by_file.items():
+        path = os.path.join(base, f)
+        size = int(manifest.files[f].get("bytes", 0))
+        for off, mv in reqs:
+            if off < 0 or off + len(mv) > size:
+                raise CheckpointError(f"{path}: byte range {off}+{len(mv)} past end of file ({size} bytes)")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            read_requests(fd, reqs, path, threads or default_read_threads())
+        finally:
+            os.close(fd)
+        total += sum(len(mv) for _, mv in reqs)
     return total
 
 
@@ -687,7 +706,7 @@ def load(
         text = comm.broadcast_json(text, 0)
         manifest = Manifest.from_json(text, os.path.join(base, storage.MANIFEST_NAME))
 
-    work = _LoadWork()
+    work = _LoadWork(rows_ok=chosen == "own")
 
     def plan_local() -> Any:
         saved = _decode_saved_tree(manifest.tree_for_rank(comm.rank), manifest, work)
@@ -705,7 +724,7 @@ def load(
     comm.agree(err, "load")
 
     if chosen == "own":
-        nread, err = comm.run("load/read", lambda: _execute_own(base, manifest, work.ops, threads))
+        nread, err = comm.run("load/read", lambda: _execute_own(base, manifest, work, threads))
         stats.bytes_read = nread or 0
     else:
         try:

@@ -207,6 +207,35 @@ class Placement:
     dst: Box  # relative to the want's chunk
 
 
+@dataclass(frozen=True)
+class RowReads:
+    """Equal-length runs contiguous on both sides (e.g. rows of a TP split along the last dim).
+
+    Run ``i`` (an index over ``lead_shape``) is read from
+    ``file_offset + sum(i_d * src_strides[d])`` into the want's chunk at byte
+    ``dst_offset + sum(i_d * dst_strides[d])``; no temporary, no copy.
+    """
+
+    file: str
+    file_offset: int
+    src_strides: Shape  # bytes
+    dst_offset: int  # bytes within the want chunk
+    dst_strides: Shape  # bytes
+    lead_shape: Shape
+    run_bytes: int
+
+    def runs(self) -> Iterable[Tuple[int, int]]:
+        """(file offset, destination offset) of every run, in file order."""
+        import itertools
+
+        for idx in itertools.product(*(range(n) for n in self.lead_shape)):
+            yield (self.file_offset + sum(i * s for i, s in zip(idx, self.src_strides)),
+                   self.dst_offset + sum(i * s for i, s in zip(idx, self.dst_strides)))
+
+
+MIN_ROW_BYTES = 512  # shorter runs go through a temporary and one strided copy
+
+
 @dataclass
 class WantPlan:
     """How to fill one requested shard."""
@@ -216,6 +245,7 @@ class WantPlan:
     reads: List[ReadOp] = field(default_factory=list)
     placements: List[Placement] = field(default_factory=list)
     covered: int = 0  # elements of the want chunk filled (== chunk numel when complete)
+    rows: List[RowReads] = field(default_factory=list)
 
     @property
     def read_bytes(self) -> int:
@@ -227,6 +257,7 @@ def plan_want(
     want_flat: Optional[Tuple[int, int]],
     pieces: Sequence[SavedPiece],
     itemsize: int,
+    rows_ok: bool = False,
 ) -> WantPlan:
     """Plan the reads that fill one requested shard from saved pieces of the same key.
 
@@ -254,6 +285,12 @@ def plan_want(
         dlo, dhi = covering_span(want_chunk.shape, dst)
         # contiguous on both sides (e.g. a TP split along dim 0, stacked layers): read in place
         in_place = (hi - lo) == inter.numel == (dhi - dlo)
+        if not in_place and rows_ok and len(cps) == 1 and cps[0].flat == (0, chunk.numel):
+            rr = _row_reads(chunk, want_chunk, inter, sub, dst, cps[0], itemsize)
+            if rr is not None:
+                plan.rows.append(rr)
+                plan.covered += inter.numel
+                continue
         buf = -1
         if not in_place:
             buf = len(plan.buffers)
@@ -274,6 +311,24 @@ def plan_want(
                 Placement(buf, inter.shape, c_strides(chunk.shape), flat_index(sub.offset, chunk.shape) - lo, dst))
         plan.covered += inter.numel
     return plan
+
+
+def _row_reads(chunk: Box, want: Box, inter: Box, sub: Box, dst: Box, piece: SavedPiece,
+               itemsize: int) -> Optional[RowReads]:
+    """Describe an overlap as runs contiguous in both the saved chunk and the want chunk."""
+    nd = len(inter.shape)
+    k = nd - 1
+    while k > 0 and inter.shape[k] == chunk.shape[k] == want.shape[k]:
+        k -= 1
+    # dims after k are full on both sides, so inter.shape[k:] is one contiguous run
+    run = numel(inter.shape[k:]) * itemsize
+    if run < MIN_ROW_BYTES:
+        return None
+    cs, ws = c_strides(chunk.shape), c_strides(want.shape)
+    return RowReads(
+        piece.file, piece.data_offset + flat_index(sub.offset, chunk.shape) * itemsize,
+        tuple(cs[d] * itemsize for d in range(k)), flat_index(dst.offset, want.shape) * itemsize,
+        tuple(ws[d] * itemsize for d in range(k)), tuple(inter.shape[:k]), run)
 
 
 # ---------------------------------------------------------------------------

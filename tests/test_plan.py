@@ -155,3 +155,28 @@ def test_schedule_extents_invariants(ranges, cap):
     order = [i for _, m in sched for i in sorted(m, key=lambda j: (subops[j][1], subops[j][2], j))]
     keys = [(subops[i][0], subops[i][1], subops[i][2], i) for i in order]
     assert keys == sorted(keys)
+
+
+def test_plan_want_row_reads_for_last_dim_split():
+    # (stacked layer, rows, cols) saved as two column halves; loaded whole: runs of 256 elements
+    g = torch.arange(2 * 8 * 512, dtype=torch.int32).reshape(2, 8, 512)
+    spec = [((0, 0, 0), (2, 8, 256), None), ((0, 0, 256), (2, 8, 256), None)]
+    blob, pieces = _materialize(g, spec)
+    wp = plan.plan_want(Box((0, 0, 0), (2, 8, 512)), None, pieces, 4, rows_ok=True)
+    assert wp.buffers == [] and wp.placements == [] and len(wp.rows) == 2 and wp.covered == g.numel()
+    out = torch.zeros(g.numel(), dtype=torch.int32)
+    ob = out.view(torch.uint8)
+    for rr in wp.rows:
+        assert rr.run_bytes == 256 * 4
+        for src, dst in rr.runs():
+            ob[dst:dst + rr.run_bytes] = torch.frombuffer(bytearray(blob[src:src + rr.run_bytes]), dtype=torch.uint8)
+    assert torch.equal(out.reshape(g.shape), g)
+    # the other direction: a column block of a whole saved tensor
+    blob, pieces = _materialize(g, [((0, 0, 0), (2, 8, 512), None)])
+    wp = plan.plan_want(Box((0, 0, 256), (2, 8, 256)), None, pieces, 4, rows_ok=True)
+    out = torch.zeros(2 * 8 * 256, dtype=torch.int32)
+    ob = out.view(torch.uint8)
+    for rr in wp.rows:
+        for src, dst in rr.runs():
+            ob[dst:dst + rr.run_bytes] = torch.frombuffer(bytearray(blob[src:src + rr.run_bytes]), dtype=torch.uint8)
+    assert torch.equal(out.reshape(2, 8, 256), g[:, :, 256:])
