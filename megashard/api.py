@@ -819,36 +819,34 @@ def _sorted_subops(ops: Sequence[_Op], chunk: int) -> List[Tuple[str, int, int, 
     return out
 
 
-def _scatter(comm: Comm, base: str, manifest: Manifest, ops: List[_Op], readers: Mapping[int, int], chunk: int,
+def _scatter(comm: Comm, base: str, manifest: Manifest, ops: List[_Op], readers: Mapping[int, int], budget: int,
              threads: Optional[int]) -> Tuple[Tuple[int, int], Optional[str]]:
     """One reader per node reads each needed byte once and streams it to its ranks.
 
     Consumers only need their own ops: the reader serves every rank's sub-ops in
-    (file, offset, nbytes, index) order. A reader that fails keeps sending (zeros)
-    so no consumer blocks; the error surfaces in the final agreement.
+    (file, offset, nbytes, index) order. The reader's staging memory is ``budget``
+    bytes in two halves, so reading the next extent overlaps sending the last one.
+    A reader that fails keeps sending (stale bytes) so no consumer blocks; the error
+    surfaces in the final agreement.
     """
     me = comm.rank
     my_reader = readers[me]
-    chunk = max(1, int(chunk))
-    my_sub = _sorted_subops(ops, chunk)
+    chunk = max(1, int(budget) // 2)
     node_ranks = [r for r in range(comm.world_size) if readers[r] == my_reader]
-    # op lists travel to the reader as JSON (file index, offset, nbytes)
-    err: Optional[str] = None
     if me != my_reader:
         payload = json.dumps([[op.file, op.offset, op.nbytes] for op in ops]).encode()
         comm.send(torch.tensor([len(payload)], dtype=torch.int64), my_reader)
         if payload:
             comm.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), my_reader)
-        received = 0
-        for f, off, n, i, pos in my_sub:
-            try:
-                comm.recv(ops[i].dest[pos:pos + n], my_reader)
-            except Exception as e:  # noqa: BLE001 - a transport failure ends the load on every rank
-                return (0, received), f"{type(e).__name__}: receiving from reader rank {my_reader}: {e}"
-            received += n
-        return (0, received), None
+        handles = [comm.irecv(ops[i].dest[pos:pos + n], my_reader) for f, off, n, i, pos in _sorted_subops(ops, chunk)]
+        try:
+            for h in handles:
+                h.wait()
+        except Exception as e:  # noqa: BLE001 - a transport failure ends the load on every rank
+            return (0, 0), f"{type(e).__name__}: receiving from reader rank {my_reader}: {e}"
+        return (0, sum(op.nbytes for op in ops)), None
 
-    # reader
+    err: Optional[str] = None
     per_rank: Dict[int, List[Tuple[str, int, int]]] = {}
     for r in node_ranks:
         if r == me:
@@ -875,26 +873,43 @@ def _scatter(comm: Comm, base: str, manifest: Manifest, ops: List[_Op], readers:
     except MegashardError as e:
         err = f"{type(e).__name__}: {e}"
     sched = plan.schedule_extents(subops, chunk)
-    staging = torch.empty(max((e.stop - e.start for e, _ in sched), default=0), dtype=torch.uint8)
+    biggest = max((e.stop - e.start for e, _ in sched), default=0)
+    staging = [empty_buffer(biggest), empty_buffer(biggest)] if biggest else []
+    in_flight: List[List[Any]] = [[], []]
     nread = 0
-    for ext, members in sched:
-        size = ext.stop - ext.start
-        if err is None:
-            try:
-                parallel_read(os.path.join(base, ext.file), [(ext.start, staging[:size])], threads=threads)
-                nread += size
-            except Exception as e:  # noqa: BLE001
-                err = f"{type(e).__name__}: reading {ext.file}: {e}"
-        members = sorted(members, key=lambda j: (subops[j][1], subops[j][2], owners[j][0], owners[j][1], owners[j][2]))
-        for j in members:
-            r, i, pos = owners[j]
-            f, a, n = subops[j]
-            src = staging[a - ext.start:a - ext.start + n]
-            if r == me:
-                ops[i].dest[pos:pos + n].copy_(src)
-            else:
+    fds: Dict[str, int] = {}
+    try:
+        for k, (ext, members) in enumerate(sched):
+            half = k % 2
+            for h in in_flight[half]:  # the buffer is reused: its sends must have finished
+                h.wait()
+            in_flight[half] = []
+            size = ext.stop - ext.start
+            buf = staging[half]
+            if err is None:
                 try:
-                    comm.send(src, r)
+                    if ext.file not in fds:
+                        fds[ext.file] = os.open(os.path.join(base, ext.file), os.O_RDONLY | os.O_CLOEXEC)
+                    read_requests(fds[ext.file], [(ext.start, tensor_memoryview(buf[:size]))],
+                                  os.path.join(base, ext.file), threads or default_read_threads())
+                    nread += size
                 except Exception as e:  # noqa: BLE001
-                    return (nread, 0), f"{type(e).__name__}: sending to rank {r}: {e}"
+                    err = f"{type(e).__name__}: reading {ext.file}: {e}"
+            members = sorted(members, key=lambda j: (subops[j][1], subops[j][2], owners[j][0], owners[j][1], owners[j][2]))
+            for j in members:
+                r, i, pos = owners[j]
+                f, a, n = subops[j]
+                src = buf[a - ext.start:a - ext.start + n]
+                if r == me:
+                    ops[i].dest[pos:pos + n].copy_(src)
+                else:
+                    in_flight[half].append(comm.isend(src, r))
+        for group in in_flight:
+            for h in group:
+                h.wait()
+    except Exception as e:  # noqa: BLE001
+        return (nread, 0), f"{type(e).__name__}: scatter send failed: {e}"
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return (nread, 0), err

@@ -133,6 +133,22 @@ class Comm:
             return
         _dist().recv(t, src=self.global_rank(src), group=self.group)
 
+    def isend(self, t: torch.Tensor, dst: int) -> Any:
+        """Start sending a contiguous tensor; returns a handle with ``wait()``.
+
+        The tensor must stay untouched until the handle completes."""
+        if self.device.type == "cuda" and t.device.type != "cuda":
+            t = t.to(self.device, non_blocking=False)
+        return _dist().isend(t, dst=self.global_rank(dst), group=self.group)
+
+    def irecv(self, t: torch.Tensor, src: int) -> Any:
+        """Start receiving into a contiguous tensor; returns a handle with ``wait()``."""
+        if self.device.type == "cuda" and t.device.type != "cuda":
+            tmp = torch.empty_like(t, device=self.device)
+            work = _dist().irecv(tmp, src=self.global_rank(src), group=self.group)
+            return _StagedRecv(work, tmp, t)
+        return _dist().irecv(t, src=self.global_rank(src), group=self.group)
+
     # -- topology --------------------------------------------------------------
     def node_ids(self) -> List[str]:
         """Node identity of every rank: ``MEGASHARD_NODE_ID``, else torchrun's GROUP_RANK
@@ -141,6 +157,17 @@ class Comm:
         if me is None:
             me = socket.gethostname()
         return [str(x) for x in self.all_gather_json(str(me))]
+
+
+class _StagedRecv:
+    """An irecv into device memory that copies to the host destination on wait()."""
+
+    def __init__(self, work: Any, tmp: torch.Tensor, dest: torch.Tensor) -> None:
+        self.work, self.tmp, self.dest = work, tmp, dest
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.dest.copy_(self.tmp)
 
 
 def node_readers(node_ids: Sequence[str]) -> Dict[int, int]:

@@ -300,10 +300,11 @@ def empty_buffer(nbytes: int) -> torch.Tensor:
     length = nbytes + HUGE_PAGE
     mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except OSError as e:  # THP disabled or unsupported: still correct, just slower
-        log.debug("MADV_HUGEPAGE failed: %s", e)
+    if os.environ.get("MEGASHARD_HUGEPAGES", "1") != "0":
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as e:  # THP disabled or unsupported: still correct, just slower
+            log.debug("MADV_HUGEPAGE failed: %s", e)
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     skip = (-whole.data_ptr()) % HUGE_PAGE
     return whole[skip:skip + nbytes]
