@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -28,7 +29,7 @@ import torch
 from . import jsonstate, plan, storage
 from .errors import CheckpointError, MegashardError, StateDictError
 from .format import empty_buffer, parallel_read, write_file
-from .format.fastio import default_read_threads, read_requests, tensor_memoryview
+from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel, tensor_memoryview
 from .manifest import Manifest, ShardRecord, TensorRecord, dtype_from_name, dtype_name, itemsize
 from .plan import Box, ShardId
 from .sharded import ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor
@@ -364,6 +365,7 @@ class _Op:
 class _LoadWork:
     rows_ok: bool = False  # own mode: strided overlaps are read run by run into the destination
     view_ops: List[Tuple[str, int, memoryview]] = field(default_factory=list)
+    row_jobs: List[Tuple[str, int, int, List[memoryview]]] = field(default_factory=list)  # file, offset, run, views
     ops: List[_Op] = field(default_factory=list)
     finish: List[Callable[[], None]] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
@@ -381,6 +383,24 @@ def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     if nbytes >= (8 << 20):
         return empty_buffer(nbytes).view(dtype)[:numel]
     return torch.empty(numel, dtype=dtype)
+
+
+def _plan_rows(rr: plan.RowReads, mv: memoryview, work: _LoadWork) -> None:
+    """Runs whose source bytes are back to back become one preadv per IOV_MAX runs."""
+    import numpy as np
+
+    n = rr.run_bytes
+    src = np.zeros(1, dtype=np.int64) + rr.file_offset
+    dst = np.zeros(1, dtype=np.int64) + rr.dst_offset
+    for size, ss, ds in zip(rr.lead_shape, rr.src_strides, rr.dst_strides):
+        steps = np.arange(size, dtype=np.int64)
+        src = (src[:, None] + steps[None, :] * ss).reshape(-1)
+        dst = (dst[:, None] + steps[None, :] * ds).reshape(-1)
+    views = [mv[d:d + n] for d in dst.tolist()]
+    if len(src) < 2 or bool(np.all(np.diff(src) == n)):
+        work.row_jobs.append((rr.file, int(src[0]), n, views))
+    else:
+        work.view_ops.extend((rr.file, o, v) for o, v in zip(src.tolist(), views))
 
 
 def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWork, path: str) -> Optional[torch.Tensor]:
@@ -427,8 +447,7 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
     if wp.rows:
         mv = tensor_memoryview(chunk.detach())
         for rr in wp.rows:
-            n = rr.run_bytes
-            work.view_ops.extend((rr.file, src, mv[dst:dst + n]) for src, dst in rr.runs())
+            _plan_rows(rr, mv, work)
     for r in wp.reads:
         target = chunk if r.buffer == -1 else bufs[r.buffer]
         work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(target)[r.buffer_offset:r.buffer_offset + r.nbytes]))
@@ -609,20 +628,35 @@ def _execute_own(base: str, manifest: Manifest, work: _LoadWork, threads: Option
         by_file.setdefault(op.file, []).append((op.offset, tensor_memoryview(op.dest)))
     for f, off, mv in work.view_ops:
         by_file.setdefault(f, []).append((off, mv))
-    _check_files(base, manifest, list(by_file))
+    files = sorted(set(by_file) | {j[0] for j in work.row_jobs})
+    _check_files(base, manifest, files)
+    nthreads = threads or default_read_threads()
+    fds: Dict[str, int] = {}
     total = 0
-    for f, reqs in by_file.items():
-        path = os.path.join(base, f)
-        size = int(manifest.files[f].get("bytes", 0))
-        for off, mv in reqs:
-            if off < 0 or off + len(mv) > size:
-                raise CheckpointError(f"{path}: byte range {off}+{len(mv)} past end of file ({size} bytes)")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            read_requests(fd, reqs, path, threads or default_read_threads())
-        finally:
+    try:
+        for f in files:
+            fds[f] = os.open(os.path.join(base, f), os.O_RDONLY | os.O_CLOEXEC)
+        for f, reqs in by_file.items():
+            path = os.path.join(base, f)
+            size = int(manifest.files[f].get("bytes", 0))
+            for off, mv in reqs:
+                if off < 0 or off + len(mv) > size:
+                    raise CheckpointError(f"{path}: byte range {off}+{len(mv)} past end of file ({size} bytes)")
+            read_requests(fds[f], reqs, path, nthreads)
+            total += sum(len(mv) for _, mv in reqs)
+        tasks = []
+        for f, off, run, views in work.row_jobs:
+            path = os.path.join(base, f)
+            size = int(manifest.files[f].get("bytes", 0))
+            if off < 0 or off + run * len(views) > size:
+                raise CheckpointError(f"{path}: byte range {off}+{run * len(views)} past end of file ({size} bytes)")
+            for i in range(0, len(views), IOV_MAX):
+                tasks.append(partial(preadv_all, fds[f], views[i:i + IOV_MAX], off + i * run, path))
+            total += run * len(views)
+        run_parallel(tasks, nthreads)
+    finally:
+        for fd in fds.values():
             os.close(fd)
-        total += sum(len(mv) for _, mv in reqs)
     return total
 
 
