@@ -11,6 +11,7 @@ page cache into new memory.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "default_threads", "default_read_threads", "tensor_memoryview", "pwrite_all", "preadv_all", "parallel_read",
-    "empty_buffer", "io_pool", "run_parallel",
+    "empty_buffer", "hugepages_enabled", "io_pool", "run_parallel",
 ]
 
 HUGE_PAGE = 2 << 20
@@ -285,13 +286,52 @@ def parallel_read(path_or_fd: PathOrFd, requests: Sequence[tuple[int, torch.Tens
             os.close(fd)
 
 
+_VIRTIO_BALLOON = "0x0005"
+_VIRTIO_BALLOON_F_REPORTING = 5
+
+
+@functools.lru_cache(maxsize=1)
+def hugepages_enabled() -> bool:
+    """Whether :func:`empty_buffer` asks for transparent huge pages.
+
+    Yes, unless the guest hands free memory back to its hypervisor (virtio-balloon
+    free page reporting, e.g. Firecracker VMs): the host then discards freed
+    high-order blocks, which are exactly where huge pages come from, so each 2 MiB
+    fault also faults on the host and costs as much as or more than 512 small ones
+    (measured: 0.8-1.7 s vs 0.8 s for 2.2 GB).
+    ``MEGASHARD_HUGEPAGES=1``/``0`` overrides the detection.
+    """
+    env = os.environ.get("MEGASHARD_HUGEPAGES")
+    if env is not None:
+        return env.strip() not in ("0", "false", "no", "")
+    root = "/sys/bus/virtio/devices"
+    try:
+        devices = os.listdir(root)
+    except OSError:
+        return True
+    for dev in devices:
+        try:
+            with open(os.path.join(root, dev, "device")) as f:
+                if f.read().strip() != _VIRTIO_BALLOON:
+                    continue
+            with open(os.path.join(root, dev, "features")) as f:
+                bits = f.read().strip()
+        except OSError:
+            continue
+        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
+            log.debug("virtio-balloon free page reporting is active: not using huge pages")
+            return False
+    return True
+
+
 def empty_buffer(nbytes: int) -> torch.Tensor:
     """An uninitialised uint8 tensor; large ones are backed by huge pages.
 
     Large buffers are an anonymous mapping advised MADV_HUGEPAGE (THP is in
-    "madvise" mode on typical hosts), 2 MiB aligned. torch.frombuffer keeps a
-    reference to the mmap object, so the mapping lives exactly as long as any
-    tensor viewing it.
+    "madvise" mode on typical hosts), 2 MiB aligned: first-touch faults then cost
+    ~3x less than with 4 KiB pages (see :func:`hugepages_enabled` for the VMs
+    where they do not). torch.frombuffer keeps a reference to the mmap object, so
+    the mapping lives exactly as long as any tensor viewing it.
     """
     if nbytes < 0:
         raise ValueError(f"negative buffer size {nbytes}")
@@ -300,7 +340,7 @@ def empty_buffer(nbytes: int) -> torch.Tensor:
     length = nbytes + HUGE_PAGE
     mm = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    if os.environ.get("MEGASHARD_HUGEPAGES", "1") != "0":
+    if hugepages_enabled():
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError as e:  # THP disabled or unsupported: still correct, just slower

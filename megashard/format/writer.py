@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import threading
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -295,6 +296,38 @@ def _run(tasks: list[Callable[[], None]], threads: int) -> None:
             raise e
 
 
+class _EarlyWriteback:
+    """While tensors are hashed and written, keep flushing what is already written.
+
+    The disk then works during the (CPU-bound) hashing instead of after it, so the
+    final fsync has little left to do. Only used when the caller asked for fsync.
+    """
+
+    def __init__(self, fd: int, enabled: bool) -> None:
+        self.fd, self.enabled = fd, enabled
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                os.fdatasync(self.fd)
+            except OSError:
+                return  # the final fsync reports real errors
+            self.stop.wait(0.02)
+
+    def __enter__(self) -> "_EarlyWriteback":
+        if self.enabled:
+            self.thread = threading.Thread(target=self._loop, name="megashard-writeback", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
 def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,
                align: int = 4096, fsync: bool = False,
                threads: int | None = None) -> list[L.TensorInfo]:
@@ -318,7 +351,8 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
     ok = False
     try:
         tasks, splits = _build_tasks(fd, items, nthreads)
-        _run(tasks, nthreads)
+        with _EarlyWriteback(fd, enabled=fsync):
+            _run(tasks, nthreads)
         for s in splits:
             s.finish()
         meta = b"".join(
