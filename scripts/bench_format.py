@@ -8,13 +8,17 @@ biases and embedding), with the page cache warm:
          safetensors save_file | raw floor (parallel os.pwrite of the same bytes)
   read:  megashard load_file | megashard open_file().read(out=existing) |
          tensorizer TensorDeserializer (default readers, cpu) | torch.load(weights_only) |
-         safetensors load_file + clone | raw floor (parallel preadv into touched memory)
+         safetensors load_file + clone | raw floors (parallel preadv into touched
+         memory, and into fresh memory) | megashard and tensorizer one-shot loads,
+         each in a fresh process (imports not timed)
 
 Every loaded result is touched (one byte per 4 KiB page) inside the timing.
-Each case: one warm-up, then the median of --runs (>= 3). Before every timed
-write the target is deleted and dirty pages are flushed (os.sync) outside the
-timing, so that one tool's writeback does not slow the next.
-Prints ONE JSON object on stdout (progress goes to stderr).
+Cases are interleaved round by round (one warm-up round, then --runs >= 3
+rounds; medians reported, plus same-round "paired" ratios and CPU-time ratios),
+so a shared machine's background load hits every tool alike. Before every timed
+write the target is deleted and dirty pages are flushed (os.sync), and before
+every run freed heap memory is returned to the OS (malloc_trim), all outside
+the timing. Prints ONE JSON object on stdout (progress goes to stderr).
 
     python scripts/bench_format.py [--size-gib 2] [--runs 5] [--quick] [--dir bench_out]
 """
@@ -39,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megashard.format import load_file, open_file, save_file  # noqa: E402
+from megashard.format import empty_buffer, load_file, open_file, save_file  # noqa: E402
 from megashard.format.fastio import (  # noqa: E402
     default_read_threads,
     default_threads,
@@ -275,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     import tensorizer
     from tensorizer import TensorDeserializer, TensorSerializer
 
+    load_start = [round(x, 2) for x in os.getloadavg()]
     log(f"building a {size} GiB state dict ...")
     sd = make_state_dict(size)
     nbytes = sum(t.nbytes for t in sd.values())
@@ -328,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
         Case("megashard_read_into_existing", "megashard read(out=existing)", read_existing, after=touch),
         Case("tensorizer_load", "tensorizer TensorDeserializer (default readers)", tz_read, after=touch),
     ]
+
+    def raw_read_fresh() -> torch.Tensor:
+        """Floor for load_file: the same preadv, but into freshly mapped memory."""
+        buf = empty_buffer(nbytes)
+        raw_read(p_raw, tensor_memoryview(buf), default_read_threads())
+        return buf
+
+    reads.append(Case("raw_preadv_fresh_memory_floor",
+                      f"raw parallel preadv into fresh memory ({default_read_threads()} threads)",
+                      raw_read_fresh, after=lambda b: int(b[::4096].sum())))  # type: ignore[index]
     floor_threads = sorted({2, 4, default_read_threads()})
     reads += [Case(f"raw_preadv_floor_{nt}", f"raw parallel preadv into touched buffer ({nt} threads)",
                    lambda nt=nt: raw_read(p_raw, fb, nt)) for nt in floor_threads]
@@ -366,7 +381,20 @@ def main(argv: list[str] | None = None) -> int:
         "write_vs_raw_floor": round(med["raw_pwrite_floor"] / med["megashard_save_file"], 3),
         "load_file_vs_tensorizer_fresh_process": round(
             med["tensorizer_load_fresh_process"] / med["megashard_load_fresh_process"], 3),
+        "load_file_vs_fresh_memory_floor": round(
+            med["raw_preadv_fresh_memory_floor"] / med["megashard_load_file"], 3),
     }
+    pairs = {
+        "write_vs_tensorizer": ("tensorizer_write", "megashard_save_file"),
+        "load_file_vs_tensorizer": ("tensorizer_load", "megashard_load_file"),
+        "read_into_existing_vs_raw_floor": ("raw_preadv_floor", "megashard_read_into_existing"),
+        "load_file_vs_tensorizer_fresh_process": ("tensorizer_load_fresh_process", "megashard_load_fresh_process"),
+    }
+    # Same-round ratios: robust when background load drifts between rounds (interleaved runs).
+    paired = {name: round(statistics.median(b / a for b, a in zip(res[num], res[den])), 3)
+              for name, (num, den) in pairs.items()}
+    cpu_ratios = {name: round(statistics.median(cpu[num]) / statistics.median(cpu[den]), 3)
+                  for name, (num, den) in pairs.items()}
     targets = {
         "write_vs_tensorizer>=1.2": ratios["write_vs_tensorizer"] >= 1.2,
         "load_file_vs_tensorizer>=1.3": ratios["load_file_vs_tensorizer"] >= 1.3,
@@ -379,11 +407,14 @@ def main(argv: list[str] | None = None) -> int:
             "raw_read_floor_threads": best_nt, "huge_pages": hugepages_enabled(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "tensorizer": tensorizer.__version__, "page_cache": "warm", "GB": "1e9 bytes",
+            "loadavg_start": load_start, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         },
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "median_cpu_s": {k: round(statistics.median(v), 3) for k, v in cpu.items()},
         "GBps": gbps,
         "ratios": ratios,
+        "paired_ratios": paired,
+        "cpu_time_ratios": cpu_ratios,
         "targets_met": targets,
     }
     print(json.dumps(result, indent=1))

@@ -207,6 +207,38 @@ def test_empty_buffer() -> None:
     assert empty_buffer(0).numel() == 0
 
 
+def test_hugepage_detection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Huge pages unless a virtio balloon reports free pages to the host; env var wins."""
+    from megashard.format import fastio
+
+    def fake_device(name: str, device: str, features: str) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "device").write_text(device + "\n")
+        (d / "features").write_text(features + "\n")
+
+    monkeypatch.setattr(fastio, "_VIRTIO_DEVICES", str(tmp_path))
+    monkeypatch.delenv("MEGASHARD_HUGEPAGES", raising=False)
+    fake_device("virtio0", "0x0002", "1" * 64)  # a block device: irrelevant
+    fake_device("virtio1", "0x0005", "0110000100" + "0" * 54)  # balloon without reporting
+    fastio.hugepages_enabled.cache_clear()
+    try:
+        assert fastio.hugepages_enabled() is True
+        (tmp_path / "virtio1" / "features").write_text("0110010100" + "0" * 54)  # bit 5: reporting
+        fastio.hugepages_enabled.cache_clear()
+        assert fastio.hugepages_enabled() is False
+        monkeypatch.setenv("MEGASHARD_HUGEPAGES", "1")
+        fastio.hugepages_enabled.cache_clear()
+        assert fastio.hugepages_enabled() is True
+        monkeypatch.setenv("MEGASHARD_HUGEPAGES", "0")
+        fastio.hugepages_enabled.cache_clear()
+        assert fastio.hugepages_enabled() is False
+        buf = fastio.empty_buffer(6 << 20)  # either way: a correct, 2 MiB-aligned buffer
+        assert buf.numel() == 6 << 20 and buf.data_ptr() % (2 << 20) == 0
+    finally:
+        fastio.hugepages_enabled.cache_clear()
+
+
 def test_large_tensor_split_path(tmp_path: Path) -> None:
     """A tensor bigger than its share of the work: SHA-256 and CRC+write run in separate tasks."""
     big = torch.randint(0, 255, (80 << 20,), dtype=torch.uint8)  # > SPLIT_MIN and > half the total

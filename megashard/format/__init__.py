@@ -46,9 +46,16 @@ Reading (:func:`open_file`, :func:`load_file`, :func:`parallel_read`)
     * Without verification reads trust the metadata index (offsets and
       lengths, already validated); headers are parsed for ``info()``/``infos()``
       and verification.
-    * ``load_file`` returns CPU tensors that are views into one huge-page-backed
-      buffer; the buffer is freed when the last view is. (``torch.save`` of a
-      single view would save the whole buffer: ``.clone()`` it first.)
+    * ``load_file`` returns CPU tensors that are views into one buffer (huge
+      pages where they help; ``MEGASHARD_HUGEPAGES=0/1`` overrides, see
+      :func:`~megashard.format.fastio.hugepages_enabled`); the buffer is freed when
+      the last view is. (``torch.save`` of a single view would save the whole
+      buffer: ``.clone()`` it first.) ``read(key, out=t)`` and
+      :func:`parallel_read` fill existing tensors with no allocation at all: the
+      fastest path, used by the checkpoint loader.
+
+Threads: writes use one thread per CPU (hashing is CPU-bound), reads one per
+CPU (page-cache copies are CPU-bound); both at least 2, at most 8.
 """
 from __future__ import annotations
 

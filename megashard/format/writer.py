@@ -47,6 +47,8 @@ GROUP_BYTES = 8 << 20
 SPLIT_MIN = 64 << 20
 COPY_TASK_BYTES = 64 << 20
 MAX_ALIGN = 1 << 24
+INLINE_BYTES = 4 << 20  # smaller files are written by the calling thread alone
+EARLY_WRITEBACK_MIN = 64 << 20  # below this the final fsync is short anyway
 
 
 @dataclass
@@ -345,13 +347,15 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
     nthreads = threads if threads is not None else default_threads()
     if nthreads < 1:
         raise FormatError(f"threads must be >= 1, got {threads}")
+    if sum(i.nbytes for i in items) < INLINE_BYTES:
+        nthreads = 1  # starting threads would cost more than they save
     versioned = bool(flags & L.FLAG_VERSIONED_HEADERS)
 
     fd = os.open(path_s, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     ok = False
     try:
         tasks, splits = _build_tasks(fd, items, nthreads)
-        with _EarlyWriteback(fd, enabled=fsync):
+        with _EarlyWriteback(fd, enabled=fsync and file_size >= EARLY_WRITEBACK_MIN):
             _run(tasks, nthreads)
         for s in splits:
             s.finish()
