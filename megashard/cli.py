@@ -148,11 +148,6 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _cmd_convert(args: argparse.Namespace) -> int:
-    print("megashard convert: not implemented yet", file=sys.stderr)
-    return 2
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -168,9 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path", help=".tensors file or checkpoint directory")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=_cmd_verify)
-    c = sub.add_parser("convert", help="(reserved) convert between checkpoint formats")
-    c.add_argument("args", nargs=argparse.REMAINDER)
-    c.set_defaults(func=_cmd_convert)
     return p
 
 
