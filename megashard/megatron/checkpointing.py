@@ -76,21 +76,9 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
 
 def write_tracker(root: str, iteration: int, release: bool = False) -> None:
     """Atomically (write + fsync + rename) record the latest complete checkpoint."""
-    path = tracker_path(root)
-    tmp = path + f".tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write("release" if release else str(int(iteration)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    from megashard import storage
+
+    storage.write_tracker(root, "release" if release else int(iteration))
 
 
 def _collective_device() -> torch.device:
