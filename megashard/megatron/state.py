@@ -530,29 +530,22 @@ def finish_load(loaded: Dict[str, Any], prepared: PreparedLoad) -> Dict[str, Any
 
 
 def _factories_only(x: Any) -> Any:
-    """The sub-structure of ``x`` that leads to ShardedTensorFactory leaves."""
-    is_factory = lambda v: type(v).__name__ == "ShardedTensorFactory"  # noqa: E731
+    """The sub-structure of ``x`` that leads to ShardedTensorFactory leaves (lists become index-keyed dicts)."""
     if isinstance(x, dict):
-        out = {}
-        for k, v in x.items():
-            if is_factory(v):
-                out[k] = v
-            elif isinstance(v, (dict, list)):
-                sub = _factories_only(v)
-                if sub:
-                    out[k] = sub
-        return out
-    if isinstance(x, list):
-        out_d = {}
-        for i, v in enumerate(x):
-            if is_factory(v):
-                out_d[i] = v
-            elif isinstance(v, (dict, list)):
-                sub = _factories_only(v)
-                if sub:
-                    out_d[i] = sub
-        return out_d
-    return {}
+        items = x.items()
+    elif isinstance(x, list):
+        items = enumerate(x)
+    else:
+        return {}
+    out = {}
+    for k, v in items:
+        if type(v).__name__ == "ShardedTensorFactory":
+            out[k] = v
+        elif isinstance(v, (dict, list)):
+            sub = _factories_only(v)
+            if sub:
+                out[k] = sub
+    return out
 
 
 # --------------------------------------------------------------------------------------
