@@ -8,6 +8,7 @@ size buffers) and go straight to ``os.preadv`` into the destination memory.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -40,13 +41,18 @@ class MissingTensorError(FormatError, KeyError):
 class TensorFileReader:
     """An open `.tensors` file. Use as a context manager; thread-safe for reads."""
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None,
+                 dir_fd: int | None = None, nofollow: bool = False) -> None:
+        """``dir_fd``/``nofollow``: open ``path`` relative to an open directory and refuse a
+        symbolic link (checkpoint shards must not lead out of their directory)."""
         self.path = os.fspath(path)
         self._threads = threads or default_read_threads()
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
         try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            self._fd = os.open(self.path, flags, dir_fd=dir_fd)
         except OSError as e:
-            raise FormatError(f"{self.path}: cannot open: {e.strerror}") from e
+            why = "a symbolic link (refused)" if nofollow and e.errno == errno.ELOOP else e.strerror
+            raise FormatError(f"{self.path}: cannot open: {why}") from e
         self._headers: dict[str, L.ParsedHeader] = {}
         self._lock = threading.Lock()
         try:
