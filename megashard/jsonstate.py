@@ -14,9 +14,10 @@ loading a checkpoint equivalent to running code. megashard stores it as JSON ins
   (tuple stays tuple, int keys stay int, ``-0.0`` keeps its sign, NaN stays NaN,
   ``np.float32`` stays ``np.float32``). Malformed or unknown tags raise
   :class:`~megashard.errors.CheckpointError` naming the path. Decoding never
-  unpickles and never calls arbitrary constructors: byte payloads come back as
-  bytes, and the only imports it performs are those of the module that defines an
-  ``enum.Enum`` (and ``torch``/``numpy`` for their own types).
+  unpickles, never imports a module named by the data and never calls arbitrary
+  constructors: byte payloads come back as bytes, enums resolve only through the
+  :func:`register_enum` registry. Nesting deeper than :data:`MAX_DEPTH` and integers
+  longer than :data:`MAX_INT_HEX_DIGITS` hex digits are refused with CheckpointError.
 
 Hooks: the checkpoint layer moves tensors (and other file-backed values) out of the
 tree. ``encode(..., hook=h)`` calls ``h(path, value)`` for every value that is not
@@ -59,8 +60,12 @@ Every tagged object has exactly the keys listed (``T`` stands for ``"__ms__"``; 
     {T: "enum", "module": m, "qualname": q, "value": int}
                                                   enum.Enum member; the "value" form only
                                                   for composite enum.Flag values. Decoding
-                                                  imports m, walks q, and requires an Enum
-                                                  subclass.
+                                                  never imports: "m.q" must have been
+                                                  registered with :func:`register_enum`
+                                                  (megashard.megatron registers Megatron's);
+                                                  otherwise the value decodes to an
+                                                  :class:`Unrepresentable` with a warning,
+                                                  or fails when ``strict=True``.
     {T: "torch.dtype",  "name": "bfloat16"}
     {T: "torch.Size",   "dims": [int, ...]}
     {T: "torch.device", "type": "cuda", "index": int|null}
@@ -101,7 +106,6 @@ import base64
 import binascii
 import collections
 import enum
-import importlib
 import io
 import json
 import logging
@@ -117,6 +121,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "TAG",
     "TAGS",
+    "MAX_DEPTH",
+    "register_enum",
+    "parse_json",
     "UNHANDLED",
     "Unrepresentable",
     "encode",
@@ -134,6 +141,24 @@ _HEX_RE = re.compile(r"-?[0-9a-f]+\Z")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _REPR_LIMIT = 4096
+#: Deepest nesting decode accepts (a state dict is rarely deeper than 10).
+MAX_DEPTH = 200
+#: Longest tagged integer decode accepts, in hex digits (262,144 bits).
+MAX_INT_HEX_DIGITS = 65536
+
+_ENUMS: Dict[str, type] = {}
+
+
+def register_enum(cls: type) -> type:
+    """Allow ``cls``'s members to be decoded (usable as a class decorator).
+
+    Decoding resolves enums only through this registry, so a checkpoint can never make
+    the loader import a module.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
+        raise TypeError(f"register_enum needs an enum.Enum subclass, got {cls!r}")
+    _ENUMS[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return cls
 _ADVICE = "convert it to a JSON type, or wrap it in a ShardedObject/LocalNonpersistentObject"
 
 TensorHook = Callable[[str, Any], Any]
@@ -490,27 +515,37 @@ def dumps(
 
 
 class _Decoder:
-    __slots__ = ("tensor_resolver", "resolver")
+    __slots__ = ("tensor_resolver", "resolver", "strict", "depth")
 
-    def __init__(self, tensor_resolver: Optional[TensorResolver], resolver: Optional[Resolver]) -> None:
+    def __init__(self, tensor_resolver: Optional[TensorResolver], resolver: Optional[Resolver],
+                 strict: bool = False) -> None:
         self.tensor_resolver = tensor_resolver
         self.resolver = resolver
+        self.strict = strict
+        self.depth = 0
 
     def dec(self, obj: Any, path: str) -> Any:
         t = type(obj)
-        if t is dict:
+        if t is str or t is int or t is float or t is bool or obj is None:
+            if t is int and not _INT_MIN <= obj <= _INT_MAX:
+                raise CheckpointError(f"cannot load {_show(path)!r}: integer outside 64 bits stored untagged")
+            return obj
+        if t is not dict and t is not list:
+            raise CheckpointError(
+                f"cannot load {_show(path)!r}: {type(obj).__name__} is not a JSON value"
+            )
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise CheckpointError(f"cannot load {_show(path)!r}: nested deeper than {MAX_DEPTH} levels")
+            dec = self.dec
+            if t is list:
+                return [dec(x, f"{path}[{i}]") for i, x in enumerate(obj)]
             if TAG not in obj:
-                dec = self.dec
                 return {k: dec(x, f"{path}.{k}" if path else k) for k, x in obj.items()}
             return self.tagged(obj, path)
-        if t is list:
-            dec = self.dec
-            return [dec(x, f"{path}[{i}]") for i, x in enumerate(obj)]
-        if t is str or t is int or t is float or t is bool or obj is None:
-            return obj
-        raise CheckpointError(
-            f"cannot load {_show(path)!r}: {type(obj).__name__} is not a JSON value"
-        )
+        finally:
+            self.depth -= 1
 
     def tagged(self, obj: dict, path: str) -> Any:
         tag = obj[TAG]
@@ -586,6 +621,9 @@ class _Decoder:
     def int_(self, obj: dict, path: str) -> int:
         self.fields(obj, path, {"hex": str})
         h = obj["hex"]
+        if len(h) > MAX_INT_HEX_DIGITS + 1:
+            raise CheckpointError(f"cannot load {_show(path)!r}: integer of {len(h)} hex digits "
+                                  f"(limit {MAX_INT_HEX_DIGITS})")
         if not _HEX_RE.match(h):
             raise CheckpointError(f"cannot load {_show(path)!r}: bad hex integer {h[:40]!r}")
         return int(h, 16)
@@ -635,19 +673,15 @@ class _Decoder:
         self.fields(obj, path, req)
         module, qualname = obj["module"], obj["qualname"]
         where = f"{module}.{qualname}"
-        if not _MODULE_RE.match(module) or not all(_NAME_RE.match(p) for p in qualname.split(".")):
-            raise CheckpointError(f"cannot load {_show(path)!r}: bad enum class name {where!r}")
-        try:
-            cls: Any = importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - any import failure is a load failure
-            raise CheckpointError(
-                f"cannot load {_show(path)!r}: enum {where} needs module {module!r}, "
-                f"which cannot be imported ({type(e).__name__}: {e})"
-            ) from e
-        for part in qualname.split("."):
-            cls = getattr(cls, part, None)
-        if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
-            raise CheckpointError(f"cannot load {_show(path)!r}: {where} is not an enum.Enum class")
+        cls = _ENUMS.get(where)
+        if cls is None:
+            member_text = obj["name"] if has_name else str(obj["value"])
+            msg = (f"enum {where} is not registered (megashard never imports a module named by a "
+                   "checkpoint); call megashard.jsonstate.register_enum(cls) before loading")
+            if self.strict:
+                raise CheckpointError(f"cannot load {_show(path)!r}: {msg}")
+            logger.warning("loading %r: %s; it is loaded as a placeholder", _show(path), msg)
+            return Unrepresentable(f"<{qualname}.{member_text}>"[:_REPR_LIMIT], where[:_REPR_LIMIT])
         if has_name:
             member = cls.__members__.get(obj["name"])
             if member is None:
@@ -802,15 +836,18 @@ def decode(
     path: str = "",
     tensor_resolver: Optional[TensorResolver] = None,
     resolver: Optional[Resolver] = None,
+    strict: bool = False,
 ) -> Any:
     """Inverse of :func:`encode` for the output of ``json.loads``.
 
     A ``ref`` tag's reference (passed verbatim) goes to ``resolver(ref, path)``, whose
     result is used as is, or else to ``tensor_resolver(ref)``, which must return a tensor.
-    Raises CheckpointError naming the key path for unknown or malformed tags.
-    Never unpickles; imports only enum-defining modules, torch and numpy.
+    Raises CheckpointError naming the key path for unknown or malformed tags, nesting
+    past :data:`MAX_DEPTH` and oversized integers. Unregistered enums become
+    :class:`Unrepresentable` (with a warning), or raise when ``strict``. Never unpickles,
+    never imports a module named by the data.
     """
-    return _Decoder(tensor_resolver, resolver).dec(obj, path)
+    return _Decoder(tensor_resolver, resolver, strict).dec(obj, path)
 
 
 def loads(
@@ -819,10 +856,19 @@ def loads(
     path: str = "",
     tensor_resolver: Optional[TensorResolver] = None,
     resolver: Optional[Resolver] = None,
+    strict: bool = False,
 ) -> Any:
     """``json.loads`` then :func:`decode`; invalid JSON raises CheckpointError."""
+    obj = parse_json(text, _show(path))
+    return decode(obj, path=path, tensor_resolver=tensor_resolver, resolver=resolver, strict=strict)
+
+
+def parse_json(text: "str | bytes", where: str) -> Any:
+    """``json.loads`` for untrusted text: every failure (syntax, encoding, integer digit limit,
+    nesting too deep for the parser) is a CheckpointError naming ``where``."""
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int-digit limits
-        raise CheckpointError(f"cannot load {_show(path)!r}: not valid JSON ({e})") from e
-    return decode(obj, path=path, tensor_resolver=tensor_resolver, resolver=resolver)
+        raise CheckpointError(f"{where}: not valid JSON ({str(e)[:200]})") from None
+    except RecursionError:
+        raise CheckpointError(f"{where}: JSON nested too deeply to parse") from None
