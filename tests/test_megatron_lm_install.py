@@ -1,32 +1,83 @@
 """``megashard.megatron.install()`` inside Megatron-LM's own training loop (``pretrain_gpt.py``).
 
-Needs a Megatron-LM source tree matching the installed megatron-core (the wheel ships
-only ``megatron/core``): set ``MEGATRON_LM_DIR`` to a checkout of NVIDIA/Megatron-LM at
-tag ``core_v0.16.1`` (only ``megatron/training``, ``megatron/legacy``,
-``megatron/post_training``, ``megatron/rl`` and the top-level ``pretrain_gpt.py``,
-``gpt_builders.py``, ``model_provider.py`` are used). Skipped when absent.
+The megatron-core wheel ships only ``megatron/core``; Megatron-LM's training side (the
+code that parses ``--save-format``, calls ``save_checkpoint`` / ``load_checkpoint`` and
+runs ``pretrain()``) comes from ``<repo>/../shared/vendor/Megatron-LM-core_v0.16.1.tar.gz``
+(see ``docs/megatron-needs.md``), extracted once per test session into a temporary
+directory. ``MEGATRON_LM_DIR`` (a checkout of NVIDIA/Megatron-LM at the release matching
+the installed megatron-core) takes precedence. Neither present: the tests fail, they do
+not skip.
 
 The runs use Megatron-LM's real ``pretrain()``: its argument parser (with
 ``extra_args_provider=megashard.megatron.add_arguments``), ``initialize_megatron``,
 ``setup_model_and_optimizer`` → ``load_checkpoint``, ``train()`` →
-``save_checkpoint_and_time`` → ``save_checkpoint``, mock GPT data, on CPU with gloo.
+``save_checkpoint_and_time`` → ``save_checkpoint``, mock GPT data, on CPU with gloo. The
+tree is appended to the ranks' ``sys.path`` (after the installed packages), so
+``megatron.core`` still comes from the wheel.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
+from megatron_helpers.runner import REPO, TESTS, compare_checkpoints, torchrun
 
-from megatron_helpers.runner import TESTS, compare_checkpoints, torchrun  # noqa: E402
+ARCHIVE = Path(REPO).parent / "shared" / "vendor" / "Megatron-LM-core_v0.16.1.tar.gz"
+#: `git archive --prefix=Megatron-LM-<tag>/`: the tag names the megatron-core release
+TAG_DIR = re.compile(r"^Megatron-LM-core_v(\d+\.\d+\.\d+)$")
+#: the commit of each tag (NVIDIA/Megatron-LM); `git archive` records it in the tarball's pax header
+TAG_COMMITS = {"0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6"}
 
-CANDIDATES = [os.environ.get("MEGATRON_LM_DIR"), "/work/shared/Megatron-LM-core_v0.16.1", "/tmp/mlm"]
-MLM = next((d for d in CANDIDATES if d and os.path.isfile(os.path.join(d, "megatron", "training", "checkpointing.py"))
-            and os.path.isfile(os.path.join(d, "pretrain_gpt.py"))), None)
-pytestmark = pytest.mark.skipif(MLM is None, reason="no Megatron-LM source tree (set MEGATRON_LM_DIR)")
+
+@dataclass(frozen=True)
+class Tree:
+    path: str
+    source: str  # where it came from, for messages
+    commit: str | None = None  # the archive's commit id (pax header), when extracted from it
+
+
+def _is_tree(d: str) -> bool:
+    return (os.path.isfile(os.path.join(d, "megatron", "training", "checkpointing.py"))
+            and os.path.isfile(os.path.join(d, "pretrain_gpt.py")))
+
+
+def _extract(archive: Path, dest: Path) -> tuple[str, str | None]:
+    """Extract the vendored tarball (regular files and directories only): its top directory and commit."""
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        tops = {m.name.split("/", 1)[0] for m in members}
+        bad = [m.name for m in members if not (m.isfile() or m.isdir()) or m.name.startswith("/")
+               or ".." in m.name.split("/")]
+        assert len(tops) == 1 and not bad, f"{archive}: unexpected layout (tops {sorted(tops)}, refused {bad[:5]})"
+        tar.extractall(dest, members=members, filter="data")
+        commit = tar.pax_headers.get("comment")
+    return str(dest / tops.pop()), commit
+
+
+@pytest.fixture(scope="session")
+def mlm_tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
+    explicit = os.environ.get("MEGATRON_LM_DIR")
+    if explicit:
+        if not _is_tree(explicit):
+            pytest.fail(f"MEGATRON_LM_DIR={explicit} is not a Megatron-LM tree (needs "
+                        "megatron/training/checkpointing.py and pretrain_gpt.py); unset it to use the "
+                        f"vendored {ARCHIVE.name}")
+        return Tree(explicit, f"MEGATRON_LM_DIR={explicit}")
+    if not ARCHIVE.is_file():
+        pytest.fail(f"Megatron-LM's training code is missing: expected {ARCHIVE} (the repository's parent "
+                    "directory must hold shared/vendor/, see docs/megatron-needs.md), or set MEGATRON_LM_DIR "
+                    "to a Megatron-LM checkout matching the installed megatron-core")
+    path, commit = _extract(ARCHIVE, tmp_path_factory.mktemp("megatron-lm"))
+    assert _is_tree(path), f"{ARCHIVE} does not hold megatron/training and pretrain_gpt.py"
+    return Tree(path, str(ARCHIVE), commit)
+
 
 SCRIPT = os.path.join(TESTS, "megatron_helpers", "mlm_pretrain_gpt.py")
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -37,31 +88,57 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--use-cpu-initialization",
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--tensor-model-parallel-size", "2"]
-ENV = {"MEGATRON_LM_DIR": MLM or "", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-def mlm(args):
-    run = torchrun(SCRIPT, [*ARGS, *args], env=ENV, timeout=300)
+def mlm(tree: Tree, args):
+    env = {"MEGATRON_LM_DIR": tree.path, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    run = torchrun(SCRIPT, [*ARGS, *args], env=env, timeout=300)
     assert run.returncode == 0, run.output[-6000:]
+    # the training code is the tree's, megatron.core the installed wheel's (mlm_pretrain_gpt.py prints both)
+    m = re.search(r"megatron\.core from (.+?) \| megatron\.training from (.+)", run.output)
+    assert m, run.output[-3000:]
+    core, training = (os.path.realpath(p.strip()) for p in m.groups())
+    assert training.startswith(os.path.realpath(tree.path) + os.sep), (training, tree)
+    assert not core.startswith(os.path.realpath(tree.path) + os.sep), (core, tree)
     losses = {int(m.group(1)): m.group(2) for m in
               re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|", run.output)}
     return run, losses
 
 
-def test_version_matches_installed_megatron_core():
-    import megatron.core
+def tree_version(path: str) -> str | None:
+    """The megatron-core release a Megatron-LM tree belongs to, or None when it cannot be told.
 
-    info = os.path.join(MLM, "megatron", "core", "package_info.py")
+    A full checkout carries ``megatron/core/package_info.py``; the vendored archive (no
+    ``megatron/core``) is named after its tag by ``git archive --prefix``.
+    """
+    info = os.path.join(path, "megatron", "core", "package_info.py")
     if os.path.isfile(info):
         text = open(info).read()
-        ver = ".".join(re.search(rf"{k}\s*=\s*(\d+)", text).group(1) for k in ("MAJOR", "MINOR", "PATCH"))
-        assert megatron.core.__version__.startswith(ver)
+        parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+        return ".".join(p.group(1) for p in parts) if all(parts) else None
+    m = TAG_DIR.match(os.path.basename(os.path.normpath(path)))
+    return m.group(1) if m else None
 
 
-def test_megatron_lm_saves_and_resumes_through_megashard(tmp_path):
+def test_version_matches_installed_megatron_core(mlm_tree):
+    ver = tree_version(mlm_tree.path)
+    assert ver is not None, (
+        f"cannot tell which release the Megatron-LM tree from {mlm_tree.source} is: it has no "
+        "megatron/core/package_info.py and its directory is not named Megatron-LM-core_vX.Y.Z")
+    installed = importlib.metadata.version("megatron-core")  # no import: megatron.core warns on import
+    assert re.match(rf"{re.escape(ver)}(\D|$)", installed), (
+        f"Megatron-LM tree {mlm_tree.source} is release {ver}, installed megatron-core is {installed}")
+    if mlm_tree.source == str(ARCHIVE):
+        # the archive's name is only a name; git archive's pax header holds the commit it was made from
+        assert mlm_tree.commit == TAG_COMMITS.get(ver), (
+            f"{mlm_tree.source} was made from commit {mlm_tree.commit}; tag core_v{ver} is "
+            f"{TAG_COMMITS.get(ver, 'not in TAG_COMMITS (add it)')}")
+
+
+def test_megatron_lm_saves_and_resumes_through_megashard(mlm_tree, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    base, base_losses = mlm(["--train-iters", "6", "--save-interval", "3", "--save", str(a),
-                             "--save-format", "tensors"])
+    base, base_losses = mlm(mlm_tree, ["--train-iters", "6", "--save-interval", "3", "--save", str(a),
+                                       "--save-format", "tensors"])
     assert "megashard installed into megatron.training.checkpointing, megatron.training.training" in base.output
     assert sorted(base_losses) == [1, 2, 3, 4, 5, 6]
     # Megatron-LM's layout, megashard's files, tracker written last
@@ -73,8 +150,8 @@ def test_megatron_lm_saves_and_resumes_through_megashard(tmp_path):
     saved_args = json.load(open(a / "iter_0000003" / "manifest.json"))
     assert "model" in json.dumps(saved_args["trees"])[:100000]
 
-    resumed, losses = mlm(["--train-iters", "6", "--save-interval", "3", "--load", str(a), "--ckpt-step", "3",
-                           "--save", str(b), "--save-format", "tensors"])
+    resumed, losses = mlm(mlm_tree, ["--train-iters", "6", "--save-interval", "3", "--load", str(a),
+                                     "--ckpt-step", "3", "--save", str(b), "--save-format", "tensors"])
     assert "holds a megashard checkpoint: loading with megashard" in resumed.output
     assert "at iteration 3 (optimizer loaded, rng loaded)" in resumed.output
     assert sorted(losses) == [4, 5, 6]
@@ -85,12 +162,12 @@ def test_megatron_lm_saves_and_resumes_through_megashard(tmp_path):
     assert any(k.startswith("optimizer.state.exp_avg.") for k in cmp["compared"])
 
 
-def test_other_formats_still_go_to_megatron(tmp_path):
+def test_other_formats_still_go_to_megatron(mlm_tree, tmp_path):
     d = tmp_path / "td"
-    run, _ = mlm(["--train-iters", "4", "--save-interval", "2", "--exit-interval", "2", "--save", str(d),
-                  "--save-format", "torch_dist"])
+    run, _ = mlm(mlm_tree, ["--train-iters", "4", "--save-interval", "2", "--exit-interval", "2", "--save", str(d),
+                            "--save-format", "torch_dist"])
     files = os.listdir(d / "iter_0000002")
     assert "metadata.json" in files and any(f.endswith(".distcp") for f in files), files   # Megatron's writer
-    run, losses = mlm(["--train-iters", "4", "--load", str(d)])
+    run, losses = mlm(mlm_tree, ["--train-iters", "4", "--load", str(d)])
     assert "loading with megashard" not in run.output
     assert "successfully loaded checkpoint from" in run.output and sorted(losses) == [3, 4]

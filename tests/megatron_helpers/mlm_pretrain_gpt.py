@@ -1,7 +1,7 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the two lines a user adds for megashard.
 
 Run with torchrun; needs a Megatron-LM source tree matching the installed megatron-core
-on ``PYTHONPATH`` / in ``MEGATRON_LM_DIR`` (see tests/test_megatron_lm_install.py).
+in ``MEGATRON_LM_DIR`` (tests/test_megatron_lm_install.py extracts the vendored one).
 Identical to the stock script's ``__main__`` block except for::
 
     import megashard.megatron as msm
@@ -42,7 +42,14 @@ if __name__ == "__main__":
     import time
     from functools import partial
 
+    import megatron.core
+    import megatron.training
+
     import pretrain_gpt as P  # Megatron-LM's script, imported (its __main__ does not run)
+
+    if os.environ.get("RANK", "0") == "0":  # the test checks where each part came from
+        print(f"megatron.core from {os.path.dirname(megatron.core.__file__)} | "
+              f"megatron.training from {os.path.dirname(megatron.training.__file__)}", flush=True)
 
     import megashard.megatron as msm
 
