@@ -19,6 +19,7 @@ __all__ = [
     "save",
     "load",
     "load_common",
+    "load_consolidated",
     "is_checkpoint",
     "read_manifest",
     "ShardedTensor",
@@ -38,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from . import api
 
         return getattr(api, name)
+    if name == "load_consolidated":
+        from .consolidated import load_consolidated
+
+        return load_consolidated
     if name == "ShardedTensor":
         from .sharded import ShardedTensor
 

@@ -1,0 +1,173 @@
+"""The whole checkpoint in one process: every global tensor in full, no process group.
+
+The "deserialize to CPU, then assign" path for evaluation, export and inference.
+Each requested global tensor is planned exactly like an ``own``-mode load of one
+rank that asks for the whole tensor (offset 0, full shape): the same planner, the
+same parallel ``preadv`` reader, so every saved byte of a requested tensor is read
+once and nothing else is read. Flattened-range shards (Megatron's distributed
+optimizer) are reassembled into the full tensor. Nothing here calls
+``torch.distributed``, so it works (and issues no collectives) whether or not a
+process group is initialised.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import time
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .api import LAST_LOAD_STATS, LoadStats, _execute_own, _LoadWork, _plan_sharded, _verify, read_manifest
+from .errors import CheckpointError
+from .manifest import Manifest, TensorRecord, itemsize
+from .plan import numel
+from .sharded import ShardedTensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load_consolidated", "match_keys", "global_nbytes", "read_global_tensors", "iter_global_tensors"]
+
+DEFAULT_BATCH_BYTES = 256 << 20  # one read batch when streaming (a tensor larger than this is read alone)
+
+
+def global_nbytes(rec: TensorRecord) -> int:
+    """Bytes of the full global tensor (what reading it must cost)."""
+    return numel(rec.global_shape) * itemsize(rec.dtype)
+
+
+def match_keys(manifest: Manifest, patterns: Optional[Iterable[str]]) -> List[str]:
+    """Global keys matching any of ``patterns`` (exact keys or shell globs), in manifest order.
+
+    ``None`` selects every global tensor. A pattern that matches nothing is an error:
+    a typo must not silently produce an empty export.
+    """
+    keys = list(manifest.tensors)
+    if patterns is None:
+        return keys
+    patterns = list(patterns)
+    chosen = set()
+    unmatched = []
+    for p in patterns:
+        hit = [k for k in keys if k == p or fnmatch.fnmatchcase(k, p)]
+        if not hit:
+            unmatched.append(p)
+        chosen.update(hit)
+    if unmatched:
+        sample = ", ".join(repr(k) for k in keys[:5])
+        raise CheckpointError(f"no global tensor matches {', '.join(map(repr, unmatched))} "
+                              f"({len(keys)} tensors, e.g. {sample})")
+    return [k for k in keys if k in chosen]
+
+
+def read_global_tensors(
+    base: str,
+    manifest: Manifest,
+    wants: Sequence[Tuple[str, Optional[torch.Tensor]]],
+    *,
+    threads: Optional[int] = None,
+    verify: bool = False,
+) -> Tuple[Dict[str, torch.Tensor], int]:
+    """Read full global tensors ``(key, destination or None)``; returns them and the bytes read.
+
+    A given destination (contiguous, CPU, the tensor's dtype and numel) is filled in
+    place, e.g. a memory-mapped scratch buffer; otherwise a tensor is allocated.
+    """
+    work = _LoadWork(rows_ok=True)
+    out: Dict[str, torch.Tensor] = {}
+    for key, dest in wants:
+        rec = manifest.tensors.get(key)
+        if rec is None:
+            raise CheckpointError(f"{base}: no global tensor {key!r} in the checkpoint")
+        shape = tuple(rec.global_shape)
+        if dest is not None:
+            dest = dest.view(shape)
+        sh = ShardedTensor(key, dest, shape, (0,) * len(shape), local_shape=shape, dtype=rec.dtype)
+        out[key] = _plan_sharded(sh, rec, work, key)
+    if work.problems:
+        head = "\n  ".join(work.problems[:20])
+        raise CheckpointError(f"{base}: cannot assemble {len(work.problems)} global tensor(s):\n  {head}\n"
+                              "The checkpoint is incomplete; `megashard verify` shows what is missing.")
+    nread = _execute_own(base, manifest, work, threads)
+    with torch.no_grad():
+        for f in work.finish:
+            f()
+    if verify:
+        _verify(base, work.touched)
+    return out, nread
+
+
+def iter_global_tensors(
+    base: str,
+    manifest: Manifest,
+    keys: Sequence[str],
+    *,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    threads: Optional[int] = None,
+    verify: bool = False,
+    stats: Optional[LoadStats] = None,
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(key, full tensor)`` in ``keys`` order, reading batches of at most ``batch_bytes``.
+
+    Memory stays at one batch (or one tensor larger than a batch): the caller drops
+    each tensor before the next batch is read.
+    """
+    batch: List[str] = []
+    size = 0
+
+    def flush() -> Iterator[Tuple[str, torch.Tensor]]:
+        got, n = read_global_tensors(base, manifest, [(k, None) for k in batch], threads=threads, verify=verify)
+        if stats is not None:
+            stats.bytes_read += n
+        batch.clear()
+        while got:  # hand over and forget, so a consumer that drops a tensor frees it
+            k = next(iter(got))
+            yield k, got.pop(k)
+
+    for k in keys:
+        n = global_nbytes(manifest.tensors[k])
+        if batch and size + n > batch_bytes:
+            yield from flush()
+            size = 0
+        batch.append(k)
+        size += n
+    if batch:
+        yield from flush()
+
+
+def load_consolidated(
+    checkpoint_dir: str | os.PathLike,
+    keys: Optional[Iterable[str]] = None,
+    *,
+    device: str | torch.device = "cpu",
+    threads: Optional[int] = None,
+    verify: bool = False,
+) -> Dict[str, torch.Tensor]:
+    """``{global key: full tensor}`` of a checkpoint, in this process alone (no process group).
+
+    ``keys``: global keys or shell patterns (``"decoder.layers.*"``); default all.
+    Tensors are read on CPU in parallel, then moved to ``device`` one by one. The
+    bytes read (equal to the bytes of the requested tensors) are in
+    ``megashard.api.LAST_LOAD_STATS`` (mode ``"consolidated"``). The keys are
+    Megatron's global keys: a serving stack needs its own name mapping.
+    Non-tensor state (``args``, ``iteration``, ...) comes from :func:`megashard.load_common`.
+    """
+    t0 = time.perf_counter()
+    base = os.path.abspath(os.fspath(checkpoint_dir))
+    manifest = read_manifest(base)
+    wanted = match_keys(manifest, keys)
+    stats = LoadStats(mode="consolidated")
+    target = torch.device(device)
+    out: Dict[str, torch.Tensor] = {}
+    if wanted:
+        got, stats.bytes_read = read_global_tensors(base, manifest, [(k, None) for k in wanted], threads=threads,
+                                                    verify=verify)
+        for k in wanted:
+            t = got.pop(k)
+            out[k] = t if target.type == "cpu" else t.to(target)
+    stats.seconds = time.perf_counter() - t0
+    LAST_LOAD_STATS.__dict__.update(stats.__dict__)
+    log.info("loaded %d global tensors of %s in one process (%.1f MB read, %.2f s)", len(out), base,
+             stats.bytes_read / 1e6, stats.seconds)
+    return out
