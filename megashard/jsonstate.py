@@ -126,6 +126,7 @@ __all__ = [
     "parse_json",
     "UNHANDLED",
     "Unrepresentable",
+    "UnregisteredEnum",
     "encode",
     "decode",
     "dumps",
@@ -206,6 +207,12 @@ class Unrepresentable:
 
     def __hash__(self) -> int:
         return hash((Unrepresentable, self.repr, self.type_name))
+
+
+class UnregisteredEnum(Unrepresentable):
+    """Placeholder for an enum member whose class was not registered with :func:`register_enum`."""
+
+    __slots__ = ()
 
 
 def _show(path: str) -> str:
@@ -681,7 +688,7 @@ class _Decoder:
             if self.strict:
                 raise CheckpointError(f"cannot load {_show(path)!r}: {msg}")
             logger.warning("loading %r: %s; it is loaded as a placeholder", _show(path), msg)
-            return Unrepresentable(f"<{qualname}.{member_text}>"[:_REPR_LIMIT], where[:_REPR_LIMIT])
+            return UnregisteredEnum(f"<{qualname}.{member_text}>"[:_REPR_LIMIT], where[:_REPR_LIMIT])
         if has_name:
             member = cls.__members__.get(obj["name"])
             if member is None:

@@ -40,6 +40,7 @@ a checkpoint.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -65,6 +66,9 @@ __all__ = [
     "commit_dir",
     "is_checkpoint",
     "recover",
+    "locate",
+    "CheckpointFiles",
+    "MANIFEST_DIGEST_NAME",
     "cleanup_stale_temps",
     "write_tracker",
     "read_tracker",
@@ -85,6 +89,132 @@ _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]+\Z")
 _AUX_RE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[A-Za-z0-9_-]+)\Z")
 _ITER_RE = re.compile(r"iter_(\d{7,})\Z")
 _TRACKER_MAX = 4096
+
+
+# --------------------------------------------------------------------------- reading safely
+
+#: Written beside the manifest: the SHA-256 (hex) of ``manifest.json``'s bytes.
+MANIFEST_DIGEST_NAME = "manifest.sha256"
+DEFAULT_MAX_MANIFEST_BYTES = 1 << 30
+_MEMBER_RE = re.compile(r"[^/\\\x00]+\Z")
+
+
+def max_manifest_bytes() -> int:
+    """Largest ``manifest.json`` a load accepts: ``MEGASHARD_MAX_MANIFEST_BYTES`` or 1 GiB."""
+    v = os.environ.get("MEGASHARD_MAX_MANIFEST_BYTES")
+    try:
+        return int(v) if v else DEFAULT_MAX_MANIFEST_BYTES
+    except ValueError:
+        raise CheckpointError(f"MEGASHARD_MAX_MANIFEST_BYTES={v!r} is not an integer") from None
+
+
+def check_member_name(name: object, where: str) -> str:
+    """A file name inside a checkpoint: one plain path component, never ``.``/``..``."""
+    if not isinstance(name, str) or name in (".", "..") or not _MEMBER_RE.match(name):
+        raise CheckpointError(f"{where}: file name {name!r} is not a plain file name inside the checkpoint "
+                              "directory; the manifest is damaged or hostile")
+    return name
+
+
+class CheckpointFiles:
+    """Opens the files of one checkpoint directory, never leaving it.
+
+    Every member is opened relative to the directory's file descriptor with
+    ``O_NOFOLLOW`` and must be a regular file (of the size the manifest says, when
+    given), so neither a symbolic link nor a hostile name can make a load read
+    anything outside the directory. Descriptors are cached until :meth:`close`.
+    """
+
+    def __init__(self, base: PathLike) -> None:
+        self.base = os.fspath(base)
+        try:
+            self.dir_fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CheckpointError(f"{self.base}: cannot open the checkpoint directory ({e.strerror})") from None
+        self._fds: dict = {}
+
+    def __enter__(self) -> "CheckpointFiles":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.base, name)
+
+    def open(self, name: str, size: Optional[int] = None) -> int:
+        """A read-only descriptor of member ``name`` (checked: plain name, regular file,
+        no symlink, and exactly ``size`` bytes when given)."""
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        check_member_name(name, self.base)
+        where = self.path(name)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self.dir_fd)
+        except OSError as e:
+            why = "it is a symbolic link (refused)" if e.errno == errno.ELOOP else e.strerror
+            raise CheckpointError(f"{where}: cannot open ({why})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{where}: not a regular file; refused")
+            if size is not None and st.st_size != size:
+                raise CheckpointError(f"{where}: size {st.st_size} differs from the manifest's {size} bytes; "
+                                      "the file is damaged or was replaced")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fds[name] = fd
+        return fd
+
+    def size(self, name: str) -> int:
+        return os.fstat(self.open(name)).st_size
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        """The whole member, refused (before reading) when larger than ``limit``."""
+        fd = self.open(name)
+        n = os.fstat(fd).st_size
+        if n > limit:
+            raise CheckpointError(f"{self.path(name)}: {n} bytes is over the limit of {limit} "
+                                  "(MEGASHARD_MAX_MANIFEST_BYTES raises it)")
+        buf = bytearray(n)
+        view, pos = memoryview(buf), 0
+        while pos < n:
+            k = os.preadv(fd, [view[pos:]], pos)
+            if k <= 0:
+                raise CheckpointError(f"{self.path(name)}: truncated while reading")
+            pos += k
+        return bytes(buf)
+
+    def read_manifest_bytes(self) -> bytes:
+        """``manifest.json``, checked against ``manifest.sha256`` when that exists."""
+        data = self.read_bytes(MANIFEST_NAME, max_manifest_bytes())
+        try:
+            self.open(MANIFEST_DIGEST_NAME)
+        except CheckpointError:
+            if os.path.lexists(self.path(MANIFEST_DIGEST_NAME)):
+                raise
+            return data  # written before digests existed
+        want = self.read_bytes(MANIFEST_DIGEST_NAME, 1024).decode("ascii", "replace").strip()
+        got = hashlib.sha256(data).hexdigest()
+        if want != got:
+            raise CheckpointError(f"{self.path(MANIFEST_NAME)}: SHA-256 {got[:16]}... does not match "
+                                  f"{MANIFEST_DIGEST_NAME} ({want[:16]}...); the manifest is damaged")
+        return data
+
+
+def manifest_digest(text: Union[str, bytes]) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest() + "\n"
 
 
 # --------------------------------------------------------------------------- fsync
@@ -223,13 +353,12 @@ def is_checkpoint(path: PathLike) -> bool:
     Parsing (not just stat) guards against manifests damaged after the fact; the
     commit protocol itself never exposes a partial manifest.
     """
-    manifest = os.path.join(os.fspath(path), MANIFEST_NAME)
-    if not os.path.isdir(path) or not os.path.isfile(manifest):
+    if not os.path.isdir(path):
         return False
     try:
-        with open(manifest, "rb") as f:
-            json.loads(f.read())
-    except (OSError, ValueError):
+        with CheckpointFiles(path) as files:
+            json.loads(files.read_bytes(MANIFEST_NAME, max_manifest_bytes()))
+    except (OSError, ValueError, RecursionError, CheckpointError):
         return False
     return True
 
@@ -312,6 +441,29 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
     # earlier crashes) are now garbage.
     for stale in _aux_dirs(parent, name, "old"):
         remove_checkpoint(stale)
+
+
+def locate(final_dir: PathLike) -> Optional[str]:
+    """Where the complete checkpoint called ``final_dir`` is, without changing anything.
+
+    ``final_dir`` itself when it is a checkpoint; the newest ``.<name>.old-*`` checkpoint
+    when ``final_dir`` is absent (a re-save crashed mid-commit: :func:`recover`, the next
+    save or ``megashard recover`` puts it back); else None. Read paths use this, so
+    loading or inspecting never renames or deletes.
+    """
+    parent, name = _split_final(final_dir)
+    final = os.path.join(parent, name)
+    if is_checkpoint(final):
+        return final
+    if os.path.lexists(final):
+        return None
+    candidates = [o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)]
+    if not candidates:
+        return None
+    candidates.sort(key=lambda p: os.stat(os.path.join(p, MANIFEST_NAME)).st_mtime, reverse=True)
+    logger.warning("%s is missing; reading the complete copy %s left by an interrupted re-save "
+                   "(run `megashard recover %s` to restore it)", final, candidates[0], final)
+    return candidates[0]
 
 
 def recover(final_dir: PathLike) -> Optional[str]:

@@ -9,16 +9,15 @@ single process is a world of one).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
-import os
-import socket
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from .errors import MegashardError, distributed_error
+from .errors import DistributedError, MegashardError, distributed_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,9 +32,11 @@ def _dist():
 class Comm:
     """A process group plus the handful of operations checkpointing needs."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout: Optional[float] = None) -> None:
+        """``timeout`` (seconds) bounds every collective and wait; default: the process group's."""
         dist = _dist()
         self.group = group
+        self.timeout = _timeout(group, timeout)
         self.is_dist = dist.is_available() and dist.is_initialized()
         if self.is_dist:
             self.rank = dist.get_rank(group)
@@ -59,6 +60,27 @@ class Comm:
             t[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return t.to(self.device)
 
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for an async collective or point-to-point op within the timeout.
+
+        A dead or stuck peer surfaces here as a DistributedError naming this rank instead
+        of a hang or a backend-specific exception."""
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+            raise DistributedError({self.rank: f"{what}: a peer rank failed or exited "
+                                    f"({type(e).__name__}: {str(e)[:300]})"}, what) from None
+        if ok is False:
+            raise DistributedError({self.rank: f"{what}: no answer within {self.timeout:.0f} s "
+                                    "(a peer rank died or hangs)"}, what)
+
+    def _collective(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        try:
+            work = fn(*args, group=self.group, async_op=True, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise DistributedError({self.rank: f"{what}: {type(e).__name__}: {str(e)[:300]}"}, what) from None
+        self.wait(work, what)
+
     # -- collectives (JSON) --------------------------------------------------
     def all_gather_json(self, obj: Any) -> List[Any]:
         data = json.dumps(obj, separators=(",", ":")).encode()
@@ -67,11 +89,11 @@ class Comm:
         dist = _dist()
         n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
-        dist.all_gather(sizes, n, group=self.group)
+        self._collective("all_gather", dist.all_gather, sizes, n)
         lens = [int(s.item()) for s in sizes]
         m = max(lens)
         out = [torch.empty(m, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
-        dist.all_gather(out, self._bytes_tensor(data, m), group=self.group)
+        self._collective("all_gather", dist.all_gather, out, self._bytes_tensor(data, m))
         return [json.loads(bytes(t[:k].cpu().numpy())) for t, k in zip(out, lens)]
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:
@@ -80,20 +102,23 @@ class Comm:
         dist = _dist()
         data = json.dumps(obj, separators=(",", ":")).encode() if self.rank == src else b""
         n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        dist.broadcast(n, src=self.global_rank(src), group=self.group)
+        self._collective("broadcast", dist.broadcast, n, src=self.global_rank(src))
         buf = self._bytes_tensor(data, int(n.item()))
-        dist.broadcast(buf, src=self.global_rank(src), group=self.group)
+        self._collective("broadcast", dist.broadcast, buf, src=self.global_rank(src))
         return json.loads(bytes(buf.cpu().numpy())) if self.rank != src else obj
 
-    def gather_json(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
-        """Gather to ``dst`` (other ranks get None). gloo and NCCL both support all_gather,
-        which is used so that every backend works the same."""
-        everything = self.all_gather_json(obj) if self.world_size > 1 else [obj]
-        return everything if self.rank == dst else None
+    def all_reduce_max(self, value: int) -> int:
+        """The maximum of an integer over the group."""
+        if not self.is_dist or self.world_size == 1:
+            return int(value)
+        dist = _dist()
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
+        self._collective("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def barrier(self) -> None:
         if self.is_dist and self.world_size > 1:
-            _dist().barrier(group=self.group)
+            self.all_gather_json(None)
 
     # -- error aggregation ---------------------------------------------------
     def agree(self, error: Optional[str], what: str, payload: Any = None) -> List[Any]:
@@ -101,7 +126,12 @@ class Comm:
 
         Returns every rank's payload when all succeeded.
         """
-        everything = self.all_gather_json({"error": error, "payload": payload})
+        try:
+            everything = self.all_gather_json({"error": error, "payload": payload})
+        except DistributedError as e:  # a peer died: report our own error too, if any
+            if error:
+                e.failures.setdefault(self.rank, error)
+            raise distributed_error(e.failures, what) from None
         failures = {r: e["error"] for r, e in enumerate(everything) if e["error"]}
         if failures:
             raise distributed_error(failures, what)
@@ -116,22 +146,17 @@ class Comm:
             return None, f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
             return None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+        except BaseException as e:  # SystemExit, KeyboardInterrupt: still agree, never strand peers
+            return None, f"{type(e).__name__} during {what}: {e!r}"
 
     # -- point to point --------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
         """Send a contiguous tensor to group rank ``dst`` (staged through the device for NCCL)."""
-        if self.device.type == "cuda" and t.device.type != "cuda":
-            t = t.to(self.device, non_blocking=False)
-        _dist().send(t, dst=self.global_rank(dst), group=self.group)
+        self.isend(t, dst).wait()
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         """Receive into a contiguous tensor from group rank ``src``."""
-        if self.device.type == "cuda" and t.device.type != "cuda":
-            tmp = torch.empty_like(t, device=self.device)
-            _dist().recv(tmp, src=self.global_rank(src), group=self.group)
-            t.copy_(tmp)
-            return
-        _dist().recv(t, src=self.global_rank(src), group=self.group)
+        self.irecv(t, src).wait()
 
     def isend(self, t: torch.Tensor, dst: int) -> Any:
         """Start sending a contiguous tensor; returns a handle with ``wait()``.
@@ -139,35 +164,50 @@ class Comm:
         The tensor must stay untouched until the handle completes."""
         if self.device.type == "cuda" and t.device.type != "cuda":
             t = t.to(self.device, non_blocking=False)
-        return _dist().isend(t, dst=self.global_rank(dst), group=self.group)
+        return _Pending(self, _dist().isend(t, dst=self.global_rank(dst), group=self.group), f"send to rank {dst}")
 
     def irecv(self, t: torch.Tensor, src: int) -> Any:
         """Start receiving into a contiguous tensor; returns a handle with ``wait()``."""
+        what = f"receive from rank {src}"
         if self.device.type == "cuda" and t.device.type != "cuda":
             tmp = torch.empty_like(t, device=self.device)
             work = _dist().irecv(tmp, src=self.global_rank(src), group=self.group)
-            return _StagedRecv(work, tmp, t)
-        return _dist().irecv(t, src=self.global_rank(src), group=self.group)
-
-    # -- topology --------------------------------------------------------------
-    def node_ids(self) -> List[str]:
-        """Node identity of every rank: ``MEGASHARD_NODE_ID``, else torchrun's GROUP_RANK
-        (node rank), else the host name. Collective."""
-        me = os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK")
-        if me is None:
-            me = socket.gethostname()
-        return [str(x) for x in self.all_gather_json(str(me))]
+            return _Pending(self, work, what, tmp, t)
+        return _Pending(self, _dist().irecv(t, src=self.global_rank(src), group=self.group), what)
 
 
-class _StagedRecv:
-    """An irecv into device memory that copies to the host destination on wait()."""
+class _Pending:
+    """A point-to-point op in flight; ``wait()`` honours the Comm's timeout and, for a
+    receive staged through device memory, copies to the host destination."""
 
-    def __init__(self, work: Any, tmp: torch.Tensor, dest: torch.Tensor) -> None:
-        self.work, self.tmp, self.dest = work, tmp, dest
+    def __init__(self, comm: Comm, work: Any, what: str, tmp: Optional[torch.Tensor] = None,
+                 dest: Optional[torch.Tensor] = None) -> None:
+        self.comm, self.work, self.what, self.tmp, self.dest = comm, work, what, tmp, dest
 
     def wait(self) -> None:
-        self.work.wait()
-        self.dest.copy_(self.tmp)
+        self.comm.wait(self.work, self.what)
+        if self.dest is not None and self.tmp is not None:
+            self.dest.copy_(self.tmp)
+
+
+def _timeout(group: Any, timeout: Optional[float]) -> float:
+    """Seconds: the caller's, else the process group's own timeout, else 30 minutes."""
+    if timeout is not None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        return float(timeout)
+    try:
+        from torch.distributed.distributed_c10d import _get_default_group  # type: ignore
+
+        pg = group if group is not None else _get_default_group()
+        for dev in ("cpu", "cuda"):
+            try:
+                return float(pg._get_backend(torch.device(dev)).options._timeout.total_seconds())
+            except Exception:  # noqa: BLE001 - no backend for that device
+                continue
+    except Exception:  # noqa: BLE001 - not initialised, or a torch without these internals
+        pass
+    return 1800.0
 
 
 def node_readers(node_ids: Sequence[str]) -> Dict[int, int]:

@@ -12,6 +12,7 @@ import torch
 import megashard
 from megashard.cli import main
 from megashard.sharded import ShardedTensor
+from tamper import read_manifest_doc, write_manifest_doc
 
 
 @pytest.fixture()
@@ -61,10 +62,9 @@ def test_verify_reports_corrupt_byte(ckpt, capsys):
 
 
 def test_verify_reports_missing_file_and_coverage_hole(ckpt, capsys):
-    mpath = os.path.join(ckpt, "manifest.json")
-    doc = json.load(open(mpath))
+    doc = read_manifest_doc(ckpt)
     doc["tensors"]["w"]["shards"].pop()  # a hole in "w"
-    json.dump(doc, open(mpath, "w"))
+    write_manifest_doc(ckpt, doc)
     os.unlink(os.path.join(ckpt, "state-r00000.tensors"))
     assert main(["verify", ckpt]) != 0
     text = "".join(capsys.readouterr())
