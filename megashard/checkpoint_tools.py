@@ -16,6 +16,12 @@ def _manifest(path: str) -> Manifest:
     return read_manifest(path)
 
 
+def _location(path: str) -> str:
+    from .api import checkpoint_location
+
+    return checkpoint_location(path)
+
+
 def inspect_checkpoint(path: str) -> Dict[str, Any]:
     """Summary of a checkpoint: layout, files, and every global tensor with its shards."""
     m = _manifest(path)
@@ -40,6 +46,11 @@ def inspect_checkpoint(path: str) -> Dict[str, Any]:
     }
 
 
+def _int(v: Any) -> int:
+    """An integer field of an untrusted reference (-1 when it is not one: reported as a mismatch)."""
+    return v if type(v) is int else -1
+
+
 def _tree_refs(node: Any) -> Iterator[Dict[str, Any]]:
     if isinstance(node, dict):
         if node.get("kind") in ("tensor", "bytes") and "file" in node and "data_offset" in node:
@@ -52,43 +63,46 @@ def _tree_refs(node: Any) -> Iterator[Dict[str, Any]]:
 
 
 def verify_checkpoint(path: str) -> List[str]:
-    """Every problem found (empty list = the checkpoint is intact).
+    """Every problem found (empty list = every byte of the checkpoint is as saved).
 
-    Checks: manifest parses; every listed file exists with the recorded size and
-    passes its CRC32/SHA-256 hashes; every manifest entry matches the file's own
-    index (name, offsets, length, CRC32); every global tensor is covered exactly once.
+    Checks: the manifest parses and matches ``manifest.sha256``; every listed file is a
+    regular file inside the directory (no symlink) with the recorded size; every file's
+    structure (header, index, zero fill, terminator) is intact and every tensor passes
+    its CRC32/SHA-256; every manifest entry matches the file's own index (name, offsets,
+    length, CRC32) and the file holds no tensor the manifest does not list; every global
+    tensor is covered exactly once. Read-only.
     """
-    from .format import open_file
+    from .format import TensorFileReader
+    from .format.verify import structure_problems
 
     problems: List[str] = []
     try:
-        m = _manifest(path)
+        base = _location(path)
+        m = _manifest(base)
     except MegashardError as e:
         return [str(e)]
-    base = os.path.abspath(path)
-    if not os.path.isfile(os.path.join(base, storage.MANIFEST_NAME)):
-        recovered = storage.recover(base)
-        base = recovered or base
     entries: Dict[str, Dict[str, Any]] = {}
-    for fname, info in sorted(m.files.items()):
-        fpath = os.path.join(base, fname)
-        if not os.path.isfile(fpath):
-            problems.append(f"{fpath}: missing")
-            continue
-        size = os.path.getsize(fpath)
-        if size != int(info.get("bytes", size)):
-            problems.append(f"{fpath}: {size} bytes, manifest says {info.get('bytes')}")
-        try:
-            with open_file(fpath) as r:
-                entries[fname] = {i.name: i for i in r.infos()}
-                problems += [f"{fpath}: {p}" for p in r.verify_all()]
-        except MegashardError as e:
-            problems.append(str(e))
+    with storage.CheckpointFiles(base) as cf:
+        for fname, info in sorted(m.files.items()):
+            fpath = cf.path(fname)
+            try:
+                cf.open(fname, int(info.get("bytes", 0)))
+                with TensorFileReader(fname, dir_fd=cf.dir_fd, nofollow=True) as r:
+                    problems += structure_problems(r)
+                    entries[fname] = {i.name: i for i in r.infos()}
+                    problems += [f"{fpath}: {p}" for p in r.verify_all()]
+                    if "tensors" in info and info["tensors"] != len(r):
+                        problems.append(f"{fpath}: holds {len(r)} tensors, the manifest says {info['tensors']}")
+            except MegashardError as e:
+                problems.append(f"{fpath}: missing" if not os.path.lexists(fpath) else str(e))
+    listed: Dict[str, set] = {}
+
     def check_entry(where: str, file: Any, name: str, data_offset: int, nbytes: int, crc32: int) -> None:
         if not nbytes:
             return
         if file not in entries:
             return  # already reported
+        listed.setdefault(file, set()).add(name)
         info = entries[file].get(name)
         if info is None:
             problems.append(f"{where}: tensor {name!r} not found in {file}")
@@ -104,6 +118,11 @@ def verify_checkpoint(path: str) -> List[str]:
             problems.append(f"{key}: shards hold {total} elements, tensor has {numel(t.global_shape)}")
     for tid, tree in list(m.trees.items()) + [(k, v) for k, v in m.objects.items()]:
         for ref in _tree_refs(tree):
-            check_entry(f"state {tid}", ref.get("file"), ref.get("name", ""), int(ref.get("data_offset", 0)),
-                        int(ref.get("nbytes", 0)), int(ref.get("crc32", 0)))
+            check_entry(f"state {tid}", ref.get("file"), str(ref.get("name", "")), _int(ref.get("data_offset", 0)),
+                        _int(ref.get("nbytes", 0)), _int(ref.get("crc32", 0)))
+    for fname, names in sorted(entries.items()):
+        extra = sorted(set(names) - listed.get(fname, set()))
+        if extra:
+            problems.append(f"{os.path.join(base, fname)}: {len(extra)} tensor(s) the manifest does not list, "
+                            f"e.g. {extra[0]!r}")
     return problems

@@ -10,6 +10,7 @@ naming the manifest path and the offending field. It is never pickled.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -124,10 +125,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "manifest.json") -> "Manifest":
-        try:
-            doc = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{where}: not valid JSON ({e}); the checkpoint is damaged") from None
+        from .jsonstate import parse_json
+
+        doc = parse_json(text, f"{where} (the checkpoint is damaged)")
         p = _Parser(where)
         p.require(isinstance(doc, dict), "top level is not an object")
         p.require(doc.get("format") == MANIFEST_FORMAT, f"format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
@@ -137,8 +137,7 @@ class Manifest:
         world = p.int(doc.get("world_size"), "world_size", lo=1)
         files = p.dict(doc.get("files"), "files")
         for name, info in files.items():
-            p.require(isinstance(name, str) and "/" not in name and name not in ("", ".", ".."),
-                      f"file name {name!r} is not a plain file name")
+            p.require(is_plain_file_name(name), f"file name {str(name)[:100]!r} is not a plain file name")
             p.dict(info, f"files[{name!r}]")
             p.int(info.get("bytes", 0), f"files[{name!r}].bytes")
         tensors: Dict[str, TensorRecord] = {}
@@ -155,6 +154,8 @@ class Manifest:
                 off = p.shape(s.get("offset"), f"{ws}.offset")
                 shp = p.shape(s.get("shape"), f"{ws}.shape")
                 p.require(len(off) == len(gshape) == len(shp), f"{ws}: offset/shape rank differs from the tensor's")
+                p.require(all(o + n <= g for o, n, g in zip(off, shp, gshape)),
+                          f"{ws}: chunk {list(off)}+{list(shp)} lies outside the global shape {list(gshape)}")
                 flat = s.get("flat")
                 if flat is not None:
                     flat = p.shape(flat, f"{ws}.flat")
@@ -165,13 +166,20 @@ class Manifest:
                 nbytes = p.int(s.get("nbytes"), f"{ws}.nbytes")
                 p.require(nbytes == n_el * isz, f"{ws}.nbytes={nbytes} but the shard has {n_el} x {isz} bytes")
                 file = s.get("file")
-                p.require(file is None or file in files, f"{ws}.file {file!r} is not listed in files")
+                p.require(file is None or (isinstance(file, str) and file in files),
+                          f"{ws}.file {str(file)[:100]!r} is not listed in files")
                 p.require(file is not None or nbytes == 0, f"{ws}: has bytes but no file")
+                data_offset = p.int(s.get("data_offset"), f"{ws}.data_offset")
+                header_offset = p.int(s.get("header_offset", 0), f"{ws}.header_offset")
+                if file is not None:
+                    fbytes = files[file].get("bytes", 0)
+                    p.require(header_offset <= data_offset and data_offset + nbytes <= fbytes,
+                              f"{ws}: bytes {data_offset}+{nbytes} do not fit in {file} ({fbytes} bytes)")
+                name = s.get("name", "")
+                p.require(isinstance(name, str), f"{ws}.name must be a string")
                 rec.shards.append(ShardRecord(
-                    off, shp, tuple(flat) if flat is not None else None, file, str(s.get("name", "")),
-                    p.int(s.get("header_offset", 0), f"{ws}.header_offset"),
-                    p.int(s.get("data_offset"), f"{ws}.data_offset"), nbytes,
-                    p.int(s.get("crc32", 0), f"{ws}.crc32")))
+                    off, shp, tuple(flat) if flat is not None else None, file, name, header_offset,
+                    data_offset, nbytes, p.int(s.get("crc32", 0), f"{ws}.crc32")))
             tensors[key] = rec
         trees = p.dict(doc.get("trees"), "trees")
         rank_trees = p.list(doc.get("rank_trees"), "rank_trees")
@@ -181,6 +189,14 @@ class Manifest:
             objects=p.dict(doc.get("objects", {}), "objects"), trees=trees, rank_trees=list(rank_trees),
             created=float(doc.get("created", 0.0) or 0.0), extra=p.dict(doc.get("extra", {}), "extra"),
         )
+
+
+_PLAIN_NAME = re.compile(r"[^/\\\x00]{1,255}\Z")
+
+
+def is_plain_file_name(name: object) -> bool:
+    """One path component inside the checkpoint directory: no separator, NUL, ``.`` or ``..``."""
+    return isinstance(name, str) and name not in (".", "..") and bool(_PLAIN_NAME.match(name))
 
 
 class _Parser:
