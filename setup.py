@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["megashard", "megashard.*"]),
     python_requires=">=3.10",
     # torch is deliberately not pinned here: install torch first (see README), any 2.x works.
-    install_requires=["torch>=2.1", "numpy", "isal>=1.6"],
+    install_requires=["torch>=2.1", "numpy", "isal>=1.6", "tqdm"],
     extras_require={
         "megatron": ["megatron-core>=0.16", "psutil"],
         "test": [

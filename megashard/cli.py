@@ -2,10 +2,13 @@
 
     megashard inspect PATH [--json]   # a file: version + tensors; a directory: the checkpoint summary
     megashard verify PATH [--json]    # every hash; exit 0 only when all match, else 1
+    megashard convert SRC DST [--to megashard|torch_dist|tensors|safetensors] [--keys PATTERN ...]
+                      [--iteration N]  # one process; see megashard.convert
 
 A directory argument is handed to :mod:`megashard.checkpoint_tools` (imported
 lazily, so file commands work without the checkpoint layer). Exit codes: 0 ok,
-1 verification failure or unreadable input, 2 usage error.
+1 verification failure or unreadable input, 2 usage error (for ``convert``: SRC is
+not a checkpoint, unknown format, DST exists; DST is then untouched).
 """
 from __future__ import annotations
 
@@ -132,9 +135,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         count = None
     else:
         from .format import open_file
+        from .format.verify import structure_problems
 
         with open_file(path) as r:
-            problems = r.verify_all()
+            problems = structure_problems(r) + r.verify_all()
             count = len(r)
     if args.json:
         print(json.dumps({"path": path, "ok": not problems, "tensors": count, "problems": problems}, indent=2))
@@ -146,6 +150,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         what = f"{count} tensors, all hashes match" if count is not None else "checkpoint verified"
         print(f"OK: {path}: {what}")
     return 1 if problems else 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    res = convert(args.src, args.dst, to=args.to, keys=args.keys, iteration=args.iteration)
+    print(res.summary())
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +175,32 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path", help=".tensors file or checkpoint directory")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=_cmd_verify)
+    c = sub.add_parser("convert", help="torch_dist -> megashard, megashard -> torch_dist, or one .tensors / "
+                       ".safetensors file of global tensors (one process)")
+    c.add_argument("src", help="checkpoint directory, or a Megatron save directory with iter_XXXXXXX subdirectories")
+    c.add_argument("dst", help="new directory (or file for tensors/safetensors); must not exist")
+    c.add_argument("--to", default="megashard", choices=("megashard", "torch_dist", "tensors", "safetensors"),
+                   help="target format (default: megashard)")
+    c.add_argument("--keys", nargs="+", metavar="PATTERN", help="only global tensors matching these keys / globs")
+    c.add_argument("--iteration", type=int, help="iteration to convert from a Megatron save directory "
+                   "(default: the tracker's)")
+    c.set_defaults(func=_cmd_convert)
+    r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place and "
+                       "remove superseded copies (the only command that changes a checkpoint's directory)")
+    r.add_argument("path", help="checkpoint directory")
+    r.set_defaults(func=_cmd_recover)
     return p
+
+
+def _cmd_recover(args: argparse.Namespace) -> int:
+    from . import storage
+
+    found = storage.recover(args.path)
+    if found is None:
+        print(f"{args.path}: no complete checkpoint found", file=sys.stderr)
+        return 1
+    print(f"OK: {found}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,6 +212,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except MegashardError as e:
+        from .convert import ConvertInputError
+
+        if isinstance(e, ConvertInputError):  # nothing was written
+            print(f"megashard convert: error: {e}", file=sys.stderr)
+            return 2
         print(f"megashard {args.command}: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. `megashard inspect f | head`

@@ -1,0 +1,598 @@
+"""``megashard convert``: torch_dist <-> megashard, and megashard -> one file of global tensors.
+
+One process, no torchrun. Directions:
+
+* ``torch_dist`` (megatron-core ``dist_checkpointing``) -> ``megashard``: read with
+  megatron-core's own loader in a world of one (gloo), in batches, into a
+  memory-mapped scratch file, then saved by :func:`megashard.save`.
+* ``megashard`` -> ``torch_dist``: every global tensor as one unsharded
+  ``ShardedTensor`` (megatron-core reshards on load, so any layout loads it), backed
+  by a private mapping of the source shard file (no copy) or, for tensors saved in
+  several shards, assembled in a scratch mapping; written by megatron-core's
+  ``dist_checkpointing.save``.
+* ``megashard`` -> ``tensors`` / ``safetensors``: one file of full global tensors keyed
+  by global key, streamed tensor by tensor (memory: one read batch).
+
+Memory: anonymous memory stays at the largest tensor plus one read batch; the
+torch_dist directions go through file mappings (page cache), never a second copy of
+the model. A Megatron-LM save directory (``iter_XXXXXXX`` subdirectories plus
+``latest_checkpointed_iteration.txt``) is accepted as SRC: the tracker's iteration
+(or ``iteration=``) is converted and, for directory targets, DST gets Megatron's
+layout and tracker too.
+
+torch_dist checkpoints are pickle-based and megatron-core's loader unpickles them:
+convert only torch_dist checkpoints you trust. Nothing megashard writes is pickled.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import secrets
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from . import storage
+from .errors import CheckpointError, MegashardError
+from .manifest import Manifest, dtype_name, itemsize
+from .plan import numel
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("megashard", "torch_dist", "tensors", "safetensors")
+SINGLE_FILE = ("tensors", "safetensors")
+DEFAULT_BATCH_BYTES = 256 << 20
+MODEL_ENTRY = "model"  # where converted model tensors go in a megashard state tree (file stem "model")
+OPTIMIZER_ENTRY = "optimizer_tensors"
+OBJECTS_ENTRY = "sharded_objects"
+TORCH_DIST_ENTRY = "megashard_global_tensors"  # where global tensors go in a torch_dist state dict
+
+
+class ConvertInputError(CheckpointError):
+    """SRC is not a checkpoint, the format is unknown, or DST exists: nothing was written."""
+
+
+@dataclass
+class ConvertResult:
+    src: str  # the checkpoint directory actually read
+    dst: str  # what was written (file or directory)
+    source_format: str
+    target_format: str
+    iteration: Optional[int | str]
+    tensors: int = 0
+    bytes: int = 0  # tensor bytes converted
+    seconds: float = 0.0
+    dropped: List[str] = field(default_factory=list)  # what the target cannot hold
+
+    def summary(self) -> str:
+        gbs = self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        it = f", iteration {self.iteration}" if self.iteration is not None else ""
+        line = (f"converted {self.src} ({self.source_format}) -> {self.dst} ({self.target_format}){it}: "
+                f"{self.tensors} tensors, {self.bytes / 1e9:.3f} GB in {self.seconds:.2f} s ({gbs:.2f} GB/s)")
+        if self.dropped:
+            line += f"; not converted: {'; '.join(self.dropped)}"
+        return line
+
+
+# ---------------------------------------------------------------------------
+# what is SRC
+
+
+def detect_format(path: str) -> Optional[str]:
+    """``"megashard"``, ``"torch_dist"`` or None for a checkpoint directory."""
+    if os.path.isfile(os.path.join(path, storage.MANIFEST_NAME)):
+        return "megashard"
+    meta = os.path.join(path, "metadata.json")
+    if os.path.isfile(meta):
+        try:
+            with open(meta, "rb") as f:
+                doc = json.loads(f.read(1 << 16))
+        except (OSError, ValueError):
+            return None
+        if isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist":
+            return "torch_dist"
+    return None
+
+
+def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str, str, Optional[int | str], bool]:
+    """(checkpoint dir, format, iteration, is a Megatron save root) for SRC."""
+    src = os.path.abspath(src)
+    if not os.path.isdir(src):
+        raise ConvertInputError(f"{src}: no such directory; SRC must be a checkpoint directory or a Megatron "
+                                "save directory (with iter_XXXXXXX subdirectories)")
+    fmt = detect_format(src)
+    if fmt is not None:
+        if iteration is not None:
+            raise ConvertInputError(f"{src} is a single checkpoint; --iteration applies to a Megatron save directory")
+        return src, fmt, storage.parse_iteration_dir_name(os.path.basename(src)), False
+    tracked = storage.read_tracker(src)
+    it = iteration if iteration is not None else tracked
+    if it is None:
+        iters = sorted(n for n in os.listdir(src) if storage.parse_iteration_dir_name(n) is not None)
+        if iters:
+            raise ConvertInputError(f"{src}: no {storage.TRACKER_NAME}; pass --iteration N (found {', '.join(iters[:5])})")
+        raise ConvertInputError(f"{src} is not a checkpoint: no {storage.MANIFEST_NAME} (megashard), no "
+                                f"metadata.json (torch_dist), no iter_XXXXXXX subdirectories")
+    ckpt = os.path.join(src, storage.iteration_dir_name(it))
+    fmt = detect_format(ckpt) if os.path.isdir(ckpt) else None
+    if fmt is None:
+        raise ConvertInputError(f"{ckpt}: iteration {it} is not a megashard or torch_dist checkpoint")
+    return ckpt, fmt, it, True
+
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
+    """A tqdm bar on a TTY (or when forced), else a no-op with the same interface."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if enabled:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False)
+
+    class _Quiet:
+        def update(self, n: int) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    return _Quiet()
+
+
+class _Scratch:
+    """A sparse scratch file whose pages back tensors (file-backed, not anonymous memory)."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, "scratch.bin")
+        self.size = 0
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+    def tensor(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        n = numel(shape) * itemsize(dtype)
+        if n == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        off = self.size
+        self.size += (n + 4095) // 4096 * 4096
+        os.ftruncate(self.fd, self.size)
+        arr = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=off, shape=(n,))
+        return torch.from_numpy(arr).view(dtype).view(tuple(shape))
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _mapped_shard(base: str, file: str, data_offset: int, nbytes: int, dtype: torch.dtype,
+                  shape: Sequence[int]) -> torch.Tensor:
+    """A saved shard as a tensor over a private (copy-on-write) mapping of its file: no copy."""
+    arr = np.memmap(os.path.join(base, file), dtype=np.uint8, mode="c", offset=data_offset, shape=(nbytes,))
+    return torch.from_numpy(arr).view(dtype).view(tuple(shape))
+
+
+@contextlib.contextmanager
+def _world_of_one() -> Iterator[None]:
+    """A gloo process group of one for megatron-core (none is created if one exists)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConvertInputError("convert runs in one process; call it outside a multi-rank job")
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="megashard-convert-") as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=30))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _megatron_core() -> Iterator[Any]:
+    """megatron-core's dist_checkpointing, with the two CUDA calls its sync save makes stubbed on CPU."""
+    try:
+        from megatron.core import dist_checkpointing as dc  # noqa: F401
+        from megatron.core.dist_checkpointing import serialization  # noqa: F401
+    except ImportError as e:
+        raise ConvertInputError(f"torch_dist conversion needs megatron-core (pip install 'megashard[megatron]'): {e}")
+    patched = {}
+    if not torch.cuda.is_available():
+        # filesystem_async.preload_tensors calls torch.cuda.synchronize(); state_dict_saver puts
+        # its failure flag on torch.cuda.current_device(). Both only need to be harmless on CPU.
+        patched = {"synchronize": torch.cuda.synchronize, "current_device": torch.cuda.current_device}
+        torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    try:
+        with _world_of_one():
+            yield dc
+    finally:
+        for name, fn in patched.items():
+            setattr(torch.cuda, name, fn)
+
+
+class _Output:
+    """Where DST goes: everything is written beside it and renamed into place at the end.
+
+    For a Megatron save root, DST becomes ``DST/iter_XXXXXXX`` plus the tracker.
+    """
+
+    def __init__(self, dst: str, megatron_root: bool, iteration: Optional[int | str], single_file: bool) -> None:
+        self.final = os.path.abspath(dst)
+        self.token = secrets.token_hex(6)
+        self.tmp = storage.temp_dir_name(self.final, self.token)
+        self.single_file = single_file
+        self.megatron_root = megatron_root and not single_file
+        self.iteration = iteration
+        os.makedirs(self.tmp)
+
+    @property
+    def target(self) -> str:
+        """Path of the checkpoint directory (or file) to write, inside the temporary directory."""
+        if self.single_file:
+            return os.path.join(self.tmp, os.path.basename(self.final))
+        if self.megatron_root:
+            return os.path.join(self.tmp, storage.iteration_dir_name(self.iteration))
+        return os.path.join(self.tmp, "checkpoint")
+
+    def scratch_dir(self) -> str:
+        d = os.path.join(self.tmp, "scratch")
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    def commit(self) -> None:
+        shutil.rmtree(os.path.join(self.tmp, "scratch"), ignore_errors=True)
+        if self.megatron_root:
+            storage.write_tracker(self.tmp, self.iteration)
+            src = self.tmp
+        else:
+            src = self.target
+        if os.path.lexists(self.final):
+            raise ConvertInputError(f"{self.final} appeared while converting; left it untouched")
+        if self.single_file:
+            os.link(src, self.final)  # fails rather than replace a file created meanwhile
+        else:
+            os.rename(src, self.final)
+        storage.fsync_path(os.path.dirname(self.final))
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _match(m: Manifest, patterns: Optional[Sequence[str]]) -> List[str]:
+    """--keys: a pattern that matches nothing is a usage error (exit 2), not a damaged checkpoint."""
+    from .consolidated import match_keys
+
+    try:
+        return match_keys(m, patterns)
+    except CheckpointError as e:
+        raise ConvertInputError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------
+# megashard -> one file
+
+
+def _single_file_specs(m: Manifest, keys: Sequence[str], fmt: str) -> Tuple[List[str], List[str]]:
+    """(keys to write, keys that the format cannot hold)."""
+    from .format.dtypes import encode_dtype
+
+    ok, skipped = [], []
+    for k in keys:
+        t = m.tensors[k]
+        if fmt == "tensors" and numel(t.global_shape) == 0 and encode_dtype(t.dtype).opaque:
+            skipped.append(k)  # tensorizer cannot read zero-element bf16/fp8 tensors
+        else:
+            ok.append(k)
+    return ok, skipped
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+
+
+class _SafetensorsWriter:
+    """safetensors, streamed: the header (dtypes, shapes, offsets) is known before any data."""
+
+    def __init__(self, path: str, specs: Sequence[Tuple[str, torch.dtype, Tuple[int, ...]]],
+                 metadata: Dict[str, str]) -> None:
+        header: Dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        pos = 0
+        for name, dtype, shape in specs:
+            if dtype not in _SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{name!r}: dtype {dtype_name(dtype)} has no safetensors equivalent; "
+                                      "export it with --to tensors or leave it out with --keys")
+            n = numel(shape) * itemsize(dtype)
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self.f = open(path, "xb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        from .format.fastio import tensor_memoryview
+
+        t = tensor.detach().cpu().contiguous()
+        if t.numel():
+            self.f.write(tensor_memoryview(t))
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+    def abort(self) -> None:
+        self.f.close()
+
+
+def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequence[str]], batch_bytes: int,
+                    bar: Callable[[int], Any], res: ConvertResult) -> None:
+    from .api import read_manifest
+    from .consolidated import iter_global_tensors
+    from .format.stream import StreamWriter
+
+    m = read_manifest(src)
+    keys, skipped = _single_file_specs(m, _match(m, patterns), fmt)
+    if not keys:
+        raise ConvertInputError(f"{src}: no global tensors to export")
+    specs = [(k, m.tensors[k].dtype, tuple(m.tensors[k].global_shape)) for k in keys]
+    total = sum(numel(s) * itemsize(d) for _, d, s in specs)
+    if fmt == "tensors":
+        writer: Any = StreamWriter(out.target, specs)
+    else:
+        it = res.iteration
+        writer = _SafetensorsWriter(out.target, specs, {"format": "pt", **({"iteration": str(it)} if it is not None else {})})
+    pbar = bar(total)
+    try:
+        for k, t in iter_global_tensors(src, m, keys, batch_bytes=batch_bytes):
+            writer.write(k, t)
+            n = t.numel() * t.element_size()
+            del t
+            res.bytes += n
+            res.tensors += 1
+            pbar.update(n)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        pbar.close()
+    res.dropped.append("args, iteration, RNG and non-tensor optimizer state (param groups, step), rank-local "
+                       "tensors (single-file exports hold global tensors only)")
+    if skipped:
+        res.dropped.append(f"zero-element tensors tensorizer cannot read: {', '.join(skipped)}")
+
+
+# ---------------------------------------------------------------------------
+# megashard -> torch_dist
+
+
+def _rank0_state(src: str, m: Manifest) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Rank 0's non-sharded state (args, iteration, its local tensors) and every sharded object's value."""
+    from .api import _decode_saved_tree, _execute_own, _finalize_tree, _LoadWork
+
+    work = _LoadWork()
+    tree = _decode_saved_tree(m.tree_for_rank(0), m, work)
+    objects = {u: _decode_saved_tree(e.get("value"), m, work, u) for u, e in m.objects.items()}
+    _execute_own(src, m, work, None)
+    for f in work.finish:
+        f()
+    common = _finalize_tree(tree)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{src}: saved state is not a dict")
+    return common, {u: _finalize_tree(v) for u, v in objects.items()}
+
+
+def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence[str]],
+                             bar: Callable[[int], Any], res: ConvertResult) -> None:
+    from .api import _check_files, read_manifest
+    from .consolidated import read_global_tensors
+
+    m = read_manifest(src)
+    keys = _match(m, patterns)
+    common, objects = _rank0_state(src, m)
+    with _megatron_core() as dc:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+        scratch = _Scratch(out.scratch_dir())
+        try:
+            tensors: Dict[str, Any] = {}
+            assemble: List[Tuple[str, torch.Tensor]] = []
+            for k in keys:
+                rec = m.tensors[k]
+                shape = tuple(rec.global_shape)
+                nbytes = numel(shape) * itemsize(rec.dtype)
+                s = rec.shards[0] if len(rec.shards) == 1 else None
+                if s is not None and s.flat is None and s.shape == shape and s.file and nbytes:
+                    _check_files(src, m, [s.file])  # sizes as the manifest says before mapping
+                    data = _mapped_shard(src, s.file, s.data_offset, nbytes, rec.dtype, shape)
+                else:
+                    data = scratch.tensor(rec.dtype, shape)
+                    assemble.append((k, data))
+                tensors[k] = ShardedTensor(k, data, rec.dtype, shape, shape, (0,) * len(shape),
+                                           axis_fragmentations=(1,) * len(shape), replica_id=0)
+                res.bytes += nbytes
+            if assemble:  # tensors saved in several shards: planned and read like an own-mode load
+                read_global_tensors(src, m, assemble)
+            pbar = bar(res.bytes)
+            state = dict(common)
+            state[TORCH_DIST_ENTRY] = tensors
+            if m.objects:
+                state[OBJECTS_ENTRY] = {
+                    u: ShardedObject(e["key"], objects[u], tuple(e["shape"]), tuple(e["offset"]), replica_id=0)
+                    for u, e in m.objects.items()
+                }
+            os.makedirs(out.target)
+            dc.save(state, out.target)
+            pbar.update(res.bytes)
+            pbar.close()
+            res.tensors = len(tensors)
+            del state, tensors, assemble
+        finally:
+            scratch.close()
+    if m.world_size > 1:
+        res.dropped.append(f"rank-local state of ranks 1..{m.world_size - 1} (torch_dist keeps rank 0's)")
+
+
+# ---------------------------------------------------------------------------
+# torch_dist -> megashard
+
+
+def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence[str]], batch_bytes: int,
+                             bar: Callable[[int], Any], res: ConvertResult) -> None:
+    import fnmatch
+
+    import megashard
+    from .sharded import ShardedTensor as MsTensor
+
+    with _megatron_core() as dc:
+        from megatron.core.dist_checkpointing import serialization
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+        try:
+            meta = serialization.load_sharded_metadata(src)
+            common = serialization.load_common_state_dict(src)
+        except MegashardError:
+            raise
+        except Exception as e:  # noqa: BLE001 - megatron-core's own errors, named for the user
+            raise CheckpointError(f"{src}: megatron-core cannot read this torch_dist checkpoint: "
+                                  f"{type(e).__name__}: {e}") from e
+        ten_meta = {k: v for k, v in meta.items() if isinstance(v, ShardedTensor)}
+        obj_meta = [v for v in meta.values() if isinstance(v, ShardedObject)]
+        keys = sorted(ten_meta)
+        if patterns is not None:
+            pats = list(patterns)
+            bad = [p for p in pats if not any(k == p or fnmatch.fnmatchcase(k, p) for k in keys)]
+            if bad:
+                raise ConvertInputError(f"no global tensor matches {', '.join(map(repr, bad))} in {src}")
+            keys = [k for k in keys if any(k == p or fnmatch.fnmatchcase(k, p) for p in pats)]
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{src}: common state is {type(common).__name__}, expected a dict")
+        scratch = _Scratch(out.scratch_dir())
+        try:
+            loaded: Dict[str, torch.Tensor] = {k: scratch.tensor(ten_meta[k].dtype, ten_meta[k].global_shape)
+                                               for k in keys}
+            pbar = bar(sum(t.numel() * t.element_size() for t in loaded.values()))
+            batch: Dict[str, Any] = {}
+            size = 0
+
+            def flush() -> None:
+                nonlocal size
+                if batch:
+                    dc.load(batch, src)  # fills the scratch-backed tensors in place
+                    pbar.update(size)
+                    batch.clear()
+                    size = 0
+
+            for k in keys:
+                t = loaded[k]
+                n = t.numel() * t.element_size()
+                if n == 0:
+                    continue
+                if batch and size + n > batch_bytes:
+                    flush()
+                shape = tuple(t.shape)
+                batch[k] = ShardedTensor(k, t, t.dtype, shape, shape, (0,) * len(shape),
+                                         axis_fragmentations=(1,) * len(shape), replica_id=0)
+                size += n
+                res.bytes += n
+            flush()
+            objs = {}
+            if obj_meta:
+                req = {o.unique_key: ShardedObject(o.key, None, o.global_shape, o.global_offset, replica_id=0)
+                       for o in obj_meta}
+                got = dc.load(req, src)
+                objs = {u: ShardedObject(req[u].key, got[u], req[u].global_shape, req[u].global_offset, replica_id=0)
+                        for u in req}
+            pbar.close()
+            state = dict(common)
+            model = {k: MsTensor(k, loaded[k], tuple(loaded[k].shape), (0,) * loaded[k].dim())
+                     for k in keys if not k.startswith("optimizer.")}
+            opt = {k: MsTensor(k, loaded[k], tuple(loaded[k].shape), (0,) * loaded[k].dim())
+                   for k in keys if k.startswith("optimizer.")}
+            for name, part in ((MODEL_ENTRY, model), (OPTIMIZER_ENTRY, opt), (OBJECTS_ENTRY, objs)):
+                if not part:
+                    continue
+                if name in state and not (isinstance(state[name], dict) and not state[name]):
+                    name = f"megashard_{name}"
+                state[name] = part
+            res.tensors = len(keys)
+            megashard.save(state, out.target, layout={"converted_from": "torch_dist"})
+            del state, model, opt, loaded
+        finally:
+            scratch.close()
+
+
+# ---------------------------------------------------------------------------
+# entry point
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    to: str = "megashard",
+    keys: Optional[Sequence[str]] = None,
+    iteration: Optional[int] = None,
+    progress: Optional[bool] = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+) -> ConvertResult:
+    """Convert SRC into a new DST (see the module docstring); DST must not exist.
+
+    Raises :class:`ConvertInputError` (nothing written) for wrong inputs, another
+    :class:`MegashardError` if the conversion itself fails (DST is then left absent).
+    """
+    t0 = time.perf_counter()
+    if to not in FORMATS:
+        raise ConvertInputError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
+    dst_s = os.path.abspath(os.fspath(dst))
+    if os.path.lexists(dst_s):
+        raise ConvertInputError(f"{dst_s} exists; choose a new DST (convert never overwrites)")
+    if not os.path.isdir(os.path.dirname(dst_s)):
+        raise ConvertInputError(f"{os.path.dirname(dst_s)}: parent directory of DST does not exist")
+    ckpt, fmt, it, root = resolve_source(os.fspath(src), iteration)
+    if (fmt, to) not in (("torch_dist", "megashard"), ("megashard", "torch_dist"), ("megashard", "tensors"),
+                         ("megashard", "safetensors")):
+        hint = " (convert to megashard first)" if fmt == "torch_dist" else ""
+        raise ConvertInputError(f"cannot convert {fmt} to {to}{hint}; supported: torch_dist -> megashard, "
+                                "megashard -> torch_dist | tensors | safetensors")
+    res = ConvertResult(ckpt, dst_s, fmt, to, it)
+    out = _Output(dst_s, root, it, to in SINGLE_FILE)
+
+    def bar(total: int) -> Any:
+        return _progress(total, f"{fmt} -> {to}", progress)
+
+    try:
+        if to in SINGLE_FILE:
+            _to_single_file(ckpt, out, to, keys, batch_bytes, bar, res)
+        elif to == "torch_dist":
+            _megashard_to_torch_dist(ckpt, out, keys, bar, res)
+        else:
+            _torch_dist_to_megashard(ckpt, out, keys, batch_bytes, bar, res)
+        out.commit()
+    except BaseException:
+        out.cleanup()
+        raise
+    res.dst = dst_s
+    res.seconds = time.perf_counter() - t0
+    log.info("%s", res.summary())
+    return res

@@ -1,0 +1,220 @@
+"""megashard convert: every direction, bit-exact, in one process; wrong inputs exit 2 with DST untouched."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megashard
+from megashard import storage
+from megashard.convert import ConvertInputError, _megatron_core, convert
+from megashard.sharded import is_main_replica
+
+from layouts import GLOBALS, Layout, bit_equal, full, model_state
+
+pytest.importorskip("megatron.core")
+
+EXP = "optimizer.state.exp_avg."
+
+
+def _expected(key: str) -> torch.Tensor:
+    if key.startswith(EXP):
+        return full(key[len(EXP):]).float() * 0.5
+    return full(key)
+
+
+def _union_state(layout: Layout, distopt: bool) -> dict:
+    sd = {}
+    for r in range(layout.world):
+        for name, part in model_state(layout, r, distopt=distopt).items():
+            sd[f"{name}_r{r}"] = part
+    return sd
+
+
+@pytest.fixture(scope="module")
+def megatron_root(tmp_path_factory):
+    """A Megatron save directory: iter 5 and iter 10 (tracker), TP=2 x DP=2, distributed-optimizer state."""
+    root = str(tmp_path_factory.mktemp("conv") / "save")
+    for it in (5, 10):
+        sd = _union_state(Layout(tp=2, dp=2), distopt=True)
+        sd.update(iteration=it, args=argparse.Namespace(lr=3e-4, name="toy"), rng=torch.arange(5) + it)
+        megashard.save(sd, os.path.join(root, storage.iteration_dir_name(it)))
+    storage.write_tracker(root, 10)
+    return root
+
+
+def _torch_dist_shards(layout: Layout):
+    """megatron-core ShardedTensors of every rank of ``layout`` (main replicas), for a world of one."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = {}
+    for r in range(layout.world):
+        for name, chunk in model_state(layout, r).items():
+            for path, sh in chunk.items():
+                if not is_main_replica(sh.replica_id):
+                    continue
+                frag = tuple(g // c for g, c in zip(sh.global_shape, sh.chunk_shape))
+                out[f"{name}.{path}.r{r}"] = ShardedTensor(
+                    sh.key, sh.data, sh.dtype, tuple(sh.local_shape), tuple(sh.global_shape), tuple(sh.global_offset),
+                    frag, replica_id=0, prepend_axis_num=sh.prepend_axis_num)
+    return out
+
+
+def test_megashard_to_tensors_read_by_tensorizer_with_hashes(megatron_root, tmp_path):
+    from tensorizer import TensorDeserializer
+
+    dst = str(tmp_path / "model.tensors")
+    res = convert(megatron_root, dst, to="tensors")
+    assert res.iteration == 10 and res.tensors == 2 * len(GLOBALS)
+    assert res.bytes == sum(_expected(k).numel() * _expected(k).element_size() for k in GLOBALS) + sum(
+        _expected(EXP + k).numel() * 4 for k in GLOBALS)
+    with TensorDeserializer(dst, device="cpu", verify_hash=True) as d:
+        got = {k: d[k].clone() for k in d.keys()}
+    assert len(got) == 2 * len(GLOBALS)
+    for k, t in got.items():
+        assert bit_equal(t, _expected(k)), k
+    assert any("args" in x for x in res.dropped)
+
+
+def test_megashard_to_safetensors_keys_and_iteration(megatron_root, tmp_path):
+    from safetensors import safe_open
+
+    dst = str(tmp_path / "model.safetensors")
+    res = convert(megatron_root, dst, to="safetensors", keys=["decoder.*"], iteration=5)
+    assert res.iteration == 5
+    with safe_open(dst, "pt") as f:
+        keys = sorted(f.keys())
+        assert f.metadata()["iteration"] == "5"
+        got = {k: f.get_tensor(k) for k in keys}
+    assert keys == sorted(k for k in GLOBALS if k.startswith("decoder."))
+    for k, t in got.items():
+        assert bit_equal(t, full(k)), k
+
+
+def test_megashard_torch_dist_megashard_round_trip(megatron_root, tmp_path):
+    """megashard -> torch_dist (Megatron layout + tracker); megatron-core loads it as TP=4 shards and as
+    full tensors; back to megashard, which loads as TP=1 and equals the source bit for bit."""
+    td = str(tmp_path / "td")
+    res = convert(megatron_root, td, to="torch_dist")
+    assert res.tensors == 2 * len(GLOBALS)
+    assert storage.read_tracker(td) == 10
+    assert sorted(os.listdir(td)) == ["iter_0000010", storage.TRACKER_NAME]
+    ck = os.path.join(td, "iter_0000010")
+    with _megatron_core() as dc:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        from megatron.core.dist_checkpointing import serialization
+
+        common = serialization.load_common_state_dict(ck)
+        assert common["iteration"] == 10 and common["args"].lr == 3e-4
+        assert torch.equal(common["rng"], torch.arange(5) + 10)
+        # TP=4 pieces of the embedding (the checkpoint holds it unsharded), in a world of one
+        k = "embedding.word_embeddings.weight"
+        emb = full(k)
+        req = {f"p{i}": ShardedTensor.from_rank_offsets(k, torch.empty_like(emb[i * 16:(i + 1) * 16]), (0, i, 4))
+               for i in range(4)}
+        got = dc.load(req, ck)
+        for i in range(4):
+            assert bit_equal(got[f"p{i}"], emb[i * 16:(i + 1) * 16])
+        # full tensors, including the flattened distributed-optimizer state
+        meta = dc.load_tensors_metadata(ck)
+        assert set(meta) == set(megashard.read_manifest(os.path.join(megatron_root, "iter_0000010")).tensors)
+        fulls = dc.load({k: ShardedTensor.from_rank_offsets(k, torch.empty(m.global_shape, dtype=m.dtype))
+                         for k, m in meta.items()}, ck)
+        for k in meta:
+            assert bit_equal(fulls[k], _expected(k)), k
+    back = str(tmp_path / "back")
+    res2 = convert(td, back)
+    assert storage.read_tracker(back) == 10
+    src = megashard.load_consolidated(os.path.join(megatron_root, "iter_0000010"))
+    dst = megashard.load_consolidated(os.path.join(back, "iter_0000010"))
+    assert set(src) == set(dst) and res2.tensors == len(src)
+    for k in src:
+        assert bit_equal(src[k], dst[k]), k
+    # and into a TP=1 template with megashard.load (no process group)
+    tmpl = model_state(Layout(tp=1), 0, empty=True)
+    tmpl.update(rng=torch.zeros(5, dtype=torch.int64))
+    out = megashard.load(tmpl, os.path.join(back, "iter_0000010"))
+    for path, sh in tmpl["model"].items():
+        assert bit_equal(sh.data, full(sh.key)[tuple(slice(o, o + c) for o, c in zip(sh.global_offset, sh.chunk_shape))]
+                         .reshape(sh.local_shape)), path
+    assert torch.equal(out["rng"], torch.arange(5) + 10)
+    assert out["args"].name == "toy" and out["iteration"] == 10
+
+
+def test_torch_dist_made_by_megatron_core_to_megashard(tmp_path):
+    """A torch_dist checkpoint written by dist_checkpointing.save (TP=2 shards, a ShardedObject, common state)."""
+    ck = str(tmp_path / "td")
+    os.makedirs(ck)
+    with _megatron_core() as dc:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        sd = {"model": _torch_dist_shards(Layout(tp=2)),
+              "rng_state": [ShardedObject("rng_state", {"seed": i, "state": torch.arange(3) * i}, (1, 2), (0, i),
+                                          replica_id=0) for i in range(2)],
+              "iteration": 77, "args": argparse.Namespace(tensor_model_parallel_size=2),
+              "optimizer": {"param_groups": [{"lr": 0.5, "params": [0, 1]}]}}
+        dc.save(sd, ck)
+    dst = str(tmp_path / "ms")
+    res = convert(ck, dst)
+    assert res.source_format == "torch_dist" and res.tensors == len(GLOBALS)
+    cons = megashard.load_consolidated(dst)
+    assert set(cons) == set(GLOBALS)
+    for k, t in cons.items():
+        assert bit_equal(t, full(k)), k
+    common = megashard.load_common(dst, ["iteration", "args", "optimizer"])
+    assert common["iteration"] == 77 and common["args"].tensor_model_parallel_size == 2
+    assert common["optimizer"]["param_groups"][0]["lr"] == 0.5
+
+    class _Obj:  # a ShardedObject template, duck-typed like megatron-core's
+        def __init__(self, i):
+            self.key, self.data, self.global_shape, self.global_offset, self.replica_id = (
+                "rng_state", None, (1, 2), (0, i), 0)
+
+    _Obj.__name__ = "ShardedObject"
+    out = megashard.load({"a": _Obj(0), "b": _Obj(1)}, dst)
+    assert out["b"]["seed"] == 1 and torch.equal(out["b"]["state"], torch.arange(3))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "megashard", "convert", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_wrong_inputs_exit_2_and_leave_dst_untouched(megatron_root, tmp_path):
+    notckpt = tmp_path / "notckpt"
+    notckpt.mkdir()
+    (notckpt / "x.txt").write_text("hi")
+    r = _cli(str(notckpt), str(tmp_path / "o1"))
+    assert r.returncode == 2 and "is not a checkpoint" in r.stderr
+    assert not (tmp_path / "o1").exists()
+    existing = tmp_path / "exists.tensors"
+    existing.write_bytes(b"keep me")
+    r = _cli(megatron_root, str(existing), "--to", "tensors")
+    assert r.returncode == 2 and "exists" in r.stderr and existing.read_bytes() == b"keep me"
+    r = _cli(megatron_root, str(tmp_path / "o2"), "--to", "onnx")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = _cli(megatron_root, str(tmp_path / "o3"), "--iteration", "7")
+    assert r.returncode == 2 and "iter_0000007" in r.stderr
+    r = _cli(os.path.join(megatron_root, "iter_0000010"), str(tmp_path / "o4"), "--to", "megashard")
+    assert r.returncode == 2 and "cannot convert megashard to megashard" in r.stderr
+    r = _cli(megatron_root, str(tmp_path / "o5"), "--to", "tensors", "--keys", "nope*")
+    assert r.returncode == 2 and "nope" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.tensors", "notckpt"]  # no temporaries left
+    # a good run prints one summary line (stdout is not a TTY: no progress bar)
+    r = _cli(os.path.join(megatron_root, "iter_0000005"), str(tmp_path / "m.safetensors"), "--to", "safetensors")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\n") == 1 and r.stdout.startswith("converted ") and "GB/s" in r.stdout
+    assert "\r" not in r.stderr
+
+
+def test_convert_api_refuses_existing_dst(megatron_root, tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(ConvertInputError, match="exists"):
+        convert(megatron_root, str(d), to="torch_dist")
+    assert list(d.iterdir()) == []
