@@ -12,6 +12,8 @@ host; see :func:`hugepages_enabled`).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import functools
 import logging
 import mmap
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "default_threads", "default_read_threads", "tensor_memoryview", "pwrite_all", "preadv_all", "parallel_read",
-    "empty_buffer", "hugepages_enabled", "io_pool", "run_parallel",
+    "empty_buffer", "hugepages_enabled", "io_pool", "run_parallel", "prefault",
 ]
 
 HUGE_PAGE = 2 << 20
@@ -250,15 +252,23 @@ def plan_reads(requests: Sequence[tuple[int, memoryview]], threads: int) -> list
 
 
 def read_requests(fd: int, requests: Sequence[tuple[int, memoryview]], path: str,
-                  threads: int) -> None:
-    """Fill memoryviews from file offsets with parallel preadv (offsets pre-validated)."""
+                  threads: int, *, fresh: bool = False) -> None:
+    """Fill memoryviews from file offsets with parallel preadv (offsets pre-validated).
+
+    ``fresh``: the destinations are new, never-touched memory; each task pre-faults
+    its pieces (:func:`prefault`) right before reading into them.
+    """
     tasks = plan_reads(requests, threads)
-    run_parallel([_reader_task(fd, t, path) for t in tasks], threads)
+    run_parallel([_reader_task(fd, t, path, fresh) for t in tasks], threads)
 
 
-def _reader_task(fd: int, runs: list[_Run], path: str) -> Callable[[], None]:
+def _reader_task(fd: int, runs: list[_Run], path: str, fresh: bool = False) -> Callable[[], None]:
     def task() -> None:
         for off, views in runs:
+            if fresh:
+                for v in views:
+                    if v.obj is not _scratch.obj:
+                        prefault(v)
             preadv_all(fd, views, off, path)
     return task
 
@@ -304,6 +314,43 @@ def parallel_read(path_or_fd: PathOrFd, requests: Sequence[tuple[int, torch.Tens
     finally:
         if own:
             os.close(fd)
+
+
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+PREFAULT_MIN = 256 << 10
+_libc_madvise: Callable[..., int] | None = None
+_prefault_ok = os.uname().sysname == "Linux"
+
+
+def prefault(mv: memoryview) -> None:
+    """Fault in the pages of fresh writable memory with one ``MADV_POPULATE_WRITE``.
+
+    Why: a ``preadv`` into never-touched anonymous memory takes one page fault per
+    4 KiB page inside the kernel's copy; populating the range first does the same
+    allocation and zeroing in one batched call, without the per-page fault entry and
+    exit. Measured on the 2-CPU VM (1.11 GB, 2 threads, page cache warm): 0.236 s ->
+    0.204 s for the raw read. Best effort: kernels without the advice (< 5.14), and
+    any failure, fall back to ordinary faults during the read.
+    """
+    global _libc_madvise, _prefault_ok
+    if not _prefault_ok or len(mv) < PREFAULT_MIN:
+        return
+    if _libc_madvise is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+        except (OSError, AttributeError):
+            _prefault_ok = False
+            return
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _libc_madvise = fn
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    start = addr & ~(mmap.PAGESIZE - 1)
+    if _libc_madvise(start, addr + len(mv) - start, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # advice unknown here: stop trying
+            log.debug("MADV_POPULATE_WRITE unavailable (%s); relying on page faults", os.strerror(err))
+            _prefault_ok = False
 
 
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"

@@ -5,12 +5,15 @@ Opening a file reads and validates the prologue and the metadata index only
 Tensor headers are read lazily: for ``info()``/``infos()`` and for hash
 verification. Plain reads trust the index (as tensorizer trusts its index to
 size buffers) and go straight to ``os.preadv`` into the destination memory.
+``mmap=True`` reads return views of one private (copy-on-write) mapping of the
+whole file instead of copies.
 """
 from __future__ import annotations
 
 import errno
 import hashlib
 import logging
+import mmap as _mmap
 import os
 import stat
 import threading
@@ -40,6 +43,8 @@ class MissingTensorError(FormatError, KeyError):
 
 class TensorFileReader:
     """An open `.tensors` file. Use as a context manager; thread-safe for reads."""
+
+    _map: torch.Tensor | None = None  # the whole file, mapped copy-on-write (made on first mmap read)
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None,
                  dir_fd: int | None = None, nofollow: bool = False) -> None:
@@ -102,9 +107,11 @@ class TensorFileReader:
         self.close()
 
     def close(self) -> None:
+        """Close the file; tensors already mapped from it stay valid (they own the mapping)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._map = None
 
     def __del__(self) -> None:
         try:
@@ -171,14 +178,19 @@ class TensorFileReader:
     def _new(self, dtype: torch.dtype, shape: Sequence[int], nbytes: int) -> torch.Tensor:
         return empty_buffer(nbytes).view(dtype).view(tuple(shape))
 
-    def read(self, key: str, out: torch.Tensor | None = None, *, verify: bool = False) -> torch.Tensor:
+    def read(self, key: str, out: torch.Tensor | None = None, *, verify: bool = False,
+             mmap: bool = False) -> torch.Tensor:
         """Read one tensor into `out` (any contiguous CPU tensor of the right dtype and numel).
 
         Without `out`, a new tensor is allocated. Meta entries (no data) come back
-        as meta tensors, or zero-fill `out`.
+        as meta tensors, or zero-fill `out`. ``mmap=True``: a view of a private
+        (copy-on-write) mapping of the file instead of a copy; see :meth:`load`.
         """
         self._check_open()
         e = self._entry(key)
+        if mmap and out is not None:
+            raise FormatError(f"{self.path}: tensor {e.name!r}: mmap=True returns a mapped tensor; "
+                              "it cannot fill out= (drop one of them)")
         if out is not None:
             self._check_out(e, out, e.numel, "the stored tensor")
         if e.is_meta:
@@ -187,10 +199,16 @@ class TensorFileReader:
             if out is None:
                 return torch.empty(e.shape, dtype=e.codec.dtype, device="meta")
             return out.zero_()
+        if mmap and _mappable(e):
+            t = self._mapped(e)
+            if verify:
+                self._verify_memory(e, tensor_memoryview(t))
+            return t
+        fresh = out is None
         dest = out if out is not None else self._new(e.codec.dtype, e.shape, e.data_length)
         mv = tensor_memoryview(dest)
         if e.data_length:
-            read_requests(self._fd, [(e.data_offset, mv)], self.path, self._threads)
+            read_requests(self._fd, [(e.data_offset, mv)], self.path, self._threads, fresh=fresh)
         if verify:
             self._verify_memory(e, mv)
         return dest
@@ -223,11 +241,22 @@ class TensorFileReader:
                           self.path, self._threads)
         return dest
 
-    def load(self, keys: Sequence[str] | None = None, *, verify: bool = False) -> dict[str, torch.Tensor]:
-        """Read many tensors into one huge-page-backed buffer; returns views into it.
+    def load(self, keys: Sequence[str] | None = None, *, verify: bool = False,
+             mmap: bool = False) -> dict[str, torch.Tensor]:
+        """Read many tensors into one fresh buffer (pre-faulted in parallel); returns views into it.
 
-        One allocation keeps first-touch page faults cheap (2 MiB pages) and lets
-        neighbouring small tensors share one preadv.
+        One allocation lets neighbouring small tensors share one preadv and the
+        page faults be taken in batches (:func:`~megashard.format.fastio.prefault`).
+
+        ``mmap=True``: views of one private, copy-on-write mapping of the whole file
+        (``MAP_PRIVATE``), nothing is copied up front; pages are read from the page cache
+        as they are first touched. Writes to such a tensor stay private to this process.
+        The file must not be modified or truncated while any of them lives: the mapping
+        shows later changes to pages not yet written to, and touching a page past a new
+        end of file kills the process with SIGBUS. Tensors whose data is not aligned to
+        their element size in the file (possible only in ``align=1`` and
+        tensorizer-written files) are read into fresh memory instead, so every tensor
+        is safe for every kernel. ``verify=True`` hashes the mapped bytes.
         """
         self._check_open()
         if keys is None:
@@ -236,6 +265,56 @@ class TensorFileReader:
             if isinstance(keys, str):
                 raise FormatError(f"{self.path}: keys must be a sequence of names, not a str")
             selected = [self._entry(k) for k in dict.fromkeys(keys)]
+        if not mmap:
+            return self._load_copies(selected, verify)
+        mapped = [e for e in selected if _mappable(e)]
+        copies = self._load_copies([e for e in selected if not _mappable(e)], verify)
+        views = {e.name: self._mapped(e) for e in mapped}
+        if verify:
+            tasks = [self._verify_task(e, tensor_memoryview(views[e.name]))
+                     for e in sorted(mapped, key=lambda e: -e.data_length)]
+            run_parallel(tasks, self._threads)
+        if copies:
+            log.debug("%s: %d of %d tensors are not aligned to their element size in the file: copied, "
+                      "not mapped", self.path, sum(1 for e in selected if e.data_length and not _mappable(e)),
+                      len(selected))
+        return {e.name: views[e.name] if e.name in views else copies[e.name] for e in selected}
+
+    def _mapping(self) -> torch.Tensor:
+        """The whole file as one uint8 tensor over a private (copy-on-write) mapping, made once.
+
+        The index was validated against the file size at open; the size is checked again
+        here, so every entry lies inside the mapping. The mapping goes through
+        ``/proc/self/fd`` (the very file this reader holds open, no second path lookup)
+        and keeps no file descriptor; it lives as long as any tensor viewing it.
+        """
+        with self._lock:
+            if self._map is not None:
+                return self._map
+            self._check_open()
+            size = os.fstat(self._fd).st_size
+            if size != self._size:
+                raise FormatError(f"{self.path}: the file changed size since it was opened ({self._size} -> "
+                                  f"{size} bytes); reopen it")
+            proc = f"/proc/self/fd/{self._fd}"
+            try:
+                if os.path.exists(proc):
+                    storage = torch.UntypedStorage.from_file(proc, shared=False, nbytes=size)
+                    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+                else:  # no /proc: Python's mmap (it keeps a duplicate descriptor while mapped)
+                    whole = torch.frombuffer(_mmap.mmap(self._fd, size, access=_mmap.ACCESS_COPY),
+                                             dtype=torch.uint8)
+            except (RuntimeError, OSError, ValueError) as e:
+                raise FormatError(f"{self.path}: cannot map the file: {e}") from e
+            self._map = whole
+            return whole
+
+    def _mapped(self, e: L.MetaEntry) -> torch.Tensor:
+        """A view of the mapping holding entry `e` (data non-empty and aligned to its element size)."""
+        whole = self._mapping()
+        return whole[e.data_offset:e.data_offset + e.data_length].view(e.codec.dtype).view(e.shape)
+
+    def _load_copies(self, selected: list[L.MetaEntry], verify: bool) -> dict[str, torch.Tensor]:
         offsets: list[int] = []
         total = 0
         for e in selected:
@@ -246,7 +325,7 @@ class TensorFileReader:
         whole = tensor_memoryview(buf) if total else memoryview(bytearray(0))
         requests = [(e.data_offset, whole[o:o + e.data_length])
                     for e, o in zip(selected, offsets) if e.data_length]
-        read_requests(self._fd, requests, self.path, self._threads)
+        read_requests(self._fd, requests, self.path, self._threads, fresh=True)
         if verify:
             tasks = [self._verify_task(e, whole[o:o + e.data_length]) for e, o in zip(selected, offsets)]
             # Largest first: SHA-256 of one tensor is sequential.
@@ -324,6 +403,11 @@ class TensorFileReader:
         return [p for p in problems if p is not None]
 
 
+def _mappable(e: L.MetaEntry) -> bool:
+    """Whether `e` can be a view of the file mapping: it has data, aligned to its element size."""
+    return e.data_length > 0 and not e.is_meta and e.data_offset % e.codec.itemsize == 0
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides = []
     acc = 1
@@ -339,15 +423,18 @@ def open_file(path: str | os.PathLike[str]) -> TensorFileReader:
 
 
 def load_file(path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
-              keys: Sequence[str] | None = None, verify: bool = False) -> dict[str, torch.Tensor]:
+              keys: Sequence[str] | None = None, verify: bool = False,
+              mmap: bool = False) -> dict[str, torch.Tensor]:
     """Load tensors (all, or `keys`) from a `.tensors` file.
 
-    CPU results are views into one huge-page-backed buffer (that memory is freed
-    when the last of them is). Other devices: loaded on CPU, then copied.
-    Meta entries come back as meta tensors.
+    CPU results are views into one fresh buffer (that memory is freed when the
+    last of them is), or with ``mmap=True`` views of a private copy-on-write
+    mapping of the file (see :meth:`TensorFileReader.load` for the caveats).
+    Other devices: loaded on CPU, then copied. Meta entries come back as meta
+    tensors.
     """
     with TensorFileReader(path) as r:
-        tensors = r.load(keys, verify=verify)
+        tensors = r.load(keys, verify=verify, mmap=mmap)
     dev = torch.device(device)
     if dev.type != "cpu":
         tensors = {k: (v if v.is_meta else v.to(dev)) for k, v in tensors.items()}
