@@ -14,6 +14,7 @@ see the checkpoint, ``scatter`` otherwise.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_reque
 from .manifest import Manifest, ShardRecord, TensorRecord, dtype_from_name, dtype_name, itemsize
 from .plan import Box, ShardId
 from .sharded import ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor
+from .scatter import TRANSPORTS as SCATTER_TRANSPORTS, scatter
 from .transport import Comm, node_readers
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 MODEL_CHUNK_PREFIX = "model"
 REST_STEM = "__rest__"
 BYTES_IN_FILE_THRESHOLD = 64 * 1024  # larger bytes values go into .tensors files, not JSON
-DEFAULT_SCATTER_CHUNK = 1 << 30
+DEFAULT_SCATTER_CHUNK = 64 << 20  # bytes per ring slot / staging buffer of a scatter load
 
 
 def _rank_prefix(comm: Comm) -> str:
@@ -210,14 +212,16 @@ def save(
     align: int = 4096,
     fsync: bool = True,
     threads: Optional[int] = None,
+    timeout: Optional[float] = None,
 ) -> None:
     """Save a (sharded) state dict to ``checkpoint_dir``; collective over ``process_group``.
 
     Leaves: ``ShardedTensor`` (megashard's or megatron-core's), ``ShardedObject``,
     plain tensors (rank-local), JSON-representable values and bytes. The directory
-    appears atomically once every rank's files are durable.
+    appears atomically once every rank's files are durable. ``timeout`` (s) bounds
+    every collective; default: the process group's.
     """
-    comm = Comm(process_group)
+    comm = Comm(process_group, timeout)
     final_dir = os.path.abspath(os.fspath(checkpoint_dir))
     t0 = time.perf_counter()
     st = _SaveState(comm.rank)
@@ -295,7 +299,9 @@ def save(
         if comm.rank != 0:
             return
         manifest = _build_manifest(results, all_meta, comm.world_size, layout)
-        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_NAME), manifest.to_json())
+        text = manifest.to_json()
+        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_DIGEST_NAME), storage.manifest_digest(text))
+        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_NAME), text)
         storage.commit_dir(temp_dir, final_dir)
         try:  # leftovers of saves that crashed long ago (never a save in progress: age check)
             storage.cleanup_stale_temps(os.path.dirname(final_dir), os.path.basename(final_dir))
@@ -305,7 +311,7 @@ def save(
     _, err = comm.run("save/commit", commit)
     comm.agree(err, "save")  # collective 3: everybody learns the outcome
     total = sum(f["bytes"] for r in results for f in r["files"].values())
-    log.info("%ssaved %s (%.1f MB in %.2f s)", _rank_prefix(comm), final_dir, total / 1e6, time.perf_counter() - t0)
+    _log_summary(comm, "saved", final_dir, total, time.perf_counter() - t0, f"{len(all_meta)} writer(s), fsync={fsync}")
 
 
 def _shard_record_json(sh: ShardedTensor, file: Optional[str], name: str, header_offset: int, data_offset: int,
@@ -474,28 +480,65 @@ class _Sharded:
 _SHARDED = _Sharded()
 
 
-def _decode_saved_tree(tree: Any, manifest: Manifest, work: _LoadWork, path_prefix: str = "") -> Any:
+@dataclass
+class _LazyRef:
+    """A rank-local tensor or large bytes value in a file: read only if the template asks."""
+
+    ref: Dict[str, Any]
+    path: str
+
+
+def _decode_saved_tree(tree: Any, manifest: Manifest, work: _LoadWork, path_prefix: str = "",
+                       lazy: bool = False) -> Any:
+    """Decode a state tree; file-backed values are planned for reading (or left as
+    :class:`_LazyRef` with ``lazy``). Never imports, never allocates before validating."""
     def resolver(ref: Any, path: str) -> Any:
         kind = ref.get("kind") if isinstance(ref, dict) else None
         if kind in ("sharded", "object"):
             return _SHARDED
         if kind in ("tensor", "bytes"):
-            dtype = dtype_from_name(ref.get("dtype"), f"{path}: ")
-            shape = tuple(ref.get("shape", ()))
-            t = torch.empty(shape, dtype=dtype)
-            if ref.get("nbytes"):
-                if ref.get("file") not in manifest.files:
-                    raise CheckpointError(f"{path}: tensor refers to unknown file {ref.get('file')!r}")
-                if ref["nbytes"] != t.numel() * t.element_size():
-                    raise CheckpointError(f"{path}: tensor byte count does not match its shape")
-                work.ops.append(_Op(ref["file"], int(ref["data_offset"]), int(ref["nbytes"]), _bytes_view(t)))
-                work.touched.setdefault(ref["file"], set()).add(ref.get("name", ""))
-            if kind == "bytes":
-                return _LazyBytes(t)
-            return t
-        raise CheckpointError(f"{path}: unknown reference {ref!r} in the manifest")
+            _checked_ref(ref, manifest, path)
+            return _LazyRef(ref, path) if lazy else _materialize(ref, path, manifest, work)
+        raise CheckpointError(f"state {path or '<root>'}: unknown reference {str(ref)[:100]} in the manifest")
 
     return jsonstate.decode(tree, path=path_prefix, resolver=resolver)
+
+
+def _materialize(ref: Dict[str, Any], path: str, manifest: Manifest, work: _LoadWork,
+                 into: Optional[torch.Tensor] = None) -> Any:
+    """Plan the read of a file-backed value, into ``into`` when it is a matching CPU tensor."""
+    dtype, shape, file, offset, nbytes = _checked_ref(ref, manifest, path)
+    direct = (into is not None and into.dtype == dtype and tuple(into.shape) == shape
+              and into.is_contiguous() and into.device.type == "cpu")
+    t = into if direct else torch.empty(shape, dtype=dtype)  # size validated against the file above
+    if nbytes:
+        work.ops.append(_Op(file, offset, nbytes, _bytes_view(t)))
+        work.touched.setdefault(file, set()).add(ref.get("name", ""))
+    if into is not None and not direct:
+        work.finish.append(lambda d=into, s=t: d.copy_(s.view(d.shape)))
+        return into
+    return _LazyBytes(t) if ref.get("kind") == "bytes" else t
+
+
+def _checked_ref(ref: Dict[str, Any], manifest: Manifest, path: str) -> Tuple[torch.dtype, Tuple[int, ...], Any, int, int]:
+    """A rank-local tensor/bytes reference, checked before anything is allocated for it:
+    shape, byte count and byte range must agree with the dtype and lie inside a listed file."""
+    where = f"state {path or '<root>'}"
+    dtype = dtype_from_name(ref.get("dtype"), f"{where}: ")
+    shape = ref.get("shape", [])
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 64:
+        raise CheckpointError(f"{where}: bad tensor shape {str(shape)[:80]}")
+    nbytes, offset, file = ref.get("nbytes", 0), ref.get("data_offset", 0), ref.get("file")
+    if type(nbytes) is not int or type(offset) is not int or nbytes < 0 or offset < 0:
+        raise CheckpointError(f"{where}: bad byte range {offset!r}+{nbytes!r}")
+    if nbytes != plan.numel(shape) * itemsize(dtype):
+        raise CheckpointError(f"{where}: {nbytes} bytes do not match shape {shape} of {dtype_name(dtype)}")
+    if nbytes:
+        if not isinstance(file, str) or file not in manifest.files:
+            raise CheckpointError(f"{where}: tensor refers to unknown file {file!r}")
+        if offset + nbytes > int(manifest.files[file].get("bytes", 0)):
+            raise CheckpointError(f"{where}: byte range {offset}+{nbytes} lies past the end of {file}")
+    return dtype, tuple(shape), file, offset, nbytes
 
 
 class _LazyBytes:
@@ -507,6 +550,8 @@ def _finalize_tree(value: Any) -> Any:
     """Drop template-supplied markers, turn lazily read bytes into bytes."""
     if isinstance(value, _LazyBytes):
         return bytes(value.t.numpy().tobytes())
+    if isinstance(value, _LazyRef):
+        return _SHARDED  # saved by this rank but not asked for: not read
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -535,8 +580,9 @@ def _lookup(tree: Any, keys: Sequence[Any]) -> Tuple[bool, Any]:
 
 
 def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _LoadWork, manifest: Manifest,
-                    objects: Dict[str, Any], strict_paths: List[str]) -> Any:
-    """Result = template structure with leaves loaded; saved-only entries are kept too."""
+                    objects: "_Objects", strict: bool) -> Any:
+    """Result = template structure with leaves loaded; saved-only non-tensor entries are kept
+    too (saved-only tensors are not read)."""
     path = ".".join(map(str, keys))
     _reject_unapplied(path, template)
     if looks_like_sharded_tensor(template):
@@ -547,55 +593,100 @@ def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _Loa
         if ukey not in objects:
             work.problems.append(f"missing: object {ukey!r} (at {path}) is not in the checkpoint")
             return template.data
+        if strict:
+            _refuse_unregistered(objects[ukey], path)
         return objects[ukey]
     found, sv = _lookup(saved, keys)
     if isinstance(template, torch.Tensor):
-        if not found or not isinstance(sv, torch.Tensor):
+        if not found or not isinstance(sv, _LazyRef) or sv.ref.get("kind") != "tensor":
             work.problems.append(f"missing: tensor at {path} was not saved by this rank")
             return template
-        if sv.shape == template.shape and sv.dtype == template.dtype:
-            # read straight into the caller's tensor instead of the temporary
-            for op in work.ops:
-                if op.dest.data_ptr() == _bytes_view(sv).data_ptr() and sv.numel():
-                    if template.is_contiguous() and template.device.type == "cpu":
-                        op.dest = _bytes_view(template)
-                    else:
-                        work.finish.append(lambda d=template, s=sv: d.copy_(s))
-                    break
-            return template
-        work.problems.append(f"shape mismatch: tensor at {path} saved as {tuple(sv.shape)} {sv.dtype}, "
+        dtype, shape, *_ = _checked_ref(sv.ref, manifest, sv.path)
+        if shape == tuple(template.shape) and dtype == template.dtype:
+            return _materialize(sv.ref, sv.path, manifest, work, into=template)  # straight into the caller's tensor
+        work.problems.append(f"shape mismatch: tensor at {path} saved as {shape} {dtype}, "
                              f"requested {tuple(template.shape)} {template.dtype}")
         return template
     if isinstance(template, dict):
         out = dict(sv) if found and isinstance(sv, dict) else {}
+        if strict and not template:  # an empty template dict asks for everything saved there
+            _refuse_unregistered(out, path)
         for k, v in template.items():
-            out[k] = _merge_template(v, saved, keys + (k,), work, manifest, objects, strict_paths)
+            out[k] = _merge_template(v, saved, keys + (k,), work, manifest, objects, strict)
         return out
     if isinstance(template, (list, tuple)):
-        vals = [_merge_template(v, saved, keys + (i,), work, manifest, objects, strict_paths)
+        vals = [_merge_template(v, saved, keys + (i,), work, manifest, objects, strict)
                 for i, v in enumerate(template)]
         return type(template)(vals) if isinstance(template, tuple) and not hasattr(template, "_fields") else (
             type(template)(*vals) if isinstance(template, tuple) else vals)
-    return sv if found else template
+    if not found:
+        return template
+    if isinstance(sv, _LazyRef):
+        return _materialize(sv.ref, sv.path, manifest, work)
+    if strict:
+        _refuse_unregistered(sv, path)
+    return sv
+
+
+def _refuse_unregistered(value: Any, path: str) -> None:
+    """strict loads fail on enums nobody registered (non-strict ones load as placeholders)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, jsonstate.UnregisteredEnum):
+            raise CheckpointError(f"cannot load {path or '<root>'}: enum {v.type_name} is not registered; call "
+                                  "megashard.jsonstate.register_enum(cls) before loading, or pass strict=False")
+        if isinstance(v, dict):
+            stack.extend(v.values())
+            stack.extend(k for k in v if isinstance(k, jsonstate.Unrepresentable))
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+        elif isinstance(v, argparse.Namespace):
+            stack.extend(vars(v).values())
+
+
+class _Objects:
+    """ShardedObject values by unique key, decoded only when the template asks for them."""
+
+    def __init__(self, manifest: Manifest, work: _LoadWork) -> None:
+        self.manifest, self.work, self.done = manifest, work, {}
+
+    def __contains__(self, ukey: str) -> bool:
+        return ukey in self.manifest.objects
+
+    def __getitem__(self, ukey: str) -> Any:
+        if ukey not in self.done:
+            entry = self.manifest.objects[ukey]
+            value = entry.get("value") if isinstance(entry, dict) else None
+            self.done[ukey] = _decode_saved_tree(value, self.manifest, self.work, ukey)
+        return self.done[ukey]
 
 
 def _sees_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, storage.MANIFEST_NAME))
+    return storage.locate(path) is not None
+
+
+def checkpoint_location(checkpoint_dir: str | os.PathLike) -> str:
+    """The directory that holds the complete checkpoint ``checkpoint_dir`` (read-only: an
+    interrupted re-save's ``.old-*`` copy is read in place, never renamed)."""
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    found = storage.locate(path)
+    if found is None:
+        raise CheckpointError(
+            f"{path} is not a megashard checkpoint (no {storage.MANIFEST_NAME}); check the path, or whether the "
+            "save that should have produced it finished")
+    return found
+
+
+def _read_manifest_bytes(base: str) -> bytes:
+    with storage.CheckpointFiles(base) as files:
+        return files.read_manifest_bytes()
 
 
 def read_manifest(checkpoint_dir: str | os.PathLike) -> Manifest:
-    """Parse ``manifest.json`` of a committed checkpoint (recovering an interrupted re-save)."""
-    path = os.path.abspath(os.fspath(checkpoint_dir))
-    if not _sees_checkpoint(path):
-        recovered = storage.recover(path)
-        if recovered is None:
-            raise CheckpointError(
-                f"{path} is not a megashard checkpoint (no {storage.MANIFEST_NAME}); check the path, or whether the "
-                "save that should have produced it finished")
-        path = recovered
-    mpath = os.path.join(path, storage.MANIFEST_NAME)
-    with open(mpath, "rb") as f:
-        return Manifest.from_json(f.read(), mpath)
+    """Parse and validate ``manifest.json`` of a committed checkpoint; changes nothing on disk."""
+    base = checkpoint_location(checkpoint_dir)
+    return Manifest.from_json(_read_manifest_bytes(base), os.path.join(base, storage.MANIFEST_NAME))
 
 
 def is_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
@@ -610,15 +701,16 @@ def _group_by_file(ops: Sequence[_Op]) -> Dict[str, List[_Op]]:
 
 
 def _check_files(base: str, manifest: Manifest, files: Sequence[str]) -> None:
-    for f in files:
-        p = os.path.join(base, f)
-        try:
-            size = os.path.getsize(p)
-        except OSError as e:
-            raise CheckpointError(f"{p}: listed in the manifest but cannot be opened ({e.strerror})") from None
-        want = int(manifest.files[f].get("bytes", size))
-        if size != want:
-            raise CheckpointError(f"{p}: size {size} differs from the manifest's {want} bytes; the file is damaged")
+    """Each file opens safely inside ``base`` (no symlink, regular) with the manifest's size."""
+    with storage.CheckpointFiles(base) as cf:
+        for f in files:
+            cf.open(f, _file_size(manifest, f))
+
+
+def _file_size(manifest: Manifest, f: str) -> int:
+    if f not in manifest.files:
+        raise CheckpointError(f"{f!r} is not listed in the manifest's files")
+    return int(manifest.files[f].get("bytes", 0))
 
 
 def _execute_own(base: str, manifest: Manifest, work: _LoadWork, threads: Optional[int]) -> int:
@@ -629,13 +721,10 @@ def _execute_own(base: str, manifest: Manifest, work: _LoadWork, threads: Option
     for f, off, mv in work.view_ops:
         by_file.setdefault(f, []).append((off, mv))
     files = sorted(set(by_file) | {j[0] for j in work.row_jobs})
-    _check_files(base, manifest, files)
     nthreads = threads or default_read_threads()
-    fds: Dict[str, int] = {}
     total = 0
-    try:
-        for f in files:
-            fds[f] = os.open(os.path.join(base, f), os.O_RDONLY | os.O_CLOEXEC)
+    with storage.CheckpointFiles(base) as cf:
+        fds = {f: cf.open(f, _file_size(manifest, f)) for f in files}
         for f, reqs in by_file.items():
             path = os.path.join(base, f)
             size = int(manifest.files[f].get("bytes", 0))
@@ -654,20 +743,44 @@ def _execute_own(base: str, manifest: Manifest, work: _LoadWork, threads: Option
                 tasks.append(partial(preadv_all, fds[f], views[i:i + IOV_MAX], off + i * run, path))
             total += run * len(views)
         run_parallel(tasks, nthreads)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
     return total
 
 
-def _verify(base: str, touched: Mapping[str, set]) -> None:
-    from .format import open_file
+def _verify(base: str, touched: Mapping[str, Any], manifest: Optional[Manifest] = None) -> None:
+    """Check every byte a load delivered: each touched file's structure (header, index, zero
+    fill, terminator) and the hashes of every touched tensor; with ``manifest``, also that
+    the manifest's byte ranges are the ones the file's own index names."""
+    from .format import TensorFileReader
+    from .format.verify import structure_problems
 
-    for f, names in touched.items():
-        with open_file(os.path.join(base, f)) as r:
-            for n in sorted(names):
-                if n in r:
+    where = _manifest_ranges(manifest) if manifest is not None else {}
+    with storage.CheckpointFiles(base) as cf:
+        for f, names in sorted(touched.items()):
+            size = _file_size(manifest, f) if manifest is not None else None
+            cf.open(f, size)  # name, type and size checks before parsing
+            with TensorFileReader(f, dir_fd=cf.dir_fd, nofollow=True) as r:
+                problems = structure_problems(r)
+                if problems:
+                    raise CheckpointError("; ".join(problems[:5]))
+                for n in sorted(names):
+                    if n not in r:
+                        raise CheckpointError(f"{cf.path(f)}: tensor {n!r} named by the manifest is not in the file")
+                    e = r._entry(n)
+                    want = where.get((f, n))
+                    if want is not None and want != (e.data_offset, e.data_length):
+                        raise CheckpointError(f"{cf.path(f)}: tensor {n!r}: manifest says bytes {want[0]}+{want[1]}, "
+                                              f"the file's index {e.data_offset}+{e.data_length}")
                     r.verify(n)
+
+
+def _manifest_ranges(manifest: Manifest) -> Dict[Tuple[str, str], Tuple[int, int]]:
+    """(file, tensor name) -> (data offset, bytes) for every shard the manifest lists."""
+    out: Dict[Tuple[str, str], Tuple[int, int]] = {}
+    for t in manifest.tensors.values():
+        for sh in t.shards:
+            if sh.file:
+                out[(sh.file, sh.name)] = (sh.data_offset, sh.nbytes)
+    return out
 
 
 @dataclass
@@ -675,6 +788,7 @@ class LoadStats:
     mode: str = ""
     bytes_read: int = 0  # from storage, by this rank
     bytes_received: int = 0
+    transport: str = ""  # scatter: "shm" or "group" on this rank's node
     seconds: float = 0.0
 
 
@@ -690,31 +804,35 @@ def load(
     strict: bool = True,
     verify: bool = False,
     scatter_chunk_bytes: int = DEFAULT_SCATTER_CHUNK,
+    scatter_transport: str = "auto",
     threads: Optional[int] = None,
+    timeout: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Load a checkpoint into the template ``state_dict``; collective over ``process_group``.
 
     Template ShardedTensors are filled in place (any TP/PP/VP/DP layout); the result
     mirrors the template with ShardedTensor -> tensor, ShardedObject -> its value,
-    and keeps saved non-tensor entries the template lacks.
+    and keeps saved non-tensor entries the template lacks (saved tensors the template
+    lacks are not read). ``verify`` checks every delivered byte (structure + hashes).
+    ``timeout`` (s) bounds every collective; default: the process group's.
+    Read-only: never renames or deletes anything in the checkpoint's parent.
     """
     if mode not in ("auto", "own", "scatter"):
         raise ValueError(f"mode must be 'auto', 'own' or 'scatter', got {mode!r}")
-    comm = Comm(process_group)
+    if scatter_transport not in SCATTER_TRANSPORTS:
+        raise ValueError(f"scatter_transport must be one of {SCATTER_TRANSPORTS}, got {scatter_transport!r}")
+    comm = Comm(process_group, timeout)
     base = os.path.abspath(os.fspath(checkpoint_dir))
     t0 = time.perf_counter()
     stats = LoadStats()
 
     def probe() -> Dict[str, Any]:
         node = os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
-        sees = _sees_checkpoint(base)
-        if not sees and comm.rank == 0:
-            storage.recover(base)
-            sees = _sees_checkpoint(base)
-        return {"sees": sees, "node": str(node)}
+        return {"sees": storage.locate(base), "node": str(node)}
 
     info, err = comm.run("load/probe", probe)
     infos = comm.agree(err, "load", info)  # collective 1
+    base = infos[comm.rank]["sees"] or base  # an interrupted re-save's copy is read where it is
     nodes = [i["node"] for i in infos]
     readers = node_readers(nodes)
     all_see = all(i["sees"] for i in infos)
@@ -731,23 +849,22 @@ def load(
     stats.mode = chosen
 
     # the manifest: read locally (own) or by rank 0 and broadcast (scatter)
+    mpath = os.path.join(base, storage.MANIFEST_NAME)
     if chosen == "own":
-        manifest, err = comm.run("load/manifest", lambda: read_manifest(base))
+        manifest, err = comm.run("load/manifest", lambda: Manifest.from_json(_read_manifest_bytes(base), mpath))
         comm.agree(err, "load")
     else:
         text, err = comm.run("load/manifest", lambda: _read_manifest_text(base) if comm.rank == 0 else None)
         comm.agree(err, "load")
         text = comm.broadcast_json(text, 0)
-        manifest = Manifest.from_json(text, os.path.join(base, storage.MANIFEST_NAME))
+        manifest, err = comm.run("load/manifest", lambda: Manifest.from_json(text, mpath))
+        comm.agree(err, "load")
 
     work = _LoadWork(rows_ok=chosen == "own")
 
     def plan_local() -> Any:
-        saved = _decode_saved_tree(manifest.tree_for_rank(comm.rank), manifest, work)
-        objects = {}
-        for ukey, entry in manifest.objects.items():
-            objects[ukey] = _decode_saved_tree(entry.get("value"), manifest, work, ukey)
-        res = _merge_template(dict(state_dict), saved, (), work, manifest, objects, [])
+        saved = _decode_saved_tree(manifest.tree_for_rank(comm.rank), manifest, work, lazy=True)
+        res = _merge_template(dict(state_dict), saved, (), work, manifest, _Objects(manifest, work), strict)
         if work.problems and strict:
             raise StateDictError(_format_problems(work.problems, base))
         for p in work.problems:
@@ -762,7 +879,8 @@ def load(
         stats.bytes_read = nread or 0
     else:
         try:
-            (nread, nrecv), err = _scatter(comm, base, manifest, work.ops, readers, scatter_chunk_bytes, threads)
+            (nread, nrecv), err = _scatter(comm, base, manifest, work, readers, scatter_chunk_bytes, threads,
+                                           scatter_transport, stats)
         except Exception as e:  # noqa: BLE001 - must reach the final agreement, never skip it
             (nread, nrecv), err = (0, 0), f"{type(e).__name__}: scatter transfer failed: {e}"
         stats.bytes_read, stats.bytes_received = nread, nrecv
@@ -772,14 +890,24 @@ def load(
             for f in work.finish:
                 f()
             if verify and (chosen == "own" or readers[comm.rank] == comm.rank):
-                _verify(base, work.touched)
+                _verify(base, work.touched, manifest)
         _, err = comm.run("load/finish", fin)
-    comm.agree(err, "load")  # final collective: all succeeded or all raise
+    totals = comm.agree(err, "load", [stats.bytes_read, stats.bytes_received])  # final: all succeeded or all raise
     stats.seconds = time.perf_counter() - t0
     LAST_LOAD_STATS.__dict__.update(stats.__dict__)
-    log.info("%sloaded %s (%s mode, %.1f MB read, %.2f s)", _rank_prefix(comm), base, chosen,
-             stats.bytes_read / 1e6, stats.seconds)
+    _log_summary(comm, "loaded", base, sum(t[0] for t in totals), stats.seconds,
+                 f"{chosen} mode{', verified' if verify else ''}")
     return _finalize_tree(result)
+
+
+def _log_summary(comm: Comm, verb: str, path: str, nbytes: int, seconds: float, what: str) -> None:
+    """One INFO line per save/load, on rank 0, with figures aggregated over ranks."""
+    msg = (f"{verb} checkpoint {path}: {nbytes / 1e9:.3f} GB over {comm.world_size} rank(s) in {seconds:.2f} s "
+           f"({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s, {what})")
+    if comm.rank == 0:
+        log.info("%s%s", _rank_prefix(comm), msg)
+    else:
+        log.debug("%s%s", _rank_prefix(comm), msg)
 
 
 def load_common(
@@ -787,13 +915,17 @@ def load_common(
     keys: Optional[Sequence[str]] = None,
     *,
     process_group: Any = None,
+    strict: bool = False,
+    timeout: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Top-level non-tensor values saved by rank 0 (e.g. ``args``, ``iteration``), without a template.
 
     Collective when a process group is initialised: rank 0 reads and broadcasts, so it
-    works when only rank 0 can see the checkpoint. Tensor-valued entries are skipped.
+    works when only rank 0 can see the checkpoint. Tensor-valued entries are skipped;
+    only the requested ``keys`` are decoded. ``strict``: an unregistered enum raises
+    CheckpointError instead of loading as a placeholder.
     """
-    comm = Comm(process_group)
+    comm = Comm(process_group, timeout)
     base = os.path.abspath(os.fspath(checkpoint_dir))
 
     def read() -> Any:
@@ -801,8 +933,9 @@ def load_common(
             return None
         m = read_manifest(base)
         tree = m.tree_for_rank(0)
-        work = _LoadWork()
-        value = _decode_saved_tree(tree, m, work)
+        if isinstance(tree, dict) and jsonstate.TAG not in tree and keys is not None:
+            tree = {k: v for k, v in tree.items() if k in keys}  # decode only what was asked for
+        value = _decode_saved_tree(tree, m, _LoadWork(), lazy=True)
         if not isinstance(value, dict):
             raise CheckpointError(f"{base}: saved state is not a dict")
         out = {}
@@ -811,6 +944,8 @@ def load_common(
                 continue
             v = _finalize_tree(_strip_tensors(v))
             if v is not _SHARDED:
+                if strict:
+                    _refuse_unregistered(v, k)
                 out[k] = v
         return jsonstate.encode(out)
 
@@ -821,7 +956,7 @@ def load_common(
 
 
 def _strip_tensors(v: Any) -> Any:
-    if isinstance(v, (torch.Tensor, _LazyBytes)):
+    if isinstance(v, (torch.Tensor, _LazyBytes, _LazyRef)):
         return _SHARDED
     if isinstance(v, dict):
         return {k: _strip_tensors(x) for k, x in v.items()}
@@ -838,112 +973,18 @@ def _format_problems(problems: List[str], base: str) -> str:
 
 
 def _read_manifest_text(base: str) -> str:
-    read_manifest(base)  # validates (and recovers)
-    with open(os.path.join(base, storage.MANIFEST_NAME), "rb") as f:
-        return f.read().decode()
+    """The manifest's text, validated (digest and content) before other ranks get it."""
+    data = _read_manifest_bytes(base)
+    Manifest.from_json(data, os.path.join(base, storage.MANIFEST_NAME))
+    return data.decode()
 
 
-def _sorted_subops(ops: Sequence[_Op], chunk: int) -> List[Tuple[str, int, int, int, int]]:
-    """Split ops into ≤chunk pieces: (file, offset, nbytes, op index, offset in op), in serving order."""
-    out = []
-    for i, op in enumerate(ops):
-        for f, off, n, pos in plan.split_op((op.file, op.offset, op.nbytes), chunk):
-            out.append((f, off, n, i, pos))
-    out.sort(key=lambda s: (s[0], s[1], s[2], s[3], s[4]))
-    return out
-
-
-def _scatter(comm: Comm, base: str, manifest: Manifest, ops: List[_Op], readers: Mapping[int, int], budget: int,
-             threads: Optional[int]) -> Tuple[Tuple[int, int], Optional[str]]:
-    """One reader per node reads each needed byte once and streams it to its ranks.
-
-    Consumers only need their own ops: the reader serves every rank's sub-ops in
-    (file, offset, nbytes, index) order. The reader's staging memory is ``budget``
-    bytes in two halves, so reading the next extent overlaps sending the last one.
-    A reader that fails keeps sending (stale bytes) so no consumer blocks; the error
-    surfaces in the final agreement.
-    """
-    me = comm.rank
-    my_reader = readers[me]
-    chunk = max(1, int(budget) // 2)
-    node_ranks = [r for r in range(comm.world_size) if readers[r] == my_reader]
-    if me != my_reader:
-        payload = json.dumps([[op.file, op.offset, op.nbytes] for op in ops]).encode()
-        comm.send(torch.tensor([len(payload)], dtype=torch.int64), my_reader)
-        if payload:
-            comm.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), my_reader)
-        handles = [comm.irecv(ops[i].dest[pos:pos + n], my_reader) for f, off, n, i, pos in _sorted_subops(ops, chunk)]
-        try:
-            for h in handles:
-                h.wait()
-        except Exception as e:  # noqa: BLE001 - a transport failure ends the load on every rank
-            return (0, 0), f"{type(e).__name__}: receiving from reader rank {my_reader}: {e}"
-        return (0, sum(op.nbytes for op in ops)), None
-
-    err: Optional[str] = None
-    per_rank: Dict[int, List[Tuple[str, int, int]]] = {}
-    for r in node_ranks:
-        if r == me:
-            per_rank[r] = [(op.file, op.offset, op.nbytes) for op in ops]
-            continue
-        n = torch.zeros(1, dtype=torch.int64)
-        comm.recv(n, r)
-        buf = torch.empty(int(n.item()), dtype=torch.uint8)
-        if buf.numel():
-            comm.recv(buf, r)
-        per_rank[r] = [tuple(x) for x in json.loads(bytes(buf.numpy()))] if buf.numel() else []
-    subops: List[Tuple[str, int, int]] = []
-    owners: List[Tuple[int, int, int]] = []  # (rank, op index, offset in op)
-    for r in node_ranks:
-        for i, (f, off, n) in enumerate(per_rank[r]):
-            for sf, soff, sn, pos in plan.split_op((f, off, n), chunk):
-                subops.append((sf, soff, sn))
-                owners.append((r, i, pos))
-    try:
-        _check_files(base, manifest, sorted({s[0] for s in subops}))
-        for f, a, n in subops:
-            if a + n > int(manifest.files[f].get("bytes", 0)):
-                raise CheckpointError(f"{os.path.join(base, f)}: byte range {a}+{n} past end of file")
-    except MegashardError as e:
-        err = f"{type(e).__name__}: {e}"
-    sched = plan.schedule_extents(subops, chunk)
-    biggest = max((e.stop - e.start for e, _ in sched), default=0)
-    staging = [empty_buffer(biggest), empty_buffer(biggest)] if biggest else []
-    in_flight: List[List[Any]] = [[], []]
-    nread = 0
-    fds: Dict[str, int] = {}
-    try:
-        for k, (ext, members) in enumerate(sched):
-            half = k % 2
-            for h in in_flight[half]:  # the buffer is reused: its sends must have finished
-                h.wait()
-            in_flight[half] = []
-            size = ext.stop - ext.start
-            buf = staging[half]
-            if err is None:
-                try:
-                    if ext.file not in fds:
-                        fds[ext.file] = os.open(os.path.join(base, ext.file), os.O_RDONLY | os.O_CLOEXEC)
-                    read_requests(fds[ext.file], [(ext.start, tensor_memoryview(buf[:size]))],
-                                  os.path.join(base, ext.file), threads or default_read_threads())
-                    nread += size
-                except Exception as e:  # noqa: BLE001
-                    err = f"{type(e).__name__}: reading {ext.file}: {e}"
-            members = sorted(members, key=lambda j: (subops[j][1], subops[j][2], owners[j][0], owners[j][1], owners[j][2]))
-            for j in members:
-                r, i, pos = owners[j]
-                f, a, n = subops[j]
-                src = buf[a - ext.start:a - ext.start + n]
-                if r == me:
-                    ops[i].dest[pos:pos + n].copy_(src)
-                else:
-                    in_flight[half].append(comm.isend(src, r))
-        for group in in_flight:
-            for h in group:
-                h.wait()
-    except Exception as e:  # noqa: BLE001
-        return (nread, 0), f"{type(e).__name__}: scatter send failed: {e}"
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return (nread, 0), err
+def _scatter(comm: Comm, base: str, manifest: Manifest, work: _LoadWork, readers: Mapping[int, int], chunk: int,
+             threads: Optional[int], transport: str, stats: "LoadStats") -> Tuple[Tuple[int, int], Optional[str]]:
+    """One reader per node reads each needed byte once; its ranks take their bytes from
+    shared memory or the process group (:mod:`megashard.scatter`). On a reader,
+    ``work.touched`` grows by what its node's other ranks touched, so ``verify`` there
+    covers every byte the node loaded."""
+    (nread, nrecv, stats.transport), err = scatter(comm, base, manifest, work.ops, work.touched, readers, chunk,
+                                                   threads, transport, partial(storage.CheckpointFiles, base))
+    return (nread, nrecv), err

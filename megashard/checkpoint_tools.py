@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any, Dict, Iterator, List
 
-from . import storage
+from . import jsonstate, storage
 from .errors import MegashardError
 from .manifest import Manifest, dtype_name
 from .plan import Box, coverage_problems, numel
@@ -44,6 +45,13 @@ def inspect_checkpoint(path: str) -> Dict[str, Any]:
         "objects": sorted(m.objects),
         "distinct_rank_trees": len(m.trees),
     }
+
+
+def _check_ref(m: Manifest, ref: Any, path: str) -> None:
+    from .api import _checked_ref
+
+    if isinstance(ref, dict) and ref.get("kind") in ("tensor", "bytes"):
+        _checked_ref(ref, m, path)
 
 
 def _int(v: Any) -> int:
@@ -120,6 +128,12 @@ def verify_checkpoint(path: str) -> List[str]:
         for ref in _tree_refs(tree):
             check_entry(f"state {tid}", ref.get("file"), str(ref.get("name", "")), _int(ref.get("data_offset", 0)),
                         _int(ref.get("nbytes", 0)), _int(ref.get("crc32", 0)))
+    for tid, tree in list(m.trees.items()) + [(k, v.get("value") if isinstance(v, dict) else v)
+                                              for k, v in m.objects.items()]:
+        try:  # every state tree decodes (tags, nesting, integer sizes, registered enums, valid refs)
+            jsonstate.decode(tree, path=f"state {tid}", resolver=partial(_check_ref, m), strict=True)
+        except MegashardError as e:
+            problems.append(str(e))
     for fname, names in sorted(entries.items()):
         extra = sorted(set(names) - listed.get(fname, set()))
         if extra:

@@ -111,9 +111,16 @@ def _checkpoint_tools() -> Any:
         raise MegashardError(f"checkpoint directory support is unavailable: {e}") from e
 
 
+def _is_moved_checkpoint(path: str) -> bool:
+    """A checkpoint whose directory is missing but whose interrupted re-save left a complete copy."""
+    from . import storage
+
+    return not os.path.lexists(path) and storage.locate(path) is not None
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     path = args.path
-    if os.path.isdir(path):
+    if os.path.isdir(path) or _is_moved_checkpoint(path):
         summary = _checkpoint_tools().inspect_checkpoint(path)
         if args.json:
             print(json.dumps(summary, indent=2, default=str))
@@ -130,7 +137,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     path = args.path
-    if os.path.isdir(path):
+    if os.path.isdir(path) or _is_moved_checkpoint(path):
         problems = list(_checkpoint_tools().verify_checkpoint(path))
         count = None
     else:
@@ -206,7 +213,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("inspect", "verify") and not os.path.exists(args.path):
+    if args.command in ("inspect", "verify") and not os.path.exists(args.path) and not _is_moved_checkpoint(args.path):
         print(f"megashard {args.command}: error: {args.path}: no such file or directory", file=sys.stderr)
         return 1
     try:

@@ -210,9 +210,15 @@ class Unrepresentable:
 
 
 class UnregisteredEnum(Unrepresentable):
-    """Placeholder for an enum member whose class was not registered with :func:`register_enum`."""
+    """Placeholder for an enum member whose class was not registered with :func:`register_enum`.
 
-    __slots__ = ()
+    Keeps the stored tag, so saving it again writes the same enum value back."""
+
+    __slots__ = ("tag",)
+
+    def __init__(self, repr: str, type_name: str, tag: Dict[str, Any]) -> None:  # noqa: A002
+        super().__init__(repr, type_name)
+        self.tag = dict(tag)
 
 
 def _show(path: str) -> str:
@@ -371,6 +377,8 @@ class _Encoder:
         return {TAG: "BytesIO", "b64": _b64(v.getvalue()), "pos": v.tell()}
 
     def unrepresentable(self, v: Unrepresentable, path: str) -> Any:
+        if isinstance(v, UnregisteredEnum):
+            return dict(v.tag)
         return {TAG: "repr", "type": v.type_name, "repr": v.repr}
 
     def other(self, v: Any, path: str) -> Any:
@@ -481,6 +489,7 @@ _ENCODERS: Dict[type, Callable[[_Encoder, Any, str], Any]] = {
     bytearray: _Encoder.bytes_,
     io.BytesIO: _Encoder.bytesio,
     Unrepresentable: _Encoder.unrepresentable,
+    UnregisteredEnum: _Encoder.unrepresentable,
 }
 
 
@@ -688,7 +697,7 @@ class _Decoder:
             if self.strict:
                 raise CheckpointError(f"cannot load {_show(path)!r}: {msg}")
             logger.warning("loading %r: %s; it is loaded as a placeholder", _show(path), msg)
-            return UnregisteredEnum(f"<{qualname}.{member_text}>"[:_REPR_LIMIT], where[:_REPR_LIMIT])
+            return UnregisteredEnum(f"<{qualname}.{member_text}>"[:_REPR_LIMIT], where[:_REPR_LIMIT], obj)
         if has_name:
             member = cls.__members__.get(obj["name"])
             if member is None:

@@ -1,0 +1,370 @@
+"""Checkpoints from anywhere: tampering never runs code, never reads outside the directory,
+never over-allocates, and always ends in a MegashardError; every flipped bit is caught."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import resource
+import sys
+import types
+
+import pytest
+import torch
+
+import megashard
+from megashard import storage
+from megashard.checkpoint_tools import verify_checkpoint
+from megashard.cli import main as cli_main
+from megashard.errors import CheckpointError, MegashardError
+from megashard.sharded import ShardedTensor
+from tamper import read_manifest_doc, write_manifest_doc, write_manifest_text
+
+SECRET = b"host secret: must never be loaded\n" * 4000  # > 64 KiB, so a bytes ref points into a file
+SPY = "megashard_test_import_spy"
+
+
+def _save(path: str) -> None:
+    g = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    megashard.save({
+        "w0": ShardedTensor("w", g[:4].clone(), (8, 8), (0, 0)),
+        "w1": ShardedTensor("w", g[4:].clone(), (8, 8), (4, 0)),
+        "local": torch.arange(5, dtype=torch.int64),
+        "blob": b"x" * 70_000,
+        "args": {"lr": 0.1, "iteration": 7},
+    }, path)
+
+
+def _template() -> dict:
+    return {"w": ShardedTensor("w", torch.zeros(8, 8), (8, 8), (0, 0)), "local": torch.zeros(5, dtype=torch.int64),
+            "blob": b"", "args": {}}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    return path
+
+
+def _shard_file(path: str) -> str:
+    return next(f for f in sorted(os.listdir(path)) if f.endswith(".tensors"))
+
+
+def _edit(path, fn):
+    doc = read_manifest_doc(path)
+    fn(doc)
+    write_manifest_doc(path, doc)
+
+
+def _first_shard(doc):
+    return doc["tensors"]["w"]["shards"][0]
+
+
+def _ref(doc, key):
+    tree = next(iter(doc["trees"].values()))
+    return tree[key]["ref"]
+
+
+# each attack edits a valid checkpoint in place; all must fail with MegashardError on load
+def _enum_spy(path):
+    _edit(path, lambda d: next(iter(d["trees"].values()))["args"].update(
+        mode={"__ms__": "enum", "module": SPY, "qualname": "E", "name": "A"}))
+
+
+def _enum_this(path):
+    _edit(path, lambda d: next(iter(d["trees"].values()))["args"].update(
+        mode={"__ms__": "enum", "module": "this", "qualname": "E", "name": "A"}))
+
+
+def _enum_systemexit(path):
+    _edit(path, lambda d: next(iter(d["trees"].values()))["args"].update(
+        mode={"__ms__": "enum", "module": "unittest.__main__", "qualname": "E", "name": "A"}))
+
+
+def _symlinked_shard(path):
+    f = _shard_file(path)
+    target = os.path.join(os.path.dirname(path), "outside.tensors")
+    os.rename(os.path.join(path, f), target)
+    os.symlink(target, os.path.join(path, f))
+
+
+def _symlinked_bytes_file(path):
+    """A 'shard' that is a link to a host file; a bytes ref pointing into it."""
+    secret = os.path.join(os.path.dirname(path), "secret.txt")
+    with open(secret, "wb") as fh:
+        fh.write(SECRET)
+    os.symlink(secret, os.path.join(path, "evil.tensors"))
+
+    def fn(d):
+        d["files"]["evil.tensors"] = {"rank": 0, "bytes": len(SECRET), "tensors": 1}
+        _ref(d, "blob").update(file="evil.tensors", data_offset=0, nbytes=70_000, shape=[70_000])
+    _edit(path, fn)
+
+
+def _dotdot_name(path):
+    def fn(d):
+        f = _first_shard(d)["file"]
+        d["files"]["../" + f] = d["files"].pop(f)
+        for s in d["tensors"]["w"]["shards"]:
+            s["file"] = "../" + f
+    _edit(path, fn)
+
+
+def _absolute_name(path):
+    def fn(d):
+        d["files"]["/etc/passwd"] = {"rank": 0, "bytes": 10, "tensors": 1}
+        _ref(d, "local").update(file="/etc/passwd")
+    _edit(path, fn)
+
+
+def _huge_shape(path):
+    _edit(path, lambda d: _ref(d, "local").update(shape=[1 << 40, 1 << 20]))
+
+
+def _huge_global_shape(path):
+    def fn(d):
+        d["tensors"]["w"]["shape"] = [1 << 50, 8]
+    _edit(path, fn)
+
+
+def _negative_shape(path):
+    _edit(path, lambda d: _ref(d, "local").update(shape=[-5]))
+
+
+def _negative_offset(path):
+    _edit(path, lambda d: _first_shard(d).update(data_offset=-4096))
+
+
+def _offset_past_eof(path):
+    _edit(path, lambda d: _first_shard(d).update(data_offset=1 << 40))
+
+
+def _chunk_outside_global(path):
+    _edit(path, lambda d: _first_shard(d).update(offset=[6, 0]))
+
+
+def _unknown_dtype(path):
+    _edit(path, lambda d: d["tensors"]["w"].update(dtype="float128"))
+
+
+def _truncated_file(path):
+    f = os.path.join(path, _shard_file(path))
+    os.truncate(f, os.path.getsize(f) - 100)
+
+
+def _garbage_manifest(path):
+    write_manifest_text(path, b"\x00\xff garbage {{{")
+
+
+def _truncated_manifest(path):
+    with open(os.path.join(path, "manifest.json"), "rb") as fh:
+        data = fh.read()
+    write_manifest_text(path, data[: len(data) // 2])
+
+
+def _deep_manifest(path):
+    _edit(path, lambda d: next(iter(d["trees"].values()))["args"].update(deep=json.loads("[" * 900 + "]" * 900)))
+
+
+def _deep_manifest_unparseable(path):
+    doc = read_manifest_doc(path)
+    text = json.dumps(doc)[:-1] + ',"deep":' + "[" * 200_000 + "]" * 200_000 + "}"
+    write_manifest_text(path, text)
+
+
+def _oversized_manifest(path):
+    doc = read_manifest_doc(path)
+    doc["extra"]["pad"] = "x" * 2_000_000
+    write_manifest_doc(path, doc)
+    os.environ["MEGASHARD_MAX_MANIFEST_BYTES"] = "1000000"
+
+
+def _wrong_json_types(path):
+    def fn(d):
+        d["tensors"]["w"]["shards"] = {"not": "a list"}
+        d["files"] = [1, 2]
+    _edit(path, fn)
+
+
+def _huge_integer(path):
+    _edit(path, lambda d: next(iter(d["trees"].values()))["args"].update(
+        big={"__ms__": "int", "hex": "f" * 5_000_000}))
+
+
+def _huge_plain_integer(path):
+    doc = json.dumps(read_manifest_doc(path))
+    write_manifest_text(path, doc.replace('"iteration": 7', '"iteration": ' + "9" * 100_000))
+
+
+def _fifo_shard(path):
+    f = os.path.join(path, _shard_file(path))
+    os.unlink(f)
+    os.mkfifo(f)
+
+
+def _shard_replaced_by_dir(path):
+    f = os.path.join(path, _shard_file(path))
+    os.unlink(f)
+    os.mkdir(f)
+
+
+def _manifest_symlink(path):
+    real = os.path.join(os.path.dirname(path), "real-manifest.json")
+    os.rename(os.path.join(path, "manifest.json"), real)
+    os.symlink(real, os.path.join(path, "manifest.json"))
+
+
+ATTACKS = [_enum_spy, _enum_this, _enum_systemexit, _symlinked_shard, _symlinked_bytes_file, _dotdot_name,
+           _absolute_name, _huge_shape, _huge_global_shape, _negative_shape, _negative_offset, _offset_past_eof,
+           _chunk_outside_global, _unknown_dtype, _truncated_file, _garbage_manifest, _truncated_manifest,
+           _deep_manifest, _deep_manifest_unparseable, _oversized_manifest, _wrong_json_types, _huge_integer,
+           _huge_plain_integer, _fifo_shard, _shard_replaced_by_dir, _manifest_symlink]
+# attacks whose target is a value load_common decodes; the others must still never import/crash there
+ENUM_ATTACKS = {_enum_spy, _enum_this, _enum_systemexit}
+
+
+@pytest.fixture
+def spy(monkeypatch, tmp_path):
+    """A module of our own that records being imported."""
+    mod_dir = tmp_path / "spy"
+    mod_dir.mkdir()
+    marker = tmp_path / "imported"
+    (mod_dir / f"{SPY}.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
+    monkeypatch.syspath_prepend(str(mod_dir))
+    monkeypatch.delenv("MEGASHARD_MAX_MANIFEST_BYTES", raising=False)
+    yield marker
+    os.environ.pop("MEGASHARD_MAX_MANIFEST_BYTES", None)
+    sys.modules.pop(SPY, None)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda f: f.__name__.strip("_"))
+def test_hostile_checkpoint(attack, ckpt, spy, capsys):
+    modules = set(sys.modules)
+    attack(ckpt)
+    before = _listing(os.path.dirname(ckpt))
+    rss0 = _peak_rss_mb()
+    outcomes = {}
+    for name, call in [("load", lambda: megashard.load(_template(), ckpt, verify=False)),
+                       ("load_strict_verify", lambda: megashard.load(_template(), ckpt, verify=True)),
+                       ("load_common", lambda: megashard.load_common(ckpt, ["args"], strict=True)),
+                       ("verify", lambda: verify_checkpoint(ckpt) or None)]:
+        try:
+            res = call()
+        except MegashardError as e:
+            outcomes[name] = e
+        else:
+            outcomes[name] = res
+    # verify never passes a tampered checkpoint; load raises unless the attack is outside what it reads
+    assert isinstance(outcomes["verify"], (list, MegashardError)) and outcomes["verify"], outcomes
+    assert isinstance(outcomes["load"], MegashardError) or attack in ENUM_ATTACKS, outcomes
+    assert isinstance(outcomes["load_strict_verify"], MegashardError), outcomes
+    if attack in ENUM_ATTACKS:
+        assert isinstance(outcomes["load_common"], CheckpointError), outcomes
+        # non-strict: a placeholder, never the module's enum
+        mode = megashard.load_common(ckpt, ["args"])["args"]["mode"]
+        assert type(mode).__name__ == "UnregisteredEnum"
+    assert cli_main(["verify", ckpt]) != 0
+    capsys.readouterr()
+    # nothing imported, nothing outside the directory leaked into loaded state, nothing changed on disk
+    assert not spy.exists()
+    assert "this" not in set(sys.modules) - modules
+    assert _listing(os.path.dirname(ckpt)) == before
+    for v in outcomes.values():
+        if isinstance(v, dict):
+            assert SECRET[:40] not in (v.get("blob") or b"")
+    assert _peak_rss_mb() - rss0 < 200, "memory grew although the files are tiny"
+
+
+def _listing(root: str) -> dict:
+    """Every entry under ``root`` with its type, size, mtime and content hash."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            h = ""
+            if os.path.isfile(p) and not os.path.islink(p):
+                with open(p, "rb") as fh:
+                    h = hashlib.sha256(fh.read()).hexdigest()
+            out[os.path.relpath(p, root)] = (st.st_mode, st.st_size, st.st_mtime_ns, h)
+    return out
+
+
+def test_read_paths_change_nothing(tmp_path, capsys):
+    """load/load_common/verify/inspect leave the tree byte-for-byte unchanged, even with an
+    interrupted re-save's .old copy around; `megashard recover` is what restores it."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    _save(path + "2")
+    os.rename(path, str(tmp_path / ".ckpt.old-abc123"))  # a re-save crashed mid-commit
+    os.rename(path + "2", path)
+    os.rename(path, str(tmp_path / ".ckpt.old-def456"))
+    before = _listing(str(tmp_path))
+    out = megashard.load(_template(), path)
+    assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
+    assert megashard.load_common(path, ["args"])["args"]["iteration"] == 7
+    assert verify_checkpoint(path) == []
+    assert cli_main(["inspect", path]) == 0
+    assert cli_main(["verify", path]) == 0
+    capsys.readouterr()
+    assert _listing(str(tmp_path)) == before
+    assert cli_main(["recover", path]) == 0
+    assert storage.is_checkpoint(path) and not [n for n in os.listdir(tmp_path) if ".old-" in n]
+
+
+def _flip_targets(path: str) -> list:
+    files = sorted(os.listdir(path))
+    return [(f, os.path.getsize(os.path.join(path, f))) for f in files]
+
+
+def test_bit_flip_campaign(tmp_path):
+    """Random single-bit flips over every file (structure, padding, data, manifest and its
+    digest): verify fails and load(verify=True) raises for every one."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    pristine = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
+    rng = random.Random(1234)
+    n = int(os.environ.get("MEGASHARD_BITFLIPS", "240"))
+    caught = 0
+    regions: dict = {}
+    targets = _flip_targets(path)
+    for i in range(n):
+        f, size = targets[i % len(targets)]
+        pos, bit = rng.randrange(size), rng.randrange(8)
+        data = bytearray(pristine[f])
+        data[pos] ^= 1 << bit
+        with open(os.path.join(path, f), "wb") as fh:
+            fh.write(data)
+        problems = verify_checkpoint(path)
+        try:
+            megashard.load(_template(), path, verify=True)
+            loaded = True
+        except MegashardError:
+            loaded = False
+        assert problems, f"flip {f}@{pos} bit {bit} passed verify"
+        assert not loaded, f"flip {f}@{pos} bit {bit} passed load(verify=True)"
+        caught += 1
+        regions[f] = regions.get(f, 0) + 1
+        with open(os.path.join(path, f), "wb") as fh:
+            fh.write(pristine[f])
+    assert caught == n
+    assert verify_checkpoint(path) == []
+    print(f"bit flips caught: {caught}/{n} over {regions}")
+
+
+def test_unregistered_enum_in_unrequested_key_never_decoded(tmp_path, spy):
+    """load decodes only what the template asks for: an enum tag in another key is ignored."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    _edit(path, lambda d: next(iter(d["trees"].values())).update(
+        other={"__ms__": "enum", "module": SPY, "qualname": "E", "name": "A"}))
+    out = megashard.load({"w": ShardedTensor("w", torch.zeros(8, 8), (8, 8), (0, 0))}, path)
+    assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
+    assert megashard.load_common(path, ["args"])["args"]["iteration"] == 7
+    assert not spy.exists()
