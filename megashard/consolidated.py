@@ -19,7 +19,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .api import LAST_LOAD_STATS, LoadStats, _execute_own, _LoadWork, _plan_sharded, _verify, read_manifest
+from .api import (LAST_LOAD_STATS, LoadStats, _execute_own, _LoadWork, _plan_sharded, _verify, checkpoint_location,
+                  read_manifest)
 from .errors import CheckpointError
 from .manifest import Manifest, TensorRecord, itemsize
 from .plan import numel
@@ -94,7 +95,7 @@ def read_global_tensors(
         for f in work.finish:
             f()
     if verify:
-        _verify(base, work.touched)
+        _verify(base, work.touched, manifest)
     return out, nread
 
 
@@ -154,7 +155,7 @@ def load_consolidated(
     Non-tensor state (``args``, ``iteration``, ...) comes from :func:`megashard.load_common`.
     """
     t0 = time.perf_counter()
-    base = os.path.abspath(os.fspath(checkpoint_dir))
+    base = checkpoint_location(checkpoint_dir)  # an interrupted re-save's complete copy is read in place
     manifest = read_manifest(base)
     wanted = match_keys(manifest, keys)
     stats = LoadStats(mode="consolidated")

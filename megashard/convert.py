@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import json
 import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -175,11 +176,20 @@ class _Scratch:
         os.close(self.fd)
 
 
-def _mapped_shard(base: str, file: str, data_offset: int, nbytes: int, dtype: torch.dtype,
-                  shape: Sequence[int]) -> torch.Tensor:
-    """A saved shard as a tensor over a private (copy-on-write) mapping of its file: no copy."""
-    arr = np.memmap(os.path.join(base, file), dtype=np.uint8, mode="c", offset=data_offset, shape=(nbytes,))
-    return torch.from_numpy(arr).view(dtype).view(tuple(shape))
+def _mapped_shard(files: "storage.CheckpointFiles", file: str, size: int, data_offset: int, nbytes: int,
+                  dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A saved shard as a tensor over a private (copy-on-write) mapping of just its bytes: no copy.
+
+    The tensor's storage is exactly the shard, so megatron-core's save writes it without
+    cloning (it clones views of larger storages). The file is opened by the checkpoint's
+    safe opener (inside the directory, no symlink, the manifest's size).
+    """
+    fd = files.open(file, size)
+    start = data_offset - data_offset % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(fd, data_offset + nbytes - start, flags=mmap.MAP_PRIVATE,
+                   prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+    t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=data_offset - start)
+    return t.view(dtype).view(tuple(shape))
 
 
 @contextlib.contextmanager
@@ -346,10 +356,11 @@ class _SafetensorsWriter:
 
 def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequence[str]], batch_bytes: int,
                     bar: Callable[[int], Any], res: ConvertResult) -> None:
-    from .api import read_manifest
+    from .api import checkpoint_location, read_manifest
     from .consolidated import iter_global_tensors
     from .format.stream import StreamWriter
 
+    src = checkpoint_location(src)
     m = read_manifest(src)
     keys, skipped = _single_file_specs(m, _match(m, patterns), fmt)
     if not keys:
@@ -404,9 +415,10 @@ def _rank0_state(src: str, m: Manifest) -> Tuple[Dict[str, Any], Dict[str, Any]]
 
 def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence[str]],
                              bar: Callable[[int], Any], res: ConvertResult) -> None:
-    from .api import _check_files, read_manifest
+    from .api import checkpoint_location, read_manifest
     from .consolidated import read_global_tensors
 
+    src = checkpoint_location(src)
     m = read_manifest(src)
     keys = _match(m, patterns)
     common, objects = _rank0_state(src, m)
@@ -415,16 +427,18 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
 
         scratch = _Scratch(out.scratch_dir())
         try:
+            stack = contextlib.ExitStack()
             tensors: Dict[str, Any] = {}
             assemble: List[Tuple[str, torch.Tensor]] = []
+            files = stack.enter_context(storage.CheckpointFiles(src))
             for k in keys:
                 rec = m.tensors[k]
                 shape = tuple(rec.global_shape)
                 nbytes = numel(shape) * itemsize(rec.dtype)
                 s = rec.shards[0] if len(rec.shards) == 1 else None
                 if s is not None and s.flat is None and s.shape == shape and s.file and nbytes:
-                    _check_files(src, m, [s.file])  # sizes as the manifest says before mapping
-                    data = _mapped_shard(src, s.file, s.data_offset, nbytes, rec.dtype, shape)
+                    data = _mapped_shard(files, s.file, int(m.files[s.file].get("bytes", 0)), s.data_offset, nbytes,
+                                         rec.dtype, shape)
                 else:
                     data = scratch.tensor(rec.dtype, shape)
                     assemble.append((k, data))
@@ -448,6 +462,7 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
             res.tensors = len(tensors)
             del state, tensors, assemble
         finally:
+            stack.close()
             scratch.close()
     if m.world_size > 1:
         res.dropped.append(f"rank-local state of ranks 1..{m.world_size - 1} (torch_dist keeps rank 0's)")

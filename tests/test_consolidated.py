@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megashard
-from megashard import CheckpointError
+from megashard import CheckpointError, storage
 from megashard.api import LAST_LOAD_STATS
 from megashard.consolidated import global_nbytes
 
@@ -78,7 +78,9 @@ def test_missing_shard_is_a_clear_error(tmp_path):
     mpath = os.path.join(path, "manifest.json")
     doc = json.loads(open(mpath).read())
     doc["tensors"]["decoder.layers.self_attention.linear_proj.weight"]["shards"].pop()
-    open(mpath, "w").write(json.dumps(doc))
+    text = json.dumps(doc)
+    open(mpath, "w").write(text)
+    open(os.path.join(path, storage.MANIFEST_DIGEST_NAME), "w").write(storage.manifest_digest(text))
     with pytest.raises(CheckpointError, match="linear_proj.weight.*covers"):
         megashard.load_consolidated(path)
     out = megashard.load_consolidated(path, ["decoder.final_layernorm.weight"])
