@@ -24,7 +24,8 @@ def _location(path: str) -> str:
 
 
 def inspect_checkpoint(path: str) -> Dict[str, Any]:
-    """Summary of a checkpoint: layout, files, and every global tensor with its shards."""
+    """Summary of a checkpoint: totals first (what a user asks first), then layout, files and
+    every global tensor with its shards."""
     m = _manifest(path)
     tensors = {}
     for key, t in m.tensors.items():
@@ -36,6 +37,7 @@ def inspect_checkpoint(path: str) -> Dict[str, Any]:
             "files": sorted({s.file for s in t.shards if s.file}),
         }
     return {
+        "totals": _totals(path, m),
         "path": os.path.abspath(path),
         "world_size": m.world_size,
         "layout": m.layout,
@@ -45,6 +47,67 @@ def inspect_checkpoint(path: str) -> Dict[str, Any]:
         "objects": sorted(m.objects),
         "distinct_rank_trees": len(m.trees),
     }
+
+
+OPTIMIZER_PREFIX = "optimizer."  # Megatron's global keys of optimizer state (e.g. optimizer.state.exp_avg.*)
+
+
+def _top_level(m: Manifest) -> Dict[str, Any]:
+    """Rank 0's top-level saved values, decoded without reading any tensor bytes."""
+    from .api import _decode_saved_tree, _LoadWork
+
+    try:
+        value = _decode_saved_tree(m.tree_for_rank(0), m, _LoadWork(), lazy=True)
+    except MegashardError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _totals(path: str, m: Manifest) -> Dict[str, Any]:
+    """Bytes, files, tensors, layout, iteration and what the checkpoint holds (model/optimizer/RNG/args)."""
+    model_keys = [k for k in m.tensors if not k.startswith(OPTIMIZER_PREFIX)]
+    opt_keys = [k for k in m.tensors if k.startswith(OPTIMIZER_PREFIX)]
+
+    def nbytes(keys: List[str]) -> int:
+        return sum(s.nbytes for k in keys for s in m.tensors[k].shards)
+
+    top = _top_level(m)
+    iteration = top.get("iteration")
+    if type(iteration) is not int:
+        iteration = storage.parse_iteration_dir_name(os.path.basename(os.path.abspath(path)))
+    names = [str(k) for k in top] + [str(o).split("/", 1)[0] for o in m.objects]
+    holds = {
+        "model": f"{len(model_keys)} global tensors, {nbytes(model_keys)} bytes" if model_keys else None,
+        "optimizer": (f"{len(opt_keys)} global tensors, {nbytes(opt_keys)} bytes" if opt_keys else
+                      ("non-tensor state only" if "optimizer" in top else None)),
+        "rng": "yes" if any("rng" in n for n in names) else None,
+        "args": "yes" if "args" in top else None,
+    }
+    return {
+        "bytes": m.total_bytes,
+        "files": len(m.files),
+        "global_tensors": len(m.tensors),
+        "shards": sum(len(t.shards) for t in m.tensors.values()),
+        "layout": ", ".join(f"{k}={v}" for k, v in m.layout.items()) or "(not recorded)",
+        "world_size": m.world_size,
+        "iteration": iteration,
+        "holds": {k: v for k, v in holds.items() if v is not None},
+        "other_state": sorted(str(k) for k, v in top.items() if str(k) not in ("iteration", "args", "optimizer")
+                              and "rng" not in str(k) and not _only_sharded(v)),
+    }
+
+
+def _only_sharded(value: Any) -> bool:
+    """True for a subtree that holds nothing but global-tensor/object references (e.g. ``model``)."""
+    from .api import _SHARDED
+
+    if value is _SHARDED:
+        return True
+    if isinstance(value, dict):
+        return all(_only_sharded(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_only_sharded(v) for v in value)
+    return False
 
 
 def _check_ref(m: Manifest, ref: Any, path: str) -> None:

@@ -104,6 +104,24 @@ def _print_nested(value: Any, out: TextIO, indent: int = 0) -> None:
         print(f"{pad}{value}", file=out)
 
 
+def _print_checkpoint_summary(s: dict[str, Any], out: TextIO) -> None:
+    """Totals first (size, files, tensors, layout, iteration, contents), then the details."""
+    t = s["totals"]
+    print(f"checkpoint:   {s['path']}", file=out)
+    print(f"size:         {t['bytes']} bytes ({_human_bytes(t['bytes'])}) in {t['files']} files", file=out)
+    print(f"tensors:      {t['global_tensors']} global tensors in {t['shards']} shards", file=out)
+    print(f"layout:       {t['layout']} (saved by {t['world_size']} ranks)", file=out)
+    print(f"iteration:    {t['iteration'] if t['iteration'] is not None else 'unknown'}", file=out)
+    print("holds:", file=out)
+    holds = t["holds"]
+    for what in ("model", "optimizer", "rng", "args"):
+        print(f"  {what + ':':<11} {holds.get(what, 'no')}", file=out)
+    if t["other_state"]:
+        print(f"  {'other:':<11} {', '.join(t['other_state'])}", file=out)
+    print("", file=out)
+    _print_nested({k: v for k, v in s.items() if k not in ("totals", "path")}, out)
+
+
 def _checkpoint_tools() -> Any:
     try:
         return importlib.import_module("megashard.checkpoint_tools")
@@ -125,7 +143,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(summary, indent=2, default=str))
         else:
-            _print_nested(summary, sys.stdout)
+            _print_checkpoint_summary(summary, sys.stdout)
         return 0
     summary = _file_summary(path)
     if args.json:

@@ -1,18 +1,17 @@
 """megashard.load_consolidated: full global tensors in one process, no process group."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import megashard
-from megashard import CheckpointError, storage
+from megashard import CheckpointError
 from megashard.api import LAST_LOAD_STATS
 from megashard.consolidated import global_nbytes
 
 from distributed import all_ok, run_ranks
 from layouts import GLOBALS, Layout, bit_equal, full, model_state
+from tamper import read_manifest_doc, write_manifest_doc
 
 
 def _union_state(layout: Layout, distopt: bool) -> dict:
@@ -73,14 +72,9 @@ def test_missing_shard_is_a_clear_error(tmp_path):
         megashard.save(sd, path)  # save refuses incomplete coverage; build one by editing the manifest
     full_sd = _union_state(Layout(tp=2), distopt=False)
     megashard.save(full_sd, path)
-    import json
-
-    mpath = os.path.join(path, "manifest.json")
-    doc = json.loads(open(mpath).read())
+    doc = read_manifest_doc(path)
     doc["tensors"]["decoder.layers.self_attention.linear_proj.weight"]["shards"].pop()
-    text = json.dumps(doc)
-    open(mpath, "w").write(text)
-    open(os.path.join(path, storage.MANIFEST_DIGEST_NAME), "w").write(storage.manifest_digest(text))
+    write_manifest_doc(path, doc)
     with pytest.raises(CheckpointError, match="linear_proj.weight.*covers"):
         megashard.load_consolidated(path)
     out = megashard.load_consolidated(path, ["decoder.final_layernorm.weight"])
