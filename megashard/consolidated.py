@@ -38,13 +38,13 @@ def global_nbytes(rec: TensorRecord) -> int:
     return numel(rec.global_shape) * itemsize(rec.dtype)
 
 
-def match_keys(manifest: Manifest, patterns: Optional[Iterable[str]]) -> List[str]:
-    """Global keys matching any of ``patterns`` (exact keys or shell globs), in manifest order.
+def match_keys(keys: Sequence[str], patterns: Optional[Iterable[str]]) -> List[str]:
+    """The ``keys`` matching any of ``patterns`` (exact keys or shell globs), in order.
 
-    ``None`` selects every global tensor. A pattern that matches nothing is an error:
-    a typo must not silently produce an empty export.
+    ``None`` selects every key. A pattern that matches nothing is an error: a typo must
+    not silently produce an empty export.
     """
-    keys = list(manifest.tensors)
+    keys = list(keys)
     if patterns is None:
         return keys
     patterns = list(patterns)
@@ -157,7 +157,7 @@ def load_consolidated(
     t0 = time.perf_counter()
     base = checkpoint_location(checkpoint_dir)  # an interrupted re-save's complete copy is read in place
     manifest = read_manifest(base)
-    wanted = match_keys(manifest, keys)
+    wanted = match_keys(list(manifest.tensors), keys)
     stats = LoadStats(mode="consolidated")
     target = torch.device(device)
     out: Dict[str, torch.Tensor] = {}

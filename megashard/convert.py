@@ -283,12 +283,12 @@ class _Output:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _match(m: Manifest, patterns: Optional[Sequence[str]]) -> List[str]:
+def _match(keys: Sequence[str], patterns: Optional[Sequence[str]]) -> List[str]:
     """--keys: a pattern that matches nothing is a usage error (exit 2), not a damaged checkpoint."""
     from .consolidated import match_keys
 
     try:
-        return match_keys(m, patterns)
+        return match_keys(keys, patterns)
     except CheckpointError as e:
         raise ConvertInputError(str(e)) from None
 
@@ -362,7 +362,7 @@ def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequenc
 
     src = checkpoint_location(src)
     m = read_manifest(src)
-    keys, skipped = _single_file_specs(m, _match(m, patterns), fmt)
+    keys, skipped = _single_file_specs(m, _match(list(m.tensors), patterns), fmt)
     if not keys:
         raise ConvertInputError(f"{src}: no global tensors to export")
     specs = [(k, m.tensors[k].dtype, tuple(m.tensors[k].global_shape)) for k in keys]
@@ -420,7 +420,7 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
 
     src = checkpoint_location(src)
     m = read_manifest(src)
-    keys = _match(m, patterns)
+    keys = _match(list(m.tensors), patterns)
     common, objects = _rank0_state(src, m)
     with _megatron_core() as dc:
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -474,8 +474,6 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
 
 def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence[str]], batch_bytes: int,
                              bar: Callable[[int], Any], res: ConvertResult) -> None:
-    import fnmatch
-
     import megashard
     from .sharded import ShardedTensor as MsTensor
 
@@ -493,13 +491,7 @@ def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence
                                   f"{type(e).__name__}: {e}") from e
         ten_meta = {k: v for k, v in meta.items() if isinstance(v, ShardedTensor)}
         obj_meta = [v for v in meta.values() if isinstance(v, ShardedObject)]
-        keys = sorted(ten_meta)
-        if patterns is not None:
-            pats = list(patterns)
-            bad = [p for p in pats if not any(k == p or fnmatch.fnmatchcase(k, p) for k in keys)]
-            if bad:
-                raise ConvertInputError(f"no global tensor matches {', '.join(map(repr, bad))} in {src}")
-            keys = [k for k in keys if any(k == p or fnmatch.fnmatchcase(k, p) for p in pats)]
+        keys = _match(sorted(ten_meta), patterns)
         if not isinstance(common, dict):
             raise CheckpointError(f"{src}: common state is {type(common).__name__}, expected a dict")
         scratch = _Scratch(out.scratch_dir())

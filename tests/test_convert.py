@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,12 +82,13 @@ def test_megashard_to_tensors_read_by_tensorizer_with_hashes(megatron_root, tmp_
     assert any("args" in x for x in res.dropped)
 
 
-def test_megashard_to_safetensors_keys_and_iteration(megatron_root, tmp_path):
+def test_megashard_to_safetensors_keys_and_iteration(megatron_root, tmp_path, capsys):
     from safetensors import safe_open
 
     dst = str(tmp_path / "model.safetensors")
-    res = convert(megatron_root, dst, to="safetensors", keys=["decoder.*"], iteration=5)
+    res = convert(megatron_root, dst, to="safetensors", keys=["decoder.*"], iteration=5, progress=True)
     assert res.iteration == 5
+    assert "megashard -> safetensors" in capsys.readouterr().err  # the tqdm bar (forced on; default: TTY only)
     with safe_open(dst, "pt") as f:
         keys = sorted(f.keys())
         assert f.metadata()["iteration"] == "5"
@@ -153,9 +156,17 @@ def test_torch_dist_made_by_megatron_core_to_megashard(tmp_path):
     with _megatron_core() as dc:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+        def megatron_rng(i):  # what Megatron-LM's get_rng_state() puts in each rng_state shard
+            random.seed(i)
+            np.random.seed(i)
+            return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                     "torch_rng_state": torch.manual_seed(i).get_state(), "cuda_rng_state": None,
+                     "rng_tracker_states": {"model-parallel-rng": torch.manual_seed(100 + i).get_state()},
+                     "seed": i}]
+
         sd = {"model": _torch_dist_shards(Layout(tp=2)),
-              "rng_state": [ShardedObject("rng_state", {"seed": i, "state": torch.arange(3) * i}, (1, 2), (0, i),
-                                          replica_id=0) for i in range(2)],
+              "rng_state": [ShardedObject("rng_state", megatron_rng(i), (1, 2), (0, i), replica_id=0)
+                            for i in range(2)],
               "iteration": 77, "args": argparse.Namespace(tensor_model_parallel_size=2),
               "optimizer": {"param_groups": [{"lr": 0.5, "params": [0, 1]}]}}
         dc.save(sd, ck)
@@ -166,6 +177,9 @@ def test_torch_dist_made_by_megatron_core_to_megashard(tmp_path):
     assert set(cons) == set(GLOBALS)
     for k, t in cons.items():
         assert bit_equal(t, full(k)), k
+    only = str(tmp_path / "only_embedding")
+    assert convert(ck, only, keys=["embedding.*"]).tensors == 1
+    assert list(megashard.load_consolidated(only)) == ["embedding.word_embeddings.weight"]
     common = megashard.load_common(dst, ["iteration", "args", "optimizer"])
     assert common["iteration"] == 77 and common["args"].tensor_model_parallel_size == 2
     assert common["optimizer"]["param_groups"][0]["lr"] == 0.5
@@ -177,39 +191,58 @@ def test_torch_dist_made_by_megatron_core_to_megashard(tmp_path):
 
     _Obj.__name__ = "ShardedObject"
     out = megashard.load({"a": _Obj(0), "b": _Obj(1)}, dst)
-    assert out["b"]["seed"] == 1 and torch.equal(out["b"]["state"], torch.arange(3))
+    for i, name in enumerate("ab"):
+        want, got = megatron_rng(i)[0], out[name][0]
+        assert got["seed"] == i and got["cuda_rng_state"] is None
+        assert got["random_rng_state"] == want["random_rng_state"]
+        assert got["np_rng_state"][0] == "MT19937" and np.array_equal(got["np_rng_state"][1], want["np_rng_state"][1])
+        assert tuple(got["np_rng_state"][2:]) == tuple(want["np_rng_state"][2:])
+        assert torch.equal(got["torch_rng_state"], want["torch_rng_state"])
+        assert torch.equal(got["rng_tracker_states"]["model-parallel-rng"],
+                           want["rng_tracker_states"]["model-parallel-rng"])
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megashard", "convert", *args], capture_output=True, text=True,
-                          timeout=120)
+def _cli(capsys, *args):
+    """``megashard convert ...`` in-process: (exit code, stdout, stderr)."""
+    from megashard.cli import main
+
+    try:
+        rc = main(["convert", *args])
+    except SystemExit as e:  # argparse usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
 
 
-def test_cli_wrong_inputs_exit_2_and_leave_dst_untouched(megatron_root, tmp_path):
+def test_cli_wrong_inputs_exit_2_and_leave_dst_untouched(megatron_root, tmp_path, capsys):
     notckpt = tmp_path / "notckpt"
     notckpt.mkdir()
     (notckpt / "x.txt").write_text("hi")
-    r = _cli(str(notckpt), str(tmp_path / "o1"))
+    r = subprocess.run([sys.executable, "-m", "megashard", "convert", str(notckpt), str(tmp_path / "o1")],
+                       capture_output=True, text=True, timeout=120)  # the real process exit code
     assert r.returncode == 2 and "is not a checkpoint" in r.stderr
     assert not (tmp_path / "o1").exists()
     existing = tmp_path / "exists.tensors"
     existing.write_bytes(b"keep me")
-    r = _cli(megatron_root, str(existing), "--to", "tensors")
-    assert r.returncode == 2 and "exists" in r.stderr and existing.read_bytes() == b"keep me"
-    r = _cli(megatron_root, str(tmp_path / "o2"), "--to", "onnx")
-    assert r.returncode == 2 and "invalid choice" in r.stderr
-    r = _cli(megatron_root, str(tmp_path / "o3"), "--iteration", "7")
-    assert r.returncode == 2 and "iter_0000007" in r.stderr
-    r = _cli(os.path.join(megatron_root, "iter_0000010"), str(tmp_path / "o4"), "--to", "megashard")
-    assert r.returncode == 2 and "cannot convert megashard to megashard" in r.stderr
-    r = _cli(megatron_root, str(tmp_path / "o5"), "--to", "tensors", "--keys", "nope*")
-    assert r.returncode == 2 and "nope" in r.stderr
+    rc, _, err = _cli(capsys, megatron_root, str(existing), "--to", "tensors")
+    assert rc == 2 and "exists" in err and existing.read_bytes() == b"keep me"
+    rc, _, err = _cli(capsys, megatron_root, str(tmp_path / "o2"), "--to", "onnx")
+    assert rc == 2 and "invalid choice" in err
+    rc, _, err = _cli(capsys, megatron_root, str(tmp_path / "o3"), "--iteration", "7")
+    assert rc == 2 and "iter_0000007" in err
+    rc, _, err = _cli(capsys, os.path.join(megatron_root, "iter_0000010"), str(tmp_path / "o4"), "--to", "megashard")
+    assert rc == 2 and "cannot convert megashard to megashard" in err
+    rc, _, err = _cli(capsys, megatron_root, str(tmp_path / "o5"), "--to", "tensors", "--keys", "nope*")
+    assert rc == 2 and "nope" in err
+    rc, _, err = _cli(capsys, megatron_root, str(tmp_path / "o6"), "--to", "torch_dist", "--keys", "nope*")
+    assert rc == 2 and "nope" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.tensors", "notckpt"]  # no temporaries left
     # a good run prints one summary line (stdout is not a TTY: no progress bar)
-    r = _cli(os.path.join(megatron_root, "iter_0000005"), str(tmp_path / "m.safetensors"), "--to", "safetensors")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.count("\n") == 1 and r.stdout.startswith("converted ") and "GB/s" in r.stdout
-    assert "\r" not in r.stderr
+    rc, out, err = _cli(capsys, os.path.join(megatron_root, "iter_0000005"), str(tmp_path / "m.safetensors"),
+                        "--to", "safetensors")
+    assert rc == 0, err
+    assert out.count("\n") == 1 and out.startswith("converted ") and "GB/s" in out
+    assert "\r" not in err
 
 
 def test_convert_api_refuses_existing_dst(megatron_root, tmp_path):
