@@ -581,8 +581,7 @@ def _lookup(tree: Any, keys: Sequence[Any]) -> Tuple[bool, Any]:
 
 def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _LoadWork, manifest: Manifest,
                     objects: "_Objects", strict: bool) -> Any:
-    """Result = template structure with leaves loaded; saved-only non-tensor entries are kept
-    too (saved-only tensors are not read)."""
+    """Result = template structure with leaves loaded; this rank's saved-only entries are kept too."""
     path = ".".join(map(str, keys))
     _reject_unapplied(path, template)
     if looks_like_sharded_tensor(template):
@@ -609,6 +608,9 @@ def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _Loa
         return template
     if isinstance(template, dict):
         out = dict(sv) if found and isinstance(sv, dict) else {}
+        for k in out:
+            if k not in template:  # saved by this rank, not in the template: returned as saved
+                out[k] = _materialize_all(out[k], manifest, work)
         if strict and not template:  # an empty template dict asks for everything saved there
             _refuse_unregistered(out, path)
         for k, v in template.items():
@@ -626,6 +628,19 @@ def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _Loa
     if strict:
         _refuse_unregistered(sv, path)
     return sv
+
+
+def _materialize_all(value: Any, manifest: Manifest, work: _LoadWork) -> Any:
+    """Plan reads for every file-backed value inside ``value`` (validated refs only)."""
+    if isinstance(value, _LazyRef):
+        return _materialize(value.ref, value.path, manifest, work)
+    if isinstance(value, dict):
+        return {k: _materialize_all(v, manifest, work) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_materialize_all(v, manifest, work) for v in value]
+    if type(value) is tuple:
+        return tuple(_materialize_all(v, manifest, work) for v in value)
+    return value
 
 
 def _refuse_unregistered(value: Any, path: str) -> None:
@@ -812,8 +827,7 @@ def load(
 
     Template ShardedTensors are filled in place (any TP/PP/VP/DP layout); the result
     mirrors the template with ShardedTensor -> tensor, ShardedObject -> its value,
-    and keeps saved non-tensor entries the template lacks (saved tensors the template
-    lacks are not read). ``verify`` checks every delivered byte (structure + hashes).
+    and keeps what this rank saved that the template lacks. ``verify`` checks every delivered byte (structure + hashes).
     ``timeout`` (s) bounds every collective; default: the process group's.
     Read-only: never renames or deletes anything in the checkpoint's parent.
     """

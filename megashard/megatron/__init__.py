@@ -29,8 +29,30 @@ from .checkpointing import (
 )
 from .hooks import install, uninstall
 
+
+def register_megatron_enums() -> None:
+    """Let checkpoints hold the enums Megatron's ``args`` carry (AttnBackend, CudaGraphScope,
+    ModelType, Fp8Recipe, ...): megashard decodes only registered enums, never imports."""
+    import enum
+    import importlib
+
+    from megashard import jsonstate
+
+    for name in ("megatron.core.enums", "megatron.core.transformer.enums"):
+        try:
+            mod = importlib.import_module(name)  # our own dependency, never a name from a checkpoint
+        except ImportError:
+            continue
+        for v in vars(mod).values():
+            if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == name:
+                jsonstate.register_enum(v)
+
+
+register_megatron_enums()
+
 __all__ = [
     "add_arguments",
+    "register_megatron_enums",
     "install",
     "uninstall",
     "save_checkpoint",

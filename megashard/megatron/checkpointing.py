@@ -26,6 +26,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from megashard.errors import CheckpointError, StateDictError
+
 from . import state as st
 from .state import get_logger
 
@@ -51,26 +53,17 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
 
     Like Megatron, the maximum over ranks is used when torch.distributed is up.
     """
-    iteration, release = -1, False
-    if root:
-        path = tracker_path(root)
-        if os.path.isfile(path):
-            with open(path) as f:
-                text = f.read().strip()
-            if text == "release":
-                iteration, release = 0, True
-            else:
-                try:
-                    iteration = int(text)
-                except ValueError as e:
-                    raise ValueError(f"invalid tracker file {path}: {text!r}") from e
-    if torch.distributed.is_initialized():
-        t = torch.tensor([iteration], dtype=torch.long, device=_collective_device())
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        if int(t.item()) != iteration:
-            log.warning("tracker iteration %d differs from max over ranks %d; using the max",
-                        iteration, int(t.item()))
-            iteration = int(t.item())
+    from megashard import storage
+    from megashard.transport import Comm
+
+    found = storage.read_tracker(root) if root else None
+    release = found == "release"
+    iteration = 0 if release else (-1 if found is None else int(found))
+    comm = Comm()
+    top = comm.all_reduce_max(iteration)
+    if top != iteration:
+        log.warning("tracker iteration %d differs from max over ranks %d; using the max", iteration, top)
+        iteration = top
     return iteration, release
 
 
@@ -81,16 +74,10 @@ def write_tracker(root: str, iteration: int, release: bool = False) -> None:
     storage.write_tracker(root, "release" if release else int(iteration))
 
 
-def _collective_device() -> torch.device:
-    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "gloo"
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    from megashard.transport import Comm
+
+    Comm().barrier()
 
 
 # --------------------------------------------------------------------------------------
@@ -186,7 +173,7 @@ def _get_args(args: Any) -> Any:
     try:
         from megatron.training.global_vars import get_args
     except ImportError as e:  # pragma: no cover - only without Megatron-LM
-        raise RuntimeError("pass args=... (Megatron-LM's megatron.training is not importable)") from e
+        raise StateDictError("pass args=... (Megatron-LM's megatron.training is not importable)") from e
     return get_args()
 
 
@@ -220,7 +207,7 @@ def save_checkpoint(
     args = _get_args(args)
     root = save_dir or args.save
     if not root:
-        raise ValueError("save_checkpoint: no save directory (--save)")
+        raise StateDictError("save_checkpoint: no save directory (--save)")
     t0 = time.perf_counter()
     chunks = [st.unwrap_model(m) for m in st.as_chunk_list(model)]
     layout = _layout()
@@ -300,8 +287,6 @@ def load_checkpoint(
 
     ckpt = checkpoint_dir(load_dir, iteration, release)
     if not is_megashard_checkpoint(ckpt):
-        from megashard.errors import CheckpointError
-
         raise CheckpointError(f"{ckpt} is not a megashard checkpoint (iteration {iteration} from "
                               f"{'--ckpt-step' if ckpt_step else tracker_path(load_dir)})")
     t0 = time.perf_counter()
@@ -327,7 +312,7 @@ def load_checkpoint(
     metadata = st.sharded_sd_metadata(use_dist_opt)
     saved_type = content_md.get("distrib_optim_sharding_type")
     if load_optim and use_dist_opt and saved_type not in (None, st.DISTRIB_OPTIM_SHARDING_TYPE):
-        raise RuntimeError(f"checkpoint stores DistributedOptimizer state as {saved_type!r}; "
+        raise CheckpointError(f"checkpoint stores DistributedOptimizer state as {saved_type!r}; "
                            f"megashard reads {st.DISTRIB_OPTIM_SHARDING_TYPE!r}")
 
     chunks = [st.unwrap_model(m) for m in st.as_chunk_list(ddp_model)]
@@ -371,7 +356,7 @@ def load_checkpoint(
     if load_rng:
         rng = loaded.get("rng_state")
         if not rng:
-            raise KeyError(f"no rng_state in {ckpt}; use --no-load-rng or --finetune")
+            raise CheckpointError(f"no rng_state in {ckpt}; use --no-load-rng or --finetune")
         dp_rank = layout["dp_rank"] if _flag(args, "data_parallel_random_init") else 0
         st.restore_rng_state(rng[dp_rank] if len(rng) > dp_rank else rng[0])
 
@@ -387,7 +372,7 @@ def check_checkpoint_args(args: Any, ckpt_args: Any) -> None:
     """Megatron's ``check_checkpoint_args``: the model architecture must match the checkpoint's."""
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
         if hasattr(args, name) and hasattr(ckpt_args, name) and getattr(args, name) != getattr(ckpt_args, name):
-            raise ValueError(f"{name} value from checkpoint ({getattr(ckpt_args, name)}) is not equal to "
+            raise CheckpointError(f"{name} value from checkpoint ({getattr(ckpt_args, name)}) is not equal to "
                              f"the input argument value ({getattr(args, name)})")
 
 

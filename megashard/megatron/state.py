@@ -39,6 +39,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megashard.errors import CheckpointError, StateDictError
+
 CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
@@ -87,7 +89,7 @@ def model_keys(model: Sequence[Any]) -> List[str]:
             vp_stage = getattr(unwrap_model(chunk), "vp_stage", None)
         keys.append(f"model{i if vp_stage is None else int(vp_stage)}")
     if len(set(keys)) != len(keys):
-        raise ValueError(f"model chunks have duplicate vp_stage keys: {keys}")
+        raise StateDictError(f"model chunks have duplicate vp_stage keys: {keys}")
     return keys
 
 
@@ -292,7 +294,7 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
     if state.get("format") != RNG_FORMAT:
-        raise ValueError(f"unknown RNG state format {state.get('format')!r}")
+        raise CheckpointError(f"unknown RNG state format {state.get('format')!r}")
     py = state["random_rng_state"]
     random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
     n = state["np_rng_state"]
@@ -306,7 +308,7 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     tracker = tensor_parallel.get_cuda_rng_tracker()
     graph_safe = tensor_parallel.is_graph_safe_cuda_rng_tracker(tracker)
     if not state.get("rng_tracker_states"):
-        raise KeyError("rng_tracker_states is empty")
+        raise CheckpointError("rng_tracker_states is empty in the checkpoint's RNG state; use --no-load-rng")
     states = {}
     for name, s in state["rng_tracker_states"].items():
         t = _tensor_b64(s)
@@ -325,10 +327,9 @@ def rng_sharded_object(data_parallel_random_init: bool = False) -> Any:
     rng = capture_rng_state()
     dp_size = mpu.get_data_parallel_world_size(with_context_parallel=True)
     if data_parallel_random_init and dp_size > 1:
-        states: List[Any] = [None] * dp_size
-        torch.distributed.all_gather_object(
-            states, rng, group=mpu.get_data_parallel_group(with_context_parallel=True)
-        )
+        from megashard.transport import Comm  # JSON over the group: never pickled
+
+        states = Comm(mpu.get_data_parallel_group(with_context_parallel=True)).all_gather_json(rng)
     else:
         states = [rng]
     pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
