@@ -15,6 +15,7 @@ import fnmatch
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -111,30 +112,33 @@ def iter_global_tensors(
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(key, full tensor)`` in ``keys`` order, reading batches of at most ``batch_bytes``.
 
-    Memory stays at one batch (or one tensor larger than a batch): the caller drops
-    each tensor before the next batch is read.
+    The next batch is read in the background while the caller consumes this one (e.g.
+    hashes and writes it), so memory stays at two batches (or a tensor larger than a
+    batch) as long as the caller drops each tensor it has handled.
     """
-    batch: List[str] = []
+    batches: List[List[str]] = []
     size = 0
-
-    def flush() -> Iterator[Tuple[str, torch.Tensor]]:
-        got, n = read_global_tensors(base, manifest, [(k, None) for k in batch], threads=threads, verify=verify)
-        if stats is not None:
-            stats.bytes_read += n
-        batch.clear()
-        while got:  # hand over and forget, so a consumer that drops a tensor frees it
-            k = next(iter(got))
-            yield k, got.pop(k)
-
     for k in keys:
         n = global_nbytes(manifest.tensors[k])
-        if batch and size + n > batch_bytes:
-            yield from flush()
+        if not batches or (batches[-1] and size + n > batch_bytes):
+            batches.append([])
             size = 0
-        batch.append(k)
+        batches[-1].append(k)
         size += n
-    if batch:
-        yield from flush()
+
+    def read(batch: List[str]) -> Tuple[Dict[str, torch.Tensor], int]:
+        return read_global_tensors(base, manifest, [(k, None) for k in batch], threads=threads, verify=verify)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="megashard-prefetch") as pool:
+        pending = pool.submit(read, batches[0]) if batches else None
+        for i in range(len(batches)):
+            got, n = pending.result()
+            pending = pool.submit(read, batches[i + 1]) if i + 1 < len(batches) else None
+            if stats is not None:
+                stats.bytes_read += n
+            for k in batches[i]:  # hand over and forget, so a consumer that drops a tensor frees it
+                yield k, got.pop(k)
+            del got
 
 
 def load_consolidated(

@@ -11,9 +11,10 @@ One process, no torchrun. Directions:
   several shards, assembled in a scratch mapping; written by megatron-core's
   ``dist_checkpointing.save``.
 * ``megashard`` -> ``tensors`` / ``safetensors``: one file of full global tensors keyed
-  by global key, streamed tensor by tensor (memory: one read batch).
+  by global key, streamed tensor by tensor (memory: two read batches, the next read
+  while the current one is written).
 
-Memory: anonymous memory stays at the largest tensor plus one read batch; the
+Memory: anonymous memory stays at the largest tensor plus two read batches; the
 torch_dist directions go through file mappings (page cache), never a second copy of
 the model. A Megatron-LM save directory (``iter_XXXXXXX`` subdirectories plus
 ``latest_checkpointed_iteration.txt``) is accepted as SRC: the tracker's iteration
