@@ -46,13 +46,28 @@ Reading (:func:`open_file`, :func:`load_file`, :func:`parallel_read`)
     * Without verification reads trust the metadata index (offsets and
       lengths, already validated); headers are parsed for ``info()``/``infos()``
       and verification.
-    * ``load_file`` returns CPU tensors that are views into one buffer (huge
-      pages where they help; ``MEGASHARD_HUGEPAGES=0/1`` overrides, see
-      :func:`~megashard.format.fastio.hugepages_enabled`); the buffer is freed when
-      the last view is. (``torch.save`` of a single view would save the whole
-      buffer: ``.clone()`` it first.) ``read(key, out=t)`` and
+    * ``load_file`` returns CPU tensors that are views into one fresh buffer,
+      pre-faulted in parallel in 8 MiB steps right before each ``preadv``
+      (``MADV_POPULATE_WRITE``, see :func:`~megashard.format.fastio.prefault`;
+      huge pages where they help, ``MEGASHARD_HUGEPAGES=0/1`` overrides, see
+      :func:`~megashard.format.fastio.hugepages_enabled`); the buffer is freed
+      when the last view is. (``torch.save`` of a single view would save the
+      whole buffer: ``.clone()`` it first.) ``read(key, out=t)`` and
       :func:`parallel_read` fill existing tensors with no allocation at all: the
       fastest path, used by the checkpoint loader.
+    * ``load_file(..., mmap=True)`` / ``open_file(p).read(key, mmap=True)``: no
+      copy; tensors are views of one private, copy-on-write mapping of the whole
+      file (``MAP_PRIVATE``, as safetensors and ``torch.load(mmap=True)`` do),
+      made after the index has been validated against the file size and the size
+      checked again. Pages come from the page cache when first touched; writes to
+      the tensors stay private to the process. Caveat: the file must not be
+      modified or truncated while such tensors live (untouched pages show the new
+      contents; pages past a new end of file raise SIGBUS). Tensors whose data is
+      not aligned to their element size in the file (``align=1`` and
+      tensorizer-written files, whose headers have any length) are read into
+      fresh memory instead, so no tensor has a misaligned pointer; with the
+      default ``align=4096`` every tensor is mapped. ``verify=True`` hashes the
+      mapped bytes. The mapping holds no file descriptor.
 
 Threads: writes use one thread per CPU (hashing is CPU-bound), reads one per
 CPU (page-cache copies are CPU-bound); both at least 2, at most 8.
