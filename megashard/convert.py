@@ -92,7 +92,7 @@ class ConvertResult:
 
 def detect_format(path: str) -> Optional[str]:
     """``"megashard"``, ``"torch_dist"`` or None for a checkpoint directory."""
-    if os.path.isfile(os.path.join(path, storage.MANIFEST_NAME)):
+    if storage.locate(path) is not None:  # also an interrupted re-save's complete copy
         return "megashard"
     meta = os.path.join(path, "metadata.json")
     if os.path.isfile(meta):
@@ -109,10 +109,10 @@ def detect_format(path: str) -> Optional[str]:
 def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str, str, Optional[int | str], bool]:
     """(checkpoint dir, format, iteration, is a Megatron save root) for SRC."""
     src = os.path.abspath(src)
-    if not os.path.isdir(src):
-        raise ConvertInputError(f"{src}: no such directory; SRC must be a checkpoint directory or a Megatron "
-                                "save directory (with iter_XXXXXXX subdirectories)")
     fmt = detect_format(src)
+    if fmt is None and not os.path.isdir(src):
+        raise ConvertInputError(f"{src} is not a checkpoint directory; SRC must be a megashard or torch_dist "
+                                "checkpoint directory, or a Megatron save directory (iter_XXXXXXX subdirectories)")
     if fmt is not None:
         if iteration is not None:
             raise ConvertInputError(f"{src} is a single checkpoint; --iteration applies to a Megatron save directory")
@@ -126,7 +126,7 @@ def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str
         raise ConvertInputError(f"{src} is not a checkpoint: no {storage.MANIFEST_NAME} (megashard), no "
                                 f"metadata.json (torch_dist), no iter_XXXXXXX subdirectories")
     ckpt = os.path.join(src, storage.iteration_dir_name(it))
-    fmt = detect_format(ckpt) if os.path.isdir(ckpt) else None
+    fmt = detect_format(ckpt)
     if fmt is None:
         raise ConvertInputError(f"{ckpt}: iteration {it} is not a megashard or torch_dist checkpoint")
     return ckpt, fmt, it, True

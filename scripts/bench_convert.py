@@ -45,8 +45,10 @@ th = threading.Thread(target=sample, daemon=True); th.start()
 what, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
 t0 = time.perf_counter()
 if what == "load_consolidated":
+    from megashard.api import LAST_LOAD_STATS
     out = megashard.load_consolidated(src)
     nbytes = sum(t.numel() * t.element_size() for t in out.values())
+    assert LAST_LOAD_STATS.bytes_read == nbytes, (LAST_LOAD_STATS.bytes_read, nbytes)  # read == needed
 else:
     nbytes = convert(src, dst, to=what, progress=False).bytes
 dt = time.perf_counter() - t0
