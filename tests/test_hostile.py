@@ -368,3 +368,57 @@ def test_unregistered_enum_in_unrequested_key_never_decoded(tmp_path, spy):
     assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
     assert megashard.load_common(path, ["args"])["args"]["iteration"] == 7
     assert not spy.exists()
+
+
+def _scatter_flips(rank, world, path, flips, transport):
+    """Two pipeline stages on one node (rank 0 reads for both): every flip anywhere in the
+    checkpoint makes load(verify=True) raise on both ranks."""
+    import torch.distributed as dist
+
+    rng = random.Random(99)
+    files = sorted(f for f in os.listdir(path))
+    pristine = {f: open(os.path.join(path, f), "rb").read() for f in files}
+    caught = []
+    for i in range(flips):
+        f = files[i % len(files)]
+        pos, bit = rng.randrange(len(pristine[f])), rng.randrange(8)
+        if rank == 0:
+            data = bytearray(pristine[f])
+            data[pos] ^= 1 << bit
+            with open(os.path.join(path, f), "wb") as fh:
+                fh.write(data)
+        dist.barrier()
+        key = "stage0" if rank == 0 else "stage1"
+        t = {key: ShardedTensor(key, torch.zeros(256, 64), (256, 64), (0, 0))}
+        try:
+            megashard.load(t, path, mode="scatter", verify=True, scatter_transport=transport)
+            caught.append(False)
+        except MegashardError:
+            caught.append(True)
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(path, f), "wb") as fh:
+                fh.write(pristine[f])
+        dist.barrier()
+    t = {key: ShardedTensor(key, torch.zeros(256, 64), (256, 64), (0, 0))}
+    out = megashard.load(t, path, mode="scatter", verify=True, scatter_transport=transport)
+    return caught, bool(torch.equal(out[key], torch.full((256, 64), float(rank))))
+
+
+def _save_two_stages(rank, world, path):
+    key = f"stage{rank}"
+    megashard.save({key: ShardedTensor(key, torch.full((256, 64), float(rank)), (256, 64), (0, 0))}, path)
+
+
+def test_bit_flips_caught_in_scatter_mode(tmp_path):
+    from distributed import all_ok, run_ranks
+
+    path = str(tmp_path / "ckpt")
+    all_ok(run_ranks(_save_two_stages, 2, path))
+    n = int(os.environ.get("MEGASHARD_SCATTER_BITFLIPS", "24"))
+    for transport in ("shm", "group"):
+        res = all_ok(run_ranks(_scatter_flips, 2, path, n, transport, timeout=300))
+        for rank, (caught, intact) in enumerate(res):
+            assert intact, f"rank {rank}: pristine checkpoint did not load back ({transport})"
+            missed = [i for i, c in enumerate(caught) if not c]
+            assert not missed, f"rank {rank} ({transport}): flips {missed} not caught"
