@@ -366,6 +366,7 @@ class Op:
     save: bool
     ckpt: str  # checkpoint directory name under the work dir
     mode: str = ""  # megashard load mode
+    transport: str = ""  # megashard scatter transport ("" = the default, auto)
 
 
 OPS: Dict[str, Op] = {o.name: o for o in [
@@ -374,6 +375,7 @@ OPS: Dict[str, Op] = {o.name: o for o in [
     Op("td_load", "torch_dist", False, "td_ckpt"),
     Op("ms_load_own", "megashard", False, "ms_ckpt", "own"),
     Op("ms_load_scatter", "megashard", False, "ms_ckpt", "scatter"),
+    Op("ms_load_scatter_group", "megashard", False, "ms_ckpt", "scatter", "group"),
     Op("ms_load_reshard", "megashard", False, "ms_ckpt", "own"),
     Op("td_load_reshard", "torch_dist", False, "td_ckpt"),
     Op("ms_tiny_save", "megashard", True, "ms_tiny"),
@@ -392,7 +394,7 @@ class Group:
 
 GROUPS: Dict[str, Group] = {
     "save": Group(("ms_save", "td_save")),
-    "load": Group(("td_load", "ms_load_own", "ms_load_scatter")),
+    "load": Group(("td_load", "ms_load_own", "ms_load_scatter", "ms_load_scatter_group")),
     "reshard": Group(("ms_load_reshard", "td_load_reshard"), reshard=True),
     "tiny": Group(("ms_tiny_save", "td_tiny_save"), tiny=True),
 }
@@ -473,7 +475,10 @@ def run_group(ctx: Ctx) -> Dict[str, Any]:
         if op.system == "megashard" and op.save:
             return megashard.save(sd, path, fsync=ctx.fsync)
         if op.system == "megashard":
-            megashard.load(sd, path, mode=op.mode)
+            kw: Dict[str, Any] = {"scatter_transport": op.transport} if op.transport else {}
+            if os.environ.get("MEGASHARD_BENCH_SCATTER_CHUNK"):  # scripts/bench.py --scatter-chunk-mib
+                kw["scatter_chunk_bytes"] = int(os.environ["MEGASHARD_BENCH_SCATTER_CHUNK"])
+            megashard.load(sd, path, mode=op.mode, **kw)
             return dict(LAST_LOAD_STATS.__dict__)
         if op.save:
             return dist_checkpointing.save(sd, path)

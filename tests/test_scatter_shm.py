@@ -1,0 +1,271 @@
+"""Scatter loads within one node: shared-memory ring vs process group, failures, cleanup.
+
+All ranks share one ``MEGASHARD_NODE_ID``, so rank 0 is the node's reader. One
+spawned job runs many scenarios to keep the suite fast.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distributed import all_ok, run_ranks
+from layouts import GLOBALS, Layout, check_state, model_state
+
+NODE_ENV = {"MEGASHARD_NODE_ID": "test-node", "MEGASHARD_HUGEPAGES": "0"}
+SHM_DIR = "/dev/shm"
+
+
+def _segments(pids: List[int]) -> List[str]:
+    """megashard segments in /dev/shm created by these processes (names carry the creator's pid)."""
+    prefixes = tuple(f"megashard-{p}-" for p in pids)
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefixes))
+
+
+def _save(layout: Layout, rank: int, path: str) -> None:
+    import megashard
+
+    megashard.save(model_state(layout, rank), path)
+
+
+def _load(layout: Layout, rank: int, path: str, **kw: Any) -> Dict[str, Any]:
+    import megashard
+    from megashard.api import LAST_LOAD_STATS
+
+    template = model_state(layout, rank, empty=True)
+    megashard.load(template, path, mode="scatter", **kw)
+    return {"bad": check_state(template), "transport": LAST_LOAD_STATS.transport,
+            "read": LAST_LOAD_STATS.bytes_read, "received": LAST_LOAD_STATS.bytes_received,
+            "needed": sum(sh.data.numel() * sh.data.element_size() for c in template.values() for sh in c.values())}
+
+
+# saved layout -> loaded layouts (same world size)
+SCENARIOS = {
+    2: [(Layout(tp=2), Layout(tp=2)), (Layout(pp=2), Layout(pp=2)), (Layout(tp=2), Layout(dp=2)),
+        (Layout(pp=2, vp=2), Layout(tp=2))],
+    4: [(Layout(tp=2, pp=2), Layout(tp=2, pp=2)), (Layout(tp=2, dp=2), Layout(tp=4)),
+        (Layout(pp=2, vp=2, tp=2), Layout(dp=2, tp=2))],
+}
+CHUNKS = [64 << 20, 700]  # the default, and smaller than most tensors (extents split tensors)
+
+
+def _layouts_job(rank: int, world: int, tmp: str) -> List[Dict[str, Any]]:
+    import torch.distributed as dist
+
+    out = []
+    for n, (saved, loaded) in enumerate(SCENARIOS[world]):
+        path = os.path.join(tmp, f"ckpt{n}")
+        _save(saved, rank, path)
+        for transport in ("shm", "group"):
+            for chunk in CHUNKS:
+                r = _load(loaded, rank, path, scatter_transport=transport, scatter_chunk_bytes=chunk)
+                r.update(scenario=n, want=transport, chunk=chunk, pid=os.getpid())
+                out.append(r)
+        dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_scatter_transports_bit_exact(tmp_path, world: int) -> None:
+    results = all_ok(run_ranks(_layouts_job, world, str(tmp_path), env=NODE_ENV, timeout=240))
+    for rank, rows in enumerate(results):
+        for r in rows:
+            where = f"rank {rank}, scenario {r['scenario']}, {r['want']}, chunk {r['chunk']}"
+            assert r["bad"] == [], f"{where}: loaded data differs: {r['bad']}"
+            assert r["transport"] == r["want"], where
+            if rank == 0:
+                assert r["received"] == 0, where
+            else:  # a reshard receives whole covering spans of saved shards
+                saved, loaded = SCENARIOS[world][r["scenario"]]
+                assert r["read"] == 0, where
+                assert r["received"] == r["needed"] if saved == loaded else r["received"] >= r["needed"], where
+    # every scenario needs the whole model on the node: the reader read each byte exactly once
+    model_bytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+                      for shape, dt in GLOBALS.values())
+    for r0 in results[0]:  # (group: chunks smaller than overlapping spans re-read the overlap)
+        assert r0["read"] == model_bytes if r0["want"] == "shm" else r0["read"] >= model_bytes, r0
+    assert _segments([r["pid"] for rows in results for r in rows]) == []
+
+
+def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    import logging
+
+    import megashard
+
+    path = os.path.join(tmp, "ckpt")
+    layout = Layout(tp=2)
+    _save(layout, rank, path)
+    records: List[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("megashard").addHandler(Grab())
+    os.environ["MEGASHARD_SHM_MAX_BYTES"] = "4096"  # "/dev/shm too small"
+    auto = _load(layout, rank, path)  # default: scatter_transport="auto"
+    try:
+        _load(layout, rank, path, scatter_transport="shm")
+        forced = "no error"
+    except megashard.DistributedError as e:
+        forced = f"{type(e).__name__}: {e}"
+    del os.environ["MEGASHARD_SHM_MAX_BYTES"]
+    try:
+        _load(layout, rank, path, scatter_transport="bogus")
+        bad_arg = "no error"
+    except ValueError as e:
+        bad_arg = str(e)
+    return {"auto": auto, "forced": forced, "logs": records, "bad_arg": bad_arg, "pid": os.getpid()}
+
+
+def test_scatter_falls_back_when_shm_too_small(tmp_path) -> None:
+    res = all_ok(run_ranks(_fallback_job, 2, str(tmp_path), env=NODE_ENV))
+    for r in res:
+        assert r["auto"]["bad"] == [] and r["auto"]["transport"] == "group"
+        assert r["forced"].startswith("DistributedError") and "/dev/shm has 0.0 MiB free" in r["forced"], r["forced"]
+        assert "scatter_transport" in r["bad_arg"]
+    lines = [m for m in res[0]["logs"] if "/dev/shm has" in m]
+    assert len(lines) == 1, res[0]["logs"]  # one line: the size found and what to change
+    assert "MEGASHARD_SHM_MAX_BYTES" in lines[0] and "scatter_chunk_bytes" in lines[0] and "--shm-size" in lines[0]
+    assert [m for m in res[1]["logs"] if "/dev/shm has" in m] == []  # only the reader decides and says so
+    assert _segments([r["pid"] for r in res]) == []
+
+
+def _corrupt_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    import megashard
+
+    layout = Layout(pp=2)
+    path = os.path.join(tmp, "ckpt")
+    _save(layout, rank, path)
+    if rank == 0:  # flip a byte of a shard that only rank 1 (pipeline stage 1) loads
+        m = megashard.read_manifest(path)
+        rec = [s for s in m.tensors["decoder.layers.self_attention.linear_qkv.weight"].shards if s.offset[0] == 7][0]
+        with open(os.path.join(path, rec.file), "r+b") as f:
+            f.seek(rec.data_offset + 5)
+            b = f.read(1)
+            f.seek(rec.data_offset + 5)
+            f.write(bytes([b[0] ^ 0x01]))
+    dist.barrier()
+    out: Dict[str, Any] = {}
+    for transport in ("shm", "group"):
+        try:
+            _load(layout, rank, path, scatter_transport=transport, verify=True)
+            out[transport] = "no error"
+        except megashard.DistributedError as e:
+            out[transport] = [type(e).__name__, isinstance(e, megashard.ChecksumError), sorted(e.failures)]
+    out["unverified"] = _load(layout, rank, path, scatter_transport="shm")["bad"]
+    return out
+
+
+def test_scatter_verify_covers_every_rank(tmp_path) -> None:
+    res = all_ok(run_ranks(_corrupt_job, 2, str(tmp_path), env=NODE_ENV))
+    for rank, r in enumerate(res):
+        for transport in ("shm", "group"):
+            # the reader re-hashes the shards rank 1 received: every rank raises a ChecksumError
+            assert r[transport] == ["DistributedChecksumError", True, [0]], (rank, transport, r[transport])
+    assert res[0]["unverified"] == [] and len(res[1]["unverified"]) == 1  # without verify the flip goes through
+
+
+def _kill_job(rank: int, world: int, tmp: str, victim: int) -> Dict[str, Any]:
+    import megashard
+    from megashard import shm
+
+    with open(os.path.join(tmp, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    layout = Layout(tp=2)
+    path = os.path.join(tmp, "ckpt")
+    _save(layout, rank, path)
+    if rank == victim:  # die in the middle of the transfer, after the ring exists
+        hook = "publish" if rank == 0 else "set_done"
+        orig = getattr(shm.Ring, hook)
+        calls = []
+
+        def die(self: Any, *a: Any) -> None:
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            orig(self, *a)
+
+        setattr(shm.Ring, hook, die)
+    t0 = time.monotonic()
+    try:
+        _load(layout, rank, path, scatter_transport="shm", scatter_chunk_bytes=512)
+        return {"error": None}
+    except megashard.DistributedError as e:
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["reader", "non_reader"])
+def test_scatter_sigkill_leaves_nothing(tmp_path, victim: int) -> None:
+    res = run_ranks(_kill_job, 2, str(tmp_path), victim, env=NODE_ENV, timeout=120)
+    assert res[victim] == (False, f"exit code {-signal.SIGKILL}"), res[victim]
+    ok, survivor = res[1 - victim]
+    assert ok and survivor["error"], survivor  # the survivor raised DistributedError, did not hang
+    print(f"survivor raised after {survivor['seconds']:.2f} s: {survivor['error'].splitlines()[0]}")
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert _segments(pids) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 300), st.integers(0, 120)), max_size=25),
+       st.integers(1, 90))
+def test_partition_reads_each_byte_once(ranges, chunk) -> None:
+    from megashard.scatter import partition
+
+    ranges = [(f"f{f}", a, n) for f, a, n in ranges]
+    extents, pieces = partition(ranges, chunk)
+    seen = set()
+    for e in extents:
+        assert 0 < e.stop - e.start <= chunk
+        span = {(e.file, b) for b in range(e.start, e.stop)}
+        assert not span & seen  # disjoint
+        seen |= span
+    assert seen == {(f, b) for f, a, n in ranges for b in range(a, a + n)}  # exactly the union
+    for (f, a, n), ps in zip(ranges, pieces):
+        got = []
+        for k, off, pos, m in ps:
+            e = extents[k]
+            assert e.file == f and 0 <= off and off + m <= e.stop - e.start
+            got += list(range(e.start + off, e.start + off + m))
+            assert e.start + off == a + pos
+        assert got == list(range(a, a + n))
+
+
+def test_shm_ring_protocol_single_process() -> None:
+    """The ring's counters: a slot is reused only after every consumer moved past it."""
+    from megashard import shm
+
+    name = shm.new_name()
+    ring = shm.Ring.create(name, consumers=2, slots=2, slot_bytes=16)
+    try:
+        a = shm.Ring.attach(name, 2, 2, 16, 0)
+        b = shm.Ring.attach(name, 2, 2, 16, 1)
+        shm.unlink(name)
+        assert not os.path.exists(os.path.join(SHM_DIR, name))
+        me = os.getpid()
+        assert ring.wait_slot_free(1, [me, me], blocking=False)
+        ring.slot(0, 16).copy_(torch.arange(16, dtype=torch.uint8))
+        ring.publish(0)
+        a.wait_produced(0, me)
+        assert torch.equal(a.slot(0, 16), torch.arange(16, dtype=torch.uint8))
+        assert not ring.wait_slot_free(2, [me, me], blocking=False)  # nobody is done with extent 0
+        a.set_done(0, 2)
+        assert not ring.wait_slot_free(2, [me, me], blocking=False)  # consumer 1 still needs it
+        b.fail_consumer(1)
+        assert ring.wait_slot_free(2, [me, me], blocking=False)  # a failed consumer does not block
+        ring.fail_reader()
+        with pytest.raises(shm.ShmError, match="reader failed"):
+            b.wait_produced(5, me)
+        a.close()
+        b.close()
+    finally:
+        ring.close()
+        shm.unlink(name)
