@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 MODEL_CHUNK_PREFIX = "model"
 REST_STEM = "__rest__"
 BYTES_IN_FILE_THRESHOLD = 64 * 1024  # larger bytes values go into .tensors files, not JSON
-DEFAULT_SCATTER_CHUNK = 64 << 20  # bytes per ring slot / staging buffer of a scatter load
+DEFAULT_SCATTER_CHUNK = 8 << 20  # bytes per ring slot / staging buffer of a scatter load (4 slots fit a 64 MB /dev/shm)
 
 
 def _rank_prefix(comm: Comm) -> str:
