@@ -73,7 +73,7 @@ def _launch(tmp: Path) -> Dict[str, List[dict]]:
     assert not hung, f"torchrun agents {hung} hung (> {LAUNCH_TIMEOUT_S}s)\n{agent_logs()}"
     assert [p.returncode for p in procs] == [0] * NNODES, f"agents failed\n{agent_logs()}"
     results: Dict[str, List[dict]] = {}
-    for case in ("shared", "readers_only"):
+    for case in ("shared", "readers_only", "shared_group"):
         files = [out / f"{case}-rank{r}.json" for r in range(WORLD)]
         missing = [f.name for f in files if not f.exists()]
         assert not missing, f"no result from {missing}\n{agent_logs()}"
@@ -86,11 +86,12 @@ def multinode_results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Lis
     return _launch(tmp_path_factory.mktemp("multinode"))
 
 
-def _assert_one_reader_per_node(results: List[dict]) -> None:
+def _assert_one_reader_per_node(results: List[dict], transport: str = "shm") -> None:
     by_node: Dict[str, List[dict]] = {}
     for r in results:
         assert r["mismatches"] == [], f"rank {r['rank']}: loaded data differs: {r['mismatches']}"
         assert r["mode"] == "scatter", f"rank {r['rank']}: mode {r['mode']}"
+        assert r["transport"] == transport, f"rank {r['rank']}: transport {r['transport']}"
         by_node.setdefault(r["node"], []).append(r)
     assert sorted(by_node) == ["0", "1"], f"node ids (GROUP_RANK) seen: {sorted(by_node)}"
     for node, ranks in by_node.items():
@@ -116,3 +117,7 @@ def test_multinode_auto_scatter_when_only_readers_see_checkpoint(multinode_resul
     for r in results:
         assert r["path_exists"] == (r["local_rank"] == 0), r
     _assert_one_reader_per_node(results)
+
+
+def test_multinode_scatter_over_the_process_group(multinode_results: Dict[str, List[dict]]) -> None:
+    _assert_one_reader_per_node(multinode_results["shared_group"], transport="group")

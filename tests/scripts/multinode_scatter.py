@@ -11,9 +11,11 @@ model. torchrun sets ``GROUP_RANK`` to the node rank; megashard uses it as the n
 id, which makes local rank 0 of each node its reader.
 
 Cases (run one after the other on the same checkpoint):
-  ``shared``        every rank sees the checkpoint; ``mode="scatter"``.
+  ``shared``        every rank sees the checkpoint; ``mode="scatter"`` (within a node the
+                    bytes go through the reader's shared-memory ring).
   ``readers_only``  local rank 1 gets a path that does not exist (the checkpoint is
                     visible only to the node readers); ``mode="auto"`` must pick scatter.
+  ``shared_group``  as ``shared`` with ``scatter_transport="group"`` (gloo sends).
 
 Each rank writes ``O/<case>-rank<R>.json`` with what it observed; the test asserts.
 """
@@ -39,7 +41,7 @@ from megashard.api import LAST_LOAD_STATS  # noqa: E402
 from layouts import GLOBALS, Layout, check_state, model_state  # noqa: E402
 
 LAYOUT = Layout(tp=2, dp=2)
-CASES = ("shared", "readers_only")
+CASES = ("shared", "readers_only", "shared_group")
 
 
 def template_bytes(state: Dict[str, Any]) -> int:
@@ -54,16 +56,16 @@ def model_unique_bytes() -> int:
 
 def run_case(case: str, ckpt: str, rank: int, local_rank: int) -> Dict[str, Any]:
     template = model_state(LAYOUT, rank, empty=True)
-    if case == "shared":
-        path, mode = ckpt, "scatter"
-    else:
+    if case == "readers_only":
         path, mode = (ckpt if local_rank == 0 else ckpt + "-not-visible-here"), "auto"
-    megashard.load(template, path, mode=mode)
+    else:
+        path, mode = ckpt, "scatter"
+    megashard.load(template, path, mode=mode, scatter_transport="group" if case == "shared_group" else "auto")
     return {
         "case": case, "rank": rank, "local_rank": local_rank,
         "node": os.environ.get("GROUP_RANK"), "path_exists": os.path.exists(path),
         "mode": LAST_LOAD_STATS.mode, "bytes_read": LAST_LOAD_STATS.bytes_read,
-        "bytes_received": LAST_LOAD_STATS.bytes_received,
+        "bytes_received": LAST_LOAD_STATS.bytes_received, "transport": LAST_LOAD_STATS.transport,
         "needed_bytes": template_bytes(template), "node_needed_bytes": model_unique_bytes(),
         "mismatches": check_state(template),
     }
