@@ -46,6 +46,7 @@ import torch
 
 from . import storage
 from .errors import CheckpointError, MegashardError
+from .consolidated import DEFAULT_BATCH_BYTES
 from .manifest import Manifest, dtype_name, itemsize
 from .plan import numel
 
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("megashard", "torch_dist", "tensors", "safetensors")
 SINGLE_FILE = ("tensors", "safetensors")
-DEFAULT_BATCH_BYTES = 256 << 20
 MODEL_ENTRY = "model"  # where converted model tensors go in a megashard state tree (file stem "model")
 OPTIMIZER_ENTRY = "optimizer_tensors"
 OBJECTS_ENTRY = "sharded_objects"
@@ -216,8 +216,7 @@ def _world_of_one() -> Iterator[None]:
 def _megatron_core() -> Iterator[Any]:
     """megatron-core's dist_checkpointing, with the two CUDA calls its sync save makes stubbed on CPU."""
     try:
-        from megatron.core import dist_checkpointing as dc  # noqa: F401
-        from megatron.core.dist_checkpointing import serialization  # noqa: F401
+        from megatron.core import dist_checkpointing as dc
     except ImportError as e:
         raise ConvertInputError(f"torch_dist conversion needs megatron-core (pip install 'megashard[megatron]'): {e}")
     patched = {}

@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 WORKER = r"""
 import json, os, resource, sys, threading, time

@@ -17,7 +17,7 @@ from ..errors import FormatError
 from . import layout as L
 from .dtypes import encode_dtype
 from .fastio import default_threads, pwrite_all
-from .writer import INLINE_BYTES, _build_tasks, _fsync_dir, _Item, _plan, _prepare, _run
+from .writer import INLINE_BYTES, _build_tasks, _fsync_dir, _plan, _prepare, _run
 
 __all__ = ["StreamWriter"]
 
