@@ -106,8 +106,11 @@ def _print_nested(value: Any, out: TextIO, indent: int = 0) -> None:
 
 def _print_checkpoint_summary(s: dict[str, Any], out: TextIO) -> None:
     """Totals first (size, files, tensors, layout, iteration, contents), then the details."""
-    t = s["totals"]
-    print(f"checkpoint:   {s['path']}", file=out)
+    t = s.get("totals")
+    if not isinstance(t, dict):
+        _print_nested(s, out)
+        return
+    print(f"checkpoint:   {s.get('path')}", file=out)
     print(f"size:         {t['bytes']} bytes ({_human_bytes(t['bytes'])}) in {t['files']} files", file=out)
     print(f"tensors:      {t['global_tensors']} global tensors in {t['shards']} shards", file=out)
     print(f"layout:       {t['layout']} (saved by {t['world_size']} ranks)", file=out)
