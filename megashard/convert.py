@@ -328,7 +328,7 @@ class _SafetensorsWriter:
         pos = 0
         for name, dtype, shape in specs:
             if dtype not in _SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{name!r}: dtype {dtype_name(dtype)} has no safetensors equivalent; "
+                raise ConvertInputError(f"{name!r}: dtype {dtype_name(dtype)} has no safetensors equivalent; "
                                       "export it with --to tensors or leave it out with --keys")
             n = numel(shape) * itemsize(dtype)
             header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
