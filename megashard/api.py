@@ -359,12 +359,61 @@ def _build_manifest(results: List[Dict[str, Any]], all_meta: List[Dict[str, Any]
 
 @dataclass
 class _Op:
-    """One byte range to bring into ``dest`` (a contiguous uint8 tensor)."""
+    """One byte range to bring into ``dest`` (a contiguous uint8 tensor), or, in scatter
+    loads, into a temporary that exists only while its bytes arrive (``lazy``)."""
 
     file: str
     offset: int
     nbytes: int
-    dest: torch.Tensor
+    dest: Optional[torch.Tensor]
+    lazy: Optional[Tuple["_Temps", int, int]] = None  # temporaries, buffer index, offset in buffer
+
+    def target(self) -> torch.Tensor:
+        """Where the bytes go (allocates a lazy temporary on first use)."""
+        if self.lazy is None:
+            return self.dest
+        temps, i, off = self.lazy
+        return temps.buffer(i)[off:off + self.nbytes]
+
+    def arrived(self, nbytes: int) -> None:
+        """``nbytes`` of this op were delivered (a complete temporary is placed and freed)."""
+        if self.lazy is not None:
+            self.lazy[0].arrived(self.lazy[1], nbytes)
+
+
+class _Temps:
+    """The temporaries of one resharded shard (saved pieces before placement).
+
+    Scatter loads allocate each buffer when its first bytes arrive and place and free it
+    as soon as all its bytes have, so a rank never holds every temporary at once; the
+    final ``place`` (in ``work.finish``) only handles what is left."""
+
+    def __init__(self, sizes: Sequence[int], dtype: torch.dtype, wp: Any, chunk: torch.Tensor) -> None:
+        self.sizes, self.dtype, self.wp, self.chunk = list(sizes), dtype, wp, chunk
+        self.bufs: Dict[int, torch.Tensor] = {}
+        self.pending = [0] * len(self.sizes)
+        self.placed: set = set()
+
+    def buffer(self, i: int) -> torch.Tensor:
+        if i not in self.bufs:
+            self.bufs[i] = _bytes_view(_empty(self.sizes[i], self.dtype))
+        return self.bufs[i]
+
+    def arrived(self, i: int, nbytes: int) -> None:
+        self.pending[i] -= nbytes
+        if self.pending[i] <= 0:
+            self.place(i)
+
+    def place(self, i: int) -> None:
+        if i in self.placed:
+            return
+        buf = self.buffer(i).view(self.dtype)
+        for p in self.wp.placements:
+            if p.buffer == i:
+                idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
+                self.chunk[idx].copy_(buf.as_strided(p.shape, p.strides, buf.storage_offset() + p.storage_offset))
+        self.placed.add(i)
+        self.bufs.pop(i, None)  # freed as soon as it is placed
 
 
 @dataclass
@@ -449,21 +498,23 @@ def _plan_sharded(sh: ShardedTensor, rec: Optional[TensorRecord], work: _LoadWor
         return dest
     chunk_is_dest = sh.flat_range is None and dest.is_contiguous() and dest.device.type == "cpu"
     chunk = dest.view(want.shape) if chunk_is_dest else torch.empty(want.shape, dtype=dest.dtype)
-    bufs = [_empty(n, sh.dtype) for n in wp.buffers]
+    temps = _Temps(wp.buffers, sh.dtype, wp, chunk)
     if wp.rows:
         mv = tensor_memoryview(chunk.detach())
         for rr in wp.rows:
             _plan_rows(rr, mv, work)
     for r in wp.reads:
-        target = chunk if r.buffer == -1 else bufs[r.buffer]
-        work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(target)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        if r.buffer == -1:
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(chunk)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        elif work.rows_ok:  # own mode: every temporary up front (its reads run all at once anyway)
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, temps.buffer(r.buffer)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        else:  # scatter: allocated when its bytes arrive, placed and freed when complete
+            temps.pending[r.buffer] += r.nbytes
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, None, (temps, r.buffer, r.buffer_offset)))
 
-    def place(dest=dest, wp=wp, bufs=bufs, chunk=chunk, flat=sh.flat_range) -> None:
-        for p in wp.placements:
-            src = bufs[p.buffer].as_strided(p.shape, p.strides, p.storage_offset)
-            idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
-            chunk[idx].copy_(src)
-        bufs.clear()  # free temporaries as soon as they are placed
+    def place(dest=dest, temps=temps, chunk=chunk, flat=sh.flat_range) -> None:
+        for i in range(len(temps.sizes)):
+            temps.place(i)
         if flat is not None:
             dest.copy_(chunk.reshape(-1)[flat[0]:flat[1]])
         elif not chunk_is_dest:
@@ -688,8 +739,8 @@ def checkpoint_location(checkpoint_dir: str | os.PathLike) -> str:
     found = storage.locate(path)
     if found is None:
         raise CheckpointError(
-            f"{path} is not a megashard checkpoint (no {storage.MANIFEST_NAME}); check the path, or whether the "
-            "save that should have produced it finished")
+            f"{path} is not a megashard checkpoint ({storage.why_not_checkpoint(path)}); check the path, or "
+            "whether the save that should have produced it finished")
     return found
 
 
@@ -842,10 +893,15 @@ def load(
 
     def probe() -> Dict[str, Any]:
         node = os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
-        return {"sees": storage.locate(base), "node": str(node)}
+        found = storage.locate(base)
+        why = None if found else storage.why_not_checkpoint(base)
+        return {"sees": found, "node": str(node), "why": why}
 
     info, err = comm.run("load/probe", probe)
     infos = comm.agree(err, "load", info)  # collective 1
+    if not any(i["sees"] for i in infos):
+        comm.agree(f"CheckpointError: {base} is not a readable megashard checkpoint: {infos[0]['why']}"
+                   if comm.rank == 0 else None, "load")
     base = infos[comm.rank]["sees"] or base  # an interrupted re-save's copy is read where it is
     nodes = [i["node"] for i in infos]
     readers = node_readers(nodes)

@@ -467,6 +467,21 @@ def locate(final_dir: PathLike) -> Optional[str]:
     return candidates[0]
 
 
+def why_not_checkpoint(path: PathLike) -> str:
+    """A one-line reason why ``path`` is not a readable checkpoint (for error messages)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return f"{path} does not exist or is not a directory"
+    try:
+        with CheckpointFiles(path) as files:
+            json.loads(files.read_bytes(MANIFEST_NAME, max_manifest_bytes()))
+    except CheckpointError as e:
+        return str(e)
+    except (OSError, ValueError, RecursionError) as e:
+        return f"{os.path.join(path, MANIFEST_NAME)}: unreadable ({type(e).__name__}: {str(e)[:200]})"
+    return f"{path} is a checkpoint"
+
+
 def recover(final_dir: PathLike) -> Optional[str]:
     """Apply the recovery rule; return the path of the complete checkpoint, or None.
 

@@ -378,6 +378,7 @@ def _scatter_flips(rank, world, path, flips, transport):
     rng = random.Random(99)
     files = sorted(f for f in os.listdir(path))
     pristine = {f: open(os.path.join(path, f), "rb").read() for f in files}
+    dist.barrier()  # every rank holds the pristine bytes before rank 0 flips any
     caught = []
     for i in range(flips):
         f = files[i % len(files)]
