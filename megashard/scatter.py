@@ -23,7 +23,8 @@ import bisect
 import json
 import logging
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -62,7 +63,8 @@ def _err(e: BaseException, what: str) -> str:
 def scatter(comm: Comm, base: str, manifest: Manifest, ops: Sequence[Any], touched: Dict[str, Set[str]],
             readers: Mapping[int, int], chunk: int, threads: Optional[int], transport: str,
             open_files: Callable[[], Any]) -> Tuple[Tuple[int, int, str], Optional[str]]:
-    """Fill every op's ``dest`` (contiguous CPU uint8 tensor) with its ``file``/``offset``/``nbytes``.
+    """Deliver every op's ``file``/``offset``/``nbytes``: into ``op.target()`` (a contiguous CPU
+    uint8 tensor, possibly allocated on that call), then ``op.arrived(nbytes)`` per piece.
 
     Returns ``((bytes read from storage, bytes received, transport used), error or None)``. On a node's
     reader, ``touched`` is extended with what the node's other ranks touch, so that
@@ -129,7 +131,8 @@ def _consume_shm(ring: shm.Ring, sched: Dict[str, Any], ops: Sequence[Any]) -> O
             ring.wait_produced(k, reader_pid)
             src = ring.slot(k, ring.slot_bytes)
             for i, pos, n, off in pieces:
-                ops[i].dest[pos:pos + n].copy_(src[off:off + n])
+                ops[i].target()[pos:pos + n].copy_(src[off:off + n])
+                ops[i].arrived(n)
             del src
             ring.set_done(me, extents[j + 1][0] if j + 1 < len(extents) else total)
     except Exception as e:  # noqa: BLE001 - reported in the final agreement
@@ -149,10 +152,23 @@ def _subops(ops: Sequence[Any], chunk: int) -> List[Tuple[str, int, int, int, in
 
 
 def _consume_group(comm: Comm, ops: Sequence[Any], reader: int, chunk: int) -> Optional[str]:
-    handles = [comm.irecv(ops[i].dest[pos:pos + n], reader) for f, off, n, i, pos in _subops(ops, chunk)]
+    """Receive in serving order with at most ~4 chunks posted ahead, so that temporaries
+    (allocated on first use) exist only while their bytes are in flight."""
+    subops = _subops(ops, chunk)
+    window = 4 * chunk
+    posted: Deque[Tuple[Any, int, int]] = deque()
+    ahead = j = 0
     try:
-        for h in handles:
+        while j < len(subops) or posted:
+            while j < len(subops) and (not posted or ahead + subops[j][2] <= window):
+                _, _, n, i, pos = subops[j]
+                posted.append((comm.irecv(ops[i].target()[pos:pos + n], reader), n, i))
+                ahead += n
+                j += 1
+            h, n, i = posted.popleft()
             h.wait()
+            ahead -= n
+            ops[i].arrived(n)
     except Exception as e:  # noqa: BLE001 - a transport failure ends the load on every rank
         return _err(e, f"receiving from reader rank {reader}")
     return None
@@ -366,7 +382,8 @@ class _Reader:
                     if k in mine:
                         src = ring.slot(k, size)
                         for i, pos, n, off in mine[k]:
-                            self.ops[i].dest[pos:pos + n].copy_(src[off:off + n])
+                            self.ops[i].target()[pos:pos + n].copy_(src[off:off + n])
+                            self.ops[i].arrived(n)
                         del src
                     k += 1
                 else:
@@ -378,8 +395,11 @@ class _Reader:
 
     def read_direct(self, batch: List[Tuple[str, int, int, int, int]]) -> None:
         f = batch[0][0]
-        reqs = [(a, tensor_memoryview(self.ops[i].dest[pos:pos + n])) for _, a, n, i, pos in batch]
+        reqs = [(a, tensor_memoryview(self.ops[i].target()[pos:pos + n])) for _, a, n, i, pos in batch]
         read_requests(self.fd(f), reqs, os.path.join(self.base, f), self.threads)
+        del reqs
+        for _, _, n, i, _ in batch:
+            self.ops[i].arrived(n)
         self.nread += sum(n for _, _, n, _, _ in batch)
 
     def transfer_group(self) -> None:
@@ -422,7 +442,8 @@ class _Reader:
                     f, a, n = subops[j]
                     src = buf[a - ext.start:a - ext.start + n]
                     if r == me:
-                        self.ops[i].dest[pos:pos + n].copy_(src)
+                        self.ops[i].target()[pos:pos + n].copy_(src)
+                        self.ops[i].arrived(n)
                     else:
                         in_flight[half].append(self.comm.isend(src, r))
             for group in in_flight:
