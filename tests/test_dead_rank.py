@@ -56,6 +56,7 @@ def test_dead_or_hung_or_exiting_rank_during_load(tmp_path):
         ok, out = res[0]
         assert ok, out
         assert out["raised"], f"{how}: rank 0 did not raise"
+        print(f"{how}: rank 0 raised {out['raised']} after {out['seconds']:.2f} s (timeout 5 s)")
         assert out["seconds"] < 30, f"{how}: rank 0 took {out['seconds']:.1f} s"
         if how == "exit":  # SystemExit reached the agreement: both ranks raised, naming rank 1
             assert res[1][0] and res[1][1]["raised"] and 1 in res[1][1]["failures"], res[1]
