@@ -24,8 +24,8 @@ Invariants: a directory is a checkpoint iff it holds a readable, parseable
 an atomic rename after its bytes and every shard are durable; ``.<name>.tmp-*``
 directories are never checkpoints, whatever they contain.
 
-Recovery rule (:func:`recover`)
--------------------------------
+Recovery rule (:func:`recover`; :func:`locate` finds the same checkpoint read-only)
+------------------------------------------------------------------------------------
 * ``<name>`` is a checkpoint: use it; any ``.<name>.old-*`` leftovers are deleted.
 * ``<name>`` is absent but a ``.<name>.old-*`` directory is a checkpoint (a crash
   between moving the old checkpoint aside and renaming the new one in): rename the
@@ -67,6 +67,7 @@ __all__ = [
     "is_checkpoint",
     "recover",
     "locate",
+    "why_not_checkpoint",
     "CheckpointFiles",
     "MANIFEST_DIGEST_NAME",
     "cleanup_stale_temps",
@@ -485,10 +486,11 @@ def why_not_checkpoint(path: PathLike) -> str:
 def recover(final_dir: PathLike) -> Optional[str]:
     """Apply the recovery rule; return the path of the complete checkpoint, or None.
 
-    Safe to call on every load; it only renames an ``.old-*`` back when ``<name>``
-    is missing, and only deletes ``.old-*`` copies once ``<name>`` is a checkpoint.
-    Concurrent calls are tolerated, but on a shared filesystem prefer calling it on
-    one rank and broadcasting the result.
+    The one function that repairs a checkpoint's directory (``megashard recover DIR``);
+    read paths use :func:`locate` and change nothing. It only renames an ``.old-*``
+    back when ``<name>`` is missing, and only deletes ``.old-*`` copies once ``<name>``
+    is a checkpoint. Concurrent calls are tolerated, but on a shared filesystem call it
+    from one process.
     """
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
