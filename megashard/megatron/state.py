@@ -289,10 +289,29 @@ def capture_rng_state() -> Dict[str, Any]:
     return state
 
 
+def _from_megatron_rng_state(state: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron-LM's own ``get_rng_state()`` layout (tuples, numpy, tensors: what a torch_dist
+    checkpoint converted by ``megashard convert`` holds) in :func:`capture_rng_state`'s form."""
+    py_version, py_state, py_gauss = state["random_rng_state"]
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = state["np_rng_state"]
+    cuda = state.get("cuda_rng_state")
+    return {
+        "format": RNG_FORMAT,
+        "random_rng_state": {"version": py_version, "state": list(py_state), "gauss_next": py_gauss},
+        "np_rng_state": {"kind": str(np_kind), "keys": [int(k) for k in np_keys], "pos": int(np_pos),
+                         "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_gauss)},
+        "torch_rng_state": _b64_tensor(state["torch_rng_state"]),
+        "cuda_rng_state": _b64_tensor(cuda) if isinstance(cuda, torch.Tensor) else None,
+        "rng_tracker_states": {k: _b64_tensor(v) for k, v in (state.get("rng_tracker_states") or {}).items()},
+    }
+
+
 def restore_rng_state(state: Dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng_state`."""
     from megatron.core import tensor_parallel
 
+    if state.get("format") is None and isinstance(state.get("torch_rng_state"), torch.Tensor):
+        state = _from_megatron_rng_state(state)
     if state.get("format") != RNG_FORMAT:
         raise CheckpointError(f"unknown RNG state format {state.get('format')!r}")
     py = state["random_rng_state"]
