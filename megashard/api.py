@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import jsonstate, plan, storage
+from . import async_save as async_save_mod, jsonstate, plan, storage
 from .errors import CheckpointError, MegashardError, StateDictError
 from .format import empty_buffer, parallel_read, write_file
 from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel, tensor_memoryview
@@ -202,6 +202,102 @@ def _validate_and_assign(all_meta: List[Dict[str, Any]]) -> Tuple[Dict[ShardId, 
     return plan.assign_writers(holders, nbytes, preferred), obj_writer, info
 
 
+@dataclass
+class _WriteJob:
+    """What this rank writes, selected on the calling thread; tensors may be replaced by snapshots."""
+
+    groups: Dict[str, Dict[str, torch.Tensor]]  # stem -> {name in file: tensor}
+    shard_records: List[Tuple[str, str, Dict[str, Any]]]  # (stem, name, record without file offsets)
+    zero_records: List[Dict[str, Any]]
+    objects: Dict[str, Any]
+    local_refs: List[Tuple[str, str, Dict[str, Any]]]  # (stem, name, JSON ref to patch)
+    tree: Any
+
+    def tensors(self) -> List[Tuple[str, str]]:
+        return [(stem, name) for stem, ts in sorted(self.groups.items()) for name in ts]
+
+
+def _select(st: _SaveState, writers: Mapping[ShardId, int], obj_writer: Mapping[str, int], rank: int) -> _WriteJob:
+    """Everything this rank writes (its assigned shards, objects and local tensors)."""
+    groups: Dict[str, Dict[str, torch.Tensor]] = {}
+    shard_records: List[Tuple[str, str, Dict[str, Any]]] = []
+    zero_records: List[Dict[str, Any]] = []
+    for _path, sh, stem in st.shards:
+        sid = ShardId(sh.key, tuple(sh.global_offset), tuple(sh.chunk_shape), sh.flat_range)
+        if writers.get(sid) != rank:
+            continue
+        name = _shard_name(sh)
+        if sh.data.numel() == 0:
+            zero_records.append(_shard_record_json(sh, None, name, 0, 0, 0))
+            continue
+        if groups.setdefault(stem, {}).setdefault(name, sh.data) is not sh.data:
+            continue  # the same shard listed twice on this rank (tied weights)
+        shard_records.append((stem, name, _shard_record_json(sh, None, name, 0, 0, 0)))
+    objects: Dict[str, Any] = {}
+    for _path, obj, stem in st.objects:
+        ukey = _object_unique_key(obj)
+        if obj_writer.get(ukey) != rank or ukey in objects:
+            continue
+        objects[ukey] = {"key": obj.key, "offset": list(obj.global_offset), "shape": list(obj.global_shape),
+                         "value": _encode_object_value(st, ukey, obj.data, stem)}
+    local_refs: List[Tuple[str, str, Dict[str, Any]]] = []
+    for lt in st.local + [lt for items in st.obj_local.values() for lt in items]:
+        if lt.tensor.numel() == 0:
+            lt.ref.update(file=None, name=lt.name, data_offset=0, nbytes=0, crc32=0)
+        else:
+            groups.setdefault(lt.stem, {})[lt.name] = lt.tensor
+            local_refs.append((lt.stem, lt.name, lt.ref))
+    return _WriteJob(groups, shard_records, zero_records, objects, local_refs, st.tree)  # type: ignore[attr-defined]
+
+
+def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool,
+               threads: Optional[int]) -> Dict[str, Any]:
+    """Write this rank's files into ``temp_dir``; the records the manifest needs."""
+    os.makedirs(temp_dir, exist_ok=True)
+    files: Dict[str, Dict[str, Any]] = {}
+    placed: Dict[Tuple[str, str], Any] = {}
+    for stem, tensors in sorted(job.groups.items()):
+        fname = f"{stem}-r{rank:05d}.tensors"
+        infos = write_file(tensors, os.path.join(temp_dir, fname), align=align, fsync=fsync, threads=threads)
+        size = os.path.getsize(os.path.join(temp_dir, fname))
+        files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos)}
+        for inf in infos:
+            placed[(stem, inf.name)] = (fname, inf)
+    records = list(job.zero_records)
+    for stem, name, rec in job.shard_records:
+        fname, inf = placed[(stem, name)]
+        records.append(dict(rec, file=fname, header_offset=inf.header_offset, data_offset=inf.data_offset,
+                            crc32=inf.crc32))
+    for stem, name, ref in job.local_refs:
+        fname, inf = placed[(stem, name)]
+        ref.update(file=fname, name=name, data_offset=inf.data_offset, nbytes=inf.nbytes, crc32=inf.crc32)
+    return {"files": files, "shards": records, "objects": job.objects, "tree": job.tree}
+
+
+def _finish_save(comm: Comm, err: Optional[str], result: Any, *, all_meta: List[Dict[str, Any]], temp_dir: str,
+                 final_dir: str, layout: Optional[Mapping[str, Any]], t0: float, fsync: bool) -> None:
+    """Agree on every rank's write, commit on rank 0 (manifest, rename), agree on the commit."""
+    results = comm.agree(err, "save", result)  # gathers every rank's records
+
+    def commit() -> None:
+        if comm.rank != 0:
+            return
+        manifest = _build_manifest(results, all_meta, comm.world_size, layout)
+        text = manifest.to_json()
+        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_DIGEST_NAME), storage.manifest_digest(text))
+        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_NAME), text)
+        storage.commit_dir(temp_dir, final_dir)
+        try:  # leftovers of saves that crashed long ago (never a save in progress: age check)
+            storage.cleanup_stale_temps(os.path.dirname(final_dir), os.path.basename(final_dir))
+        except OSError as e:
+            log.warning("%scould not remove stale temporary directories: %s", _rank_prefix(comm), e)
+
+    _, err = comm.run("save/commit", commit)
+    comm.agree(err, "save")  # everybody learns the outcome
+    total = sum(f["bytes"] for r in results for f in r["files"].values())
+    _log_summary(comm, "saved", final_dir, total, time.perf_counter() - t0, f"{len(all_meta)} writer(s), fsync={fsync}")
+
+
 def save(
     state_dict: Mapping[str, Any],
     checkpoint_dir: str | os.PathLike,
@@ -213,14 +309,24 @@ def save(
     fsync: bool = True,
     threads: Optional[int] = None,
     timeout: Optional[float] = None,
-) -> None:
+    async_save: bool = False,
+) -> Optional["async_save_mod.AsyncSaveHandle"]:
     """Save a (sharded) state dict to ``checkpoint_dir``; collective over ``process_group``.
 
     Leaves: ``ShardedTensor`` (megashard's or megatron-core's), ``ShardedObject``,
     plain tensors (rank-local), JSON-representable values and bytes. The directory
     appears atomically once every rank's files are durable. ``timeout`` (s) bounds
     every collective; default: the process group's.
+
+    ``async_save=True`` returns an :class:`~megashard.async_save.AsyncSaveHandle` as
+    soon as every rank holds a snapshot of its tensors (the caller may change them at
+    once); files are written in the background and the checkpoint is committed by the
+    collective ``handle.result()``. A save started while another is in flight first
+    finalizes that one (see :mod:`megashard.async_save`).
     """
+    previous = async_save_mod.in_flight()
+    if previous is not None:
+        previous.result()  # at most one save in flight (collective, like this save)
     comm = Comm(process_group, timeout)
     final_dir = os.path.abspath(os.fspath(checkpoint_dir))
     t0 = time.perf_counter()
@@ -242,76 +348,31 @@ def save(
     writers, obj_writer, _ = _validate_and_assign(all_meta)
     token = all_meta[0]["token"]
     temp_dir = storage.temp_dir_name(final_dir, token)
+    finish = partial(_finish_save, all_meta=all_meta, temp_dir=temp_dir, final_dir=final_dir, layout=layout,
+                     t0=t0, fsync=fsync)
+    if not async_save:
+        result, err = comm.run("save/write", lambda: _write_job(_select(st, writers, obj_writer, comm.rank),
+                                                                temp_dir, comm.rank, align, fsync, threads))
+        finish(comm, err, result)
+        return None
 
-    def write() -> Dict[str, Any]:
-        os.makedirs(temp_dir, exist_ok=True)
-        groups: Dict[str, Dict[str, torch.Tensor]] = {}
-        shard_records: List[Tuple[str, ShardedTensor, str]] = []
-        zero_records: List[Dict[str, Any]] = []
-        for _path, sh, stem in st.shards:
-            sid = ShardId(sh.key, tuple(sh.global_offset), tuple(sh.chunk_shape), sh.flat_range)
-            if writers.get(sid) != comm.rank:
-                continue
-            name = _shard_name(sh)
-            if sh.data.numel() == 0:
-                zero_records.append(_shard_record_json(sh, None, name, 0, 0, 0))
-                continue
-            if groups.setdefault(stem, {}).setdefault(name, sh.data) is not sh.data:
-                continue  # the same shard listed twice on this rank (tied weights)
-            shard_records.append((stem, sh, name))
-        objects: Dict[str, Any] = {}
-        for _path, obj, stem in st.objects:
-            ukey = _object_unique_key(obj)
-            if obj_writer.get(ukey) != comm.rank or ukey in objects:
-                continue
-            objects[ukey] = {"key": obj.key, "offset": list(obj.global_offset), "shape": list(obj.global_shape),
-                             "value": _encode_object_value(st, ukey, obj.data, stem)}
-        locals_all = st.local + [lt for items in st.obj_local.values() for lt in items]
-        for lt in locals_all:
-            if lt.tensor.numel() == 0:
-                lt.ref.update(file=None, name=lt.name, data_offset=0, nbytes=0, crc32=0)
-            else:
-                groups.setdefault(lt.stem, {})[lt.name] = lt.tensor
-        files: Dict[str, Dict[str, Any]] = {}
-        placed: Dict[Tuple[str, str], Any] = {}
-        for stem, tensors in sorted(groups.items()):
-            fname = f"{stem}-r{comm.rank:05d}.tensors"
-            infos = write_file(tensors, os.path.join(temp_dir, fname), align=align, fsync=fsync, threads=threads)
-            size = os.path.getsize(os.path.join(temp_dir, fname))
-            files[fname] = {"rank": comm.rank, "bytes": size, "tensors": len(infos)}
-            for inf in infos:
-                placed[(stem, inf.name)] = (fname, inf)
-        records = zero_records + [
-            _shard_record_json(sh, placed[(stem, name)][0], name, placed[(stem, name)][1].header_offset,
-                               placed[(stem, name)][1].data_offset, placed[(stem, name)][1].crc32)
-            for stem, sh, name in shard_records
-        ]
-        for lt in locals_all:
-            if lt.tensor.numel():
-                fname, inf = placed[(lt.stem, lt.name)]
-                lt.ref.update(file=fname, name=lt.name, data_offset=inf.data_offset, nbytes=inf.nbytes, crc32=inf.crc32)
-        return {"files": files, "shards": records, "objects": objects, "tree": st.tree}
+    def snapshot() -> _WriteJob:
+        job = _select(st, writers, obj_writer, comm.rank)
+        async_save_mod.wait_idle()
+        keys = job.tensors()
+        copies = async_save_mod.staging().snapshot([job.groups[s][n] for s, n in keys], threads)
+        for (s, n), c in zip(keys, copies):
+            job.groups[s][n] = c
+        return job
 
-    result, err = comm.run("save/write", write)
-    results = comm.agree(err, "save", result)  # collective 2 (gathers every rank's records)
-
-    def commit() -> None:
-        if comm.rank != 0:
-            return
-        manifest = _build_manifest(results, all_meta, comm.world_size, layout)
-        text = manifest.to_json()
-        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_DIGEST_NAME), storage.manifest_digest(text))
-        storage.write_file_atomic(os.path.join(temp_dir, storage.MANIFEST_NAME), text)
-        storage.commit_dir(temp_dir, final_dir)
-        try:  # leftovers of saves that crashed long ago (never a save in progress: age check)
-            storage.cleanup_stale_temps(os.path.dirname(final_dir), os.path.basename(final_dir))
-        except OSError as e:
-            log.warning("%scould not remove stale temporary directories: %s", _rank_prefix(comm), e)
-
-    _, err = comm.run("save/commit", commit)
-    comm.agree(err, "save")  # collective 3: everybody learns the outcome
-    total = sum(f["bytes"] for r in results for f in r["files"].values())
-    _log_summary(comm, "saved", final_dir, total, time.perf_counter() - t0, f"{len(all_meta)} writer(s), fsync={fsync}")
+    job, err = comm.run("save/snapshot", snapshot)
+    st = _SaveState(comm.rank)  # drop every reference to the caller's tensors
+    comm.agree(err, "save")  # every rank holds its snapshot
+    t_snap = time.perf_counter() - t0
+    log.debug("%sasync save %s: snapshot in %.3f s", _rank_prefix(comm), final_dir, t_snap)
+    return async_save_mod.start(
+        async_save_mod._Commit(comm, final_dir, temp_dir, finish),
+        lambda: _write_job(job, temp_dir, comm.rank, align, fsync, threads))
 
 
 def _shard_record_json(sh: ShardedTensor, file: Optional[str], name: str, header_offset: int, data_offset: int,

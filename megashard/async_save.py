@@ -1,0 +1,346 @@
+"""Asynchronous saves: training waits for a snapshot, not for the disk.
+
+``megashard.save(..., async_save=True)`` runs the planning collective, copies every
+tensor this rank writes into *staging* buffers (:class:`Staging`), agrees that every
+rank holds its snapshot, and returns an :class:`AsyncSaveHandle`. A persistent
+background thread then hashes, writes and fsyncs the files into the save's temporary
+directory. :meth:`AsyncSaveHandle.result` (collective) agrees on the outcome, writes
+the manifest and renames the directory into place — the same commit as a synchronous
+save, so a checkpoint only ever appears complete.
+
+Why a thread and not a process: the writer spends its time in SHA-256, CRC32 and
+``pwrite``/``fsync``, all of which release the GIL, so a thread slows a training step
+no more than a process does (``scripts/bench_async.py`` measures both), while a
+process would need the staging memory shared with it and its results sent back.
+
+At most one save is in flight per process: a new save (sync or async) first calls
+``result()`` on the previous one. A process that exits with a save still in flight
+**abandons** it: an ``atexit`` hook waits for this rank's background write to stop
+(so no thread writes during interpreter teardown) and commits nothing; the save's
+``.<name>.tmp-<token>`` directory is never a checkpoint and a later save removes it
+(:func:`megashard.storage.cleanup_stale_temps`). The previous checkpoint and the
+tracker are untouched, exactly as after a SIGKILL.
+
+Staging: one arena per memory kind (``empty_buffer``'s huge-page-backed, pre-touched
+host memory for CPU tensors; pinned host memory for CUDA tensors, copied on a side
+stream), sized to the rank's checkpoint bytes and reused by every later save that
+fits. The copies run in parallel chunks.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import MegashardError
+from .format.fastio import default_threads, empty_buffer, prefault, run_parallel, tensor_memoryview
+from .transport import Comm
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # staged tensors start on page boundaries (aligned pwrite sources, dtype views)
+COPY_CHUNK = 32 << 20  # bytes per parallel copy task
+
+__all__ = ["AsyncSaveHandle", "Staging", "staging", "in_flight", "finalize", "all_done"]
+
+
+# --------------------------------------------------------------------------- staging
+
+
+class Staging:
+    """Host buffers a snapshot is copied into, kept from one save to the next.
+
+    ``allocations`` counts arena allocations: after the first save of a given size
+    later saves allocate nothing (tests check it and the arenas' addresses).
+    """
+
+    def __init__(self) -> None:
+        self.arenas: Dict[str, torch.Tensor] = {}
+        self.allocations = 0
+        self._streams: Dict[int, Any] = {}
+
+    def _arena(self, kind: str, nbytes: int) -> torch.Tensor:
+        have = self.arenas.get(kind)
+        if have is not None and have.numel() >= nbytes:
+            return have
+        self.arenas.pop(kind, None)  # free the smaller one before allocating the larger
+        if kind == "pinned":
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            buf = empty_buffer(nbytes)
+            if nbytes:
+                prefault(tensor_memoryview(buf))  # touched now, not page by page inside the copy
+        self.allocations += 1
+        self.arenas[kind] = buf
+        log.debug("staging: allocated %d bytes of %s memory", nbytes, kind)
+        return buf
+
+    def nbytes(self) -> int:
+        return sum(a.numel() for a in self.arenas.values())
+
+    def snapshot(self, tensors: List[torch.Tensor], threads: Optional[int] = None) -> List[torch.Tensor]:
+        """Copies of ``tensors`` (contiguous, CPU, in staging memory), in order.
+
+        Valid until the next call; the caller may change or free the originals as
+        soon as this returns."""
+        kinds = ["pinned" if t.device.type == "cuda" else "cpu" for t in tensors]
+        offsets: List[int] = []
+        need: Dict[str, int] = {}
+        for t, kind in zip(tensors, kinds):
+            pos = need.get(kind, 0)
+            offsets.append(pos)
+            need[kind] = pos + _round_up(t.numel() * t.element_size(), ALIGN)
+        arenas = {kind: self._arena(kind, n) for kind, n in need.items()}
+        out: List[torch.Tensor] = []
+        cpu_tasks: List[Callable[[], None]] = []
+        gpu: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for t, kind, off in zip(tensors, kinds, offsets):
+            nb = t.numel() * t.element_size()
+            dst = arenas[kind][off:off + nb].view(t.dtype).view(t.shape)
+            out.append(dst)
+            if kind == "pinned":
+                gpu.append((t, dst))
+            else:
+                cpu_tasks += _copy_tasks(t.detach(), dst)
+        if gpu:
+            self._copy_from_gpu(gpu)
+        run_parallel(cpu_tasks, threads or default_threads())
+        return out
+
+    def _copy_from_gpu(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Device-to-host copies on a side stream per device, ordered after the work
+        already queued on the current stream; returns when they are complete."""
+        by_dev: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+        for src, dst in pairs:
+            by_dev.setdefault(src.device.index or 0, []).append((src, dst))
+        streams = []
+        for dev, items in by_dev.items():
+            stream = self._streams.get(dev)
+            if stream is None:
+                stream = self._streams[dev] = torch.cuda.Stream(device=dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for src, dst in items:
+                    dst.copy_(src.detach(), non_blocking=True)
+            streams.append(stream)
+        for stream in streams:
+            stream.synchronize()
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _copy_tasks(src: torch.Tensor, dst: torch.Tensor) -> List[Callable[[], None]]:
+    """Chunks of one host copy (torch's copy releases the GIL, so chunks run in parallel)."""
+    nb = src.numel() * src.element_size()
+    if nb <= COPY_CHUNK or not src.is_contiguous() or src.device.type != "cpu":
+        return [lambda: dst.copy_(src)]
+    s, d = src.reshape(-1), dst.reshape(-1)
+    step = max(1, COPY_CHUNK // src.element_size())
+    return [lambda lo=lo: d[lo:lo + step].copy_(s[lo:lo + step]) for lo in range(0, s.numel(), step)]
+
+
+_STAGING = Staging()
+
+
+def staging() -> Staging:
+    """This process's staging buffers (shared by every async save)."""
+    return _STAGING
+
+
+# --------------------------------------------------------------------------- the writer thread
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: Optional[str] = None
+
+
+class _Writer:
+    """One persistent daemon thread that runs background writes, one at a time."""
+
+    def __init__(self) -> None:
+        self.q: "queue.Queue[_Job]" = queue.Queue()
+        self.thread: Optional[threading.Thread] = None
+        self.pid = -1
+
+    def submit(self, job: _Job) -> None:
+        if self.thread is None or not self.thread.is_alive() or self.pid != os.getpid():
+            self.q = queue.Queue()  # after a fork the parent's thread does not exist here
+            self.pid = os.getpid()
+            self.thread = threading.Thread(target=self._loop, name="megashard-async-save", daemon=True)
+            self.thread.start()
+        self.q.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self.q.get()
+            job.result, job.error = _capture(job.fn)
+            job.done.set()
+
+
+def _capture(fn: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
+    """Like :meth:`Comm.run`, off the training thread (no collective here)."""
+    import traceback
+
+    try:
+        return fn(), None
+    except MegashardError as e:
+        return None, f"{type(e).__name__}: {e}"
+    except BaseException as e:  # noqa: BLE001 - reaches every rank at result()
+        return None, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
+
+
+_WRITER = _Writer()
+
+
+# --------------------------------------------------------------------------- the handle
+
+
+@dataclass
+class _Commit:
+    """What :meth:`AsyncSaveHandle.result` needs to finish the save."""
+
+    comm: Comm
+    final_dir: str
+    temp_dir: str
+    finish: Callable[[Comm, Optional[str], Any], None]  # agree on the write, commit, agree (api)
+
+
+class AsyncSaveHandle:
+    """An async save in flight. ``done()`` is local; ``result()`` is collective."""
+
+    def __init__(self, commit: _Commit, job: _Job, on_done: Optional[Callable[[], None]] = None) -> None:
+        self._commit = commit
+        self._job = job
+        self._finalized = False
+        self._error: Optional[BaseException] = None
+        self._on_done = on_done
+        self.checkpoint_dir = commit.final_dir
+        self.started = time.time()
+
+    @property
+    def temp_dir(self) -> str:
+        return self._commit.temp_dir
+
+    def done(self) -> bool:
+        """True once this rank's background write has ended (success or failure). Local, non-blocking."""
+        return self._job.done.is_set()
+
+    def wait_local(self, timeout: Optional[float] = None) -> bool:
+        """Block until this rank's background write ends (no collective); False on timeout."""
+        return self._job.done.wait(timeout)
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
+    def result(self, timeout: Optional[float] = None) -> str:
+        """Wait for every rank's write, commit, and return the checkpoint directory. Collective.
+
+        Raises :class:`DistributedError` on every rank if any rank's write failed (or
+        did not finish within ``timeout`` seconds); the checkpoint is then not
+        committed. Calling it again returns (or re-raises) the same outcome.
+        """
+        if self._finalized:
+            if self._error is not None:
+                raise self._error
+            return self.checkpoint_dir
+        comm = self._commit.comm
+        error = None
+        if not self._job.done.wait(timeout):
+            error = (f"the background write of {self.checkpoint_dir} did not finish within {timeout} s "
+                     "(the save is abandoned; the previous checkpoint is untouched)")
+        elif self._job.error is not None:
+            error = self._job.error
+        global _IN_FLIGHT
+        try:
+            self._commit.finish(comm, error, None if error else self._job.result)
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            self._finalized = True
+            if _IN_FLIGHT is self:
+                _IN_FLIGHT = None
+            if self._on_done is not None:
+                self._on_done()
+        return self.checkpoint_dir
+
+
+_IN_FLIGHT: Optional[AsyncSaveHandle] = None
+_LAST_JOB: Optional[_Job] = None
+
+
+def in_flight() -> Optional[AsyncSaveHandle]:
+    """The async save not yet finalized by ``result()``, if any (this process)."""
+    return _IN_FLIGHT
+
+
+def start(commit: _Commit, write: Callable[[], Any], on_done: Optional[Callable[[], None]] = None) -> AsyncSaveHandle:
+    """Hand ``write`` to the background thread; the returned handle is in flight."""
+    global _IN_FLIGHT, _LAST_JOB
+    job = _LAST_JOB = _Job(write)
+    handle = AsyncSaveHandle(commit, job, on_done)
+    _IN_FLIGHT = handle
+    _WRITER.submit(job)
+    return handle
+
+
+def wait_idle() -> None:
+    """Block until no background write runs (before staging memory is reused): a save
+    whose ``result()`` timed out may still be writing from it."""
+    job = _LAST_JOB
+    if job is not None:
+        job.done.wait()
+
+
+def all_done(comm: Optional[Comm] = None) -> bool:
+    """True on every rank iff every rank's background write has ended. Collective.
+
+    The non-blocking check of a training loop: call it every iteration (all ranks),
+    and finalize with ``result()`` when it says True."""
+    comm = comm or Comm()
+    h = _IN_FLIGHT
+    busy = 0 if h is None or h.done() else 1
+    return comm.all_reduce_max(busy) == 0
+
+
+def finalize(blocking: bool, comm: Optional[Comm] = None) -> Optional[str]:
+    """Finalize the save in flight like megatron-core's ``maybe_finalize_async_calls``.
+
+    Collective (every rank calls it with the same ``blocking``). Non-blocking: commit
+    only when every rank's write has ended, else return None at once. Blocking: wait,
+    then commit. Returns the committed directory, or None when nothing was committed.
+    """
+    h = _IN_FLIGHT
+    if h is None:
+        return None
+    if not blocking and not all_done(comm or h._commit.comm):
+        return None
+    return h.result()
+
+
+def _abandon_at_exit() -> None:
+    h = _IN_FLIGHT
+    if h is None or h.finalized:
+        return
+    log.warning("process exiting with an async save to %s not finalized: it is abandoned (never committed; "
+                "the previous checkpoint and tracker are untouched). Call handle.result() before exit to keep it.",
+                h.checkpoint_dir)
+    h.wait_local()  # no background thread may write while the interpreter tears down
+
+
+atexit.register(_abandon_at_exit)
+
