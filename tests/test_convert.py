@@ -251,3 +251,19 @@ def test_convert_api_refuses_existing_dst(megatron_root, tmp_path):
     with pytest.raises(ConvertInputError, match="exists"):
         convert(megatron_root, str(d), to="torch_dist")
     assert list(d.iterdir()) == []
+
+
+def test_failure_midway_leaves_no_dst_and_no_temporaries(megatron_root, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(megatron_root, "iter_0000010"), src)
+    m = megashard.read_manifest(str(src))
+    victim = sorted(m.files)[0]
+    with open(src / victim, "r+b") as f:
+        f.truncate(m.files[victim]["bytes"] - 100)  # a damaged shard file
+    for to, dst in (("tensors", "x.tensors"), ("torch_dist", "x_td")):
+        with pytest.raises(megashard.MegashardError, match=victim) as e:
+            convert(str(src), str(tmp_path / dst), to=to)
+        assert not isinstance(e.value, ConvertInputError)  # damaged input: exit code 1, not a usage error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
