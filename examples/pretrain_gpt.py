@@ -15,6 +15,10 @@ and unchanged on GPUs with NCCL::
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py --tensor-model-parallel-size 1 \\
         --train-iters 9 --load /tmp/ckpt --save-format tensors
 
+``--async-save`` saves asynchronously and finalizes as Megatron-LM's loop does: a
+non-blocking ``finalize_async_save`` every iteration, a blocking one before the next save
+and before exit.
+
 Output (rank of the last pipeline stage, TP 0, DP 0): one line per iteration,
 ``iteration 3 | loss 4.8123456789 | lr ... | grad-norm ...`` with the loss printed
 exactly (``repr`` of the float32 value), and ``started from checkpoint …`` /
@@ -425,10 +429,15 @@ def main(argv: Optional[List[str]] = None) -> int:
          f"lr {scheduler.get_lr(optimizer.param_groups[0])!r}")
     if args.dump_loaded_state:
         msm.save_checkpoint(start_iteration, model, optimizer, scheduler, num_flops, args=args,
-                            save_dir=args.dump_loaded_state)
+                            save_dir=args.dump_loaded_state, async_save=False)
 
     is_reporter = (mpu.is_pipeline_last_stage(ignore_virtual=True)
                    and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0)
+    def save(it: int) -> None:
+        if args.async_save:  # before the next save: the previous one is committed first
+            msm.finalize_async_save(blocking=True)
+        msm.save_checkpoint(it, model, optimizer, scheduler, num_flops, args=args)
+
     iteration = start_iteration
     saved_at = None
     while iteration < args.train_iters:
@@ -438,14 +447,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         if is_reporter:
             print(f"iteration {iteration} | loss {loss!r} | lr {optimizer.param_groups[0]['lr']!r} | "
                   f"grad-norm {grad_norm!r}", flush=True)
+        if args.async_save:  # like Megatron-LM's train(): commit a finished async save, never wait
+            msm.finalize_async_save(blocking=False)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            msm.save_checkpoint(iteration, model, optimizer, scheduler, num_flops, args=args)
+            save(iteration)
             saved_at = iteration
             log0(f"saved checkpoint at iteration {iteration} to {msm.checkpoint_dir(args.save, iteration)} "
                  f"| params-digest {params_digest(model)} | rng-digest {rng_digest()}")
         if args.exit_interval and iteration % args.exit_interval == 0:
             if args.save and saved_at != iteration:
-                msm.save_checkpoint(iteration, model, optimizer, scheduler, num_flops, args=args)
+                save(iteration)
                 saved_at = iteration
                 log0(f"saved checkpoint at iteration {iteration} to {msm.checkpoint_dir(args.save, iteration)}")
             log0(f"exiting at iteration {iteration} (--exit-interval)")
@@ -453,8 +464,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         # like Megatron-LM's pretrain(): a final save unless the interval just saved
         if args.save and iteration != 0 and saved_at != iteration and iteration != start_iteration:
-            msm.save_checkpoint(iteration, model, optimizer, scheduler, num_flops, args=args)
+            save(iteration)
             log0(f"saved checkpoint at iteration {iteration} to {msm.checkpoint_dir(args.save, iteration)}")
+    if args.async_save:  # before exit: wait for and commit the last async save (else it is abandoned)
+        msm.finalize_async_save(blocking=True)
     log0(f"done at iteration {iteration}")
     torch.distributed.barrier()
     mpu.destroy_model_parallel()

@@ -165,6 +165,31 @@ class _Job:
         self.done = threading.Event()
         self.result: Any = None
         self.error: Optional[str] = None
+        self._lock = threading.Lock()
+        self._then: List[Callable[[], None]] = []
+
+    def finish(self, result: Any, error: Optional[str]) -> None:
+        self.result, self.error = result, error
+        with self._lock:
+            self.done.set()
+            then, self._then = self._then, []
+        for fn in then:
+            _run_callback(fn)
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (on the writer thread) when the job ends; now if it already has."""
+        with self._lock:
+            if not self.done.is_set():
+                self._then.append(fn)
+                return
+        _run_callback(fn)
+
+
+def _run_callback(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - a notification must not kill the writer thread
+        log.warning("async save: a completion callback failed", exc_info=True)
 
 
 class _Writer:
@@ -186,8 +211,7 @@ class _Writer:
     def _loop(self) -> None:
         while True:
             job = self.q.get()
-            job.result, job.error = _capture(job.fn)
-            job.done.set()
+            job.finish(*_capture(job.fn))
 
 
 def _capture(fn: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
@@ -221,12 +245,12 @@ class _Commit:
 class AsyncSaveHandle:
     """An async save in flight. ``done()`` is local; ``result()`` is collective."""
 
-    def __init__(self, commit: _Commit, job: _Job, on_done: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, commit: _Commit, job: _Job) -> None:
         self._commit = commit
         self._job = job
         self._finalized = False
         self._error: Optional[BaseException] = None
-        self._on_done = on_done
+        self._committed: List[Callable[[], None]] = []
         self.checkpoint_dir = commit.final_dir
         self.started = time.time()
 
@@ -237,6 +261,16 @@ class AsyncSaveHandle:
     def done(self) -> bool:
         """True once this rank's background write has ended (success or failure). Local, non-blocking."""
         return self._job.done.is_set()
+
+    def when_written(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (from the writer thread, or now) once this rank's write has ended."""
+        self._job.then(fn)
+
+    def add_commit_callback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on every rank right after a successful commit, inside ``result()``
+        (whoever calls it: the caller, the next save, or :func:`finalize`); it may be
+        collective — e.g. Megatron's tracker file is written this way."""
+        self._committed.append(fn)
 
     def wait_local(self, timeout: Optional[float] = None) -> bool:
         """Block until this rank's background write ends (no collective); False on timeout."""
@@ -267,6 +301,8 @@ class AsyncSaveHandle:
         global _IN_FLIGHT
         try:
             self._commit.finish(comm, error, None if error else self._job.result)
+            for fn in self._committed:
+                fn()
         except BaseException as e:
             self._error = e
             raise
@@ -274,8 +310,6 @@ class AsyncSaveHandle:
             self._finalized = True
             if _IN_FLIGHT is self:
                 _IN_FLIGHT = None
-            if self._on_done is not None:
-                self._on_done()
         return self.checkpoint_dir
 
 
@@ -288,11 +322,11 @@ def in_flight() -> Optional[AsyncSaveHandle]:
     return _IN_FLIGHT
 
 
-def start(commit: _Commit, write: Callable[[], Any], on_done: Optional[Callable[[], None]] = None) -> AsyncSaveHandle:
+def start(commit: _Commit, write: Callable[[], Any]) -> AsyncSaveHandle:
     """Hand ``write`` to the background thread; the returned handle is in flight."""
     global _IN_FLIGHT, _LAST_JOB
     job = _LAST_JOB = _Job(write)
-    handle = AsyncSaveHandle(commit, job, on_done)
+    handle = AsyncSaveHandle(commit, job)
     _IN_FLIGHT = handle
     _WRITER.submit(job)
     return handle

@@ -75,6 +75,21 @@ def test_tp2_same_layout_resume_is_bit_exact(tp2):
     assert run.digests["start"] == base.digests["saved@3"]
 
 
+def test_async_save_resume_is_bit_exact(tp2, tmp_path):
+    """--async-save: training continues while iteration 3 is written; resuming from it
+    reproduces the synchronous run's losses exactly, and the tracker names the last save."""
+    _, base = tp2
+    root = tmp_path / "async"
+    run = pretrain(["--tensor-model-parallel-size", "2", "--save", str(root), "--async-save", *ITERS]).check()
+    assert run.losses == base.losses  # snapshotting never perturbs training
+    assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip() == "6"
+    assert not [n for n in os.listdir(root) if n.startswith(".")]  # nothing abandoned
+    resumed = pretrain(["--tensor-model-parallel-size", "2", "--load", str(root), "--ckpt-step", "3",
+                        "--megashard-verify-on-load", *ITERS]).check()
+    assert run.digests["saved@3"] == base.digests["saved@3"] == resumed.digests["start"]
+    assert {i: resumed.losses[i] for i in (4, 5, 6)} == {i: base.losses[i] for i in (4, 5, 6)}
+
+
 def test_tp2_to_tp1_dp2_reshards_model_and_optimizer_exactly(tp2, tmp_path):
     root, base = tp2
     dump = tmp_path / "reloaded"

@@ -20,7 +20,9 @@ from __future__ import annotations
 from .args import add_arguments
 from .checkpointing import (
     TRACKER_FILENAME,
+    async_request,
     checkpoint_dir,
+    finalize_async_save,
     find_checkpoint,
     is_megashard_checkpoint,
     load_checkpoint,
@@ -56,6 +58,8 @@ __all__ = [
     "install",
     "uninstall",
     "save_checkpoint",
+    "finalize_async_save",
+    "async_request",
     "load_checkpoint",
     "find_checkpoint",
     "is_megashard_checkpoint",

@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             help="Tolerate tensors missing from the checkpoint (they keep their current "
                  "values and are listed in the log) instead of failing.",
         )
+    if not _has(parser, "--async-save"):  # Megatron-LM defines it; stand-alone scripts get it here
+        group.add_argument(
+            "--async-save", action="store_true", default=None,
+            help="Save asynchronously: training stalls only while every rank copies its state "
+                 "into reused staging memory; files are written in a background thread and the "
+                 "checkpoint is committed (and the tracker written) when the save is finalized.",
+        )
     return parser
 
 

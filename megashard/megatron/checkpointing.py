@@ -196,6 +196,7 @@ def save_checkpoint(
     args: Any = None,
     save_dir: Optional[str] = None,
     release: bool = False,
+    async_save: Optional[bool] = None,
     **_ignored: Any,
 ) -> str:
     """Save Megatron's full training state to ``<save>/iter_{iteration:07d}`` with megashard.
@@ -203,6 +204,12 @@ def save_checkpoint(
     Collective over the world. Signature-compatible with Megatron-LM's
     ``save_checkpoint`` (extra keyword arguments are accepted and ignored).
     Returns the checkpoint directory.
+
+    With ``--async-save`` (or ``async_save=True``) it returns once every rank holds a
+    snapshot; the files are written in the background and the checkpoint is
+    committed, and the tracker written, when the save is finalized
+    (:func:`finalize_async_save`, the next save, or Megatron-LM's
+    ``maybe_finalize_async_save`` through :func:`async_request`).
     """
     args = _get_args(args)
     root = save_dir or args.save
@@ -229,8 +236,14 @@ def save_checkpoint(
     )
     sd = st.prepare_for_save(sd)
     stems = file_stems(chunks, layout)
-    _call(_api().save, sd, ckpt, file_stems=stems,
-          layout={k: layout[k] for k in ("tp", "pp", "dp", "ep")} | {"vp": len(chunks)})
+    save_layout = {k: layout[k] for k in ("tp", "pp", "dp", "ep")} | {"vp": len(chunks)}
+    if bool(_flag(args, "async_save")) if async_save is None else async_save:
+        handle = _api().save(sd, ckpt, file_stems=stems, layout=save_layout, async_save=True)
+        handle.add_commit_callback(lambda: _commit_tracker(root, iteration, release))
+        log.info("scheduled an async save of iteration %d to %s; training stalled %.2f s for the snapshot",
+                 iteration, ckpt, time.perf_counter() - t0)
+        return ckpt
+    _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout)
     _barrier()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         write_tracker(root, iteration, release)
@@ -238,6 +251,70 @@ def save_checkpoint(
     log.info("saved checkpoint at iteration %d to %s in %.2f s", iteration, ckpt,
              time.perf_counter() - t0)
     return ckpt
+
+
+def _commit_tracker(root: str, iteration: int, release: bool) -> None:
+    """After an async save's commit (every rank): rank 0 writes the tracker; all agree."""
+    from megashard.transport import Comm
+
+    comm = Comm()
+    _, err = comm.run("save/tracker", lambda: write_tracker(root, iteration, release) if comm.rank == 0 else None)
+    comm.agree(err, "save (tracker)")
+    log.info("async checkpoint at iteration %d committed to %s", iteration, checkpoint_dir(root, iteration, release))
+
+
+def finalize_async_save(blocking: bool = False) -> bool:
+    """Finalize megashard's async save in flight, as Megatron's loop does: collective.
+
+    ``blocking=False`` (every iteration): commit only if every rank's write has ended.
+    ``blocking=True`` (before exit, before the next save): wait, then commit. True
+    when a save was committed (its tracker written).
+    """
+    from megashard import async_save
+
+    return async_save.finalize(blocking) is not None
+
+
+def _wait_written(marker: str) -> None:
+    """Megatron's async worker body: alive while this rank's background write runs.
+
+    megatron-core's ``AsyncCallsQueue`` decides that a save is done when its worker
+    process has exited on every rank; megashard writes in a thread of the trainer, so
+    the worker waits for the marker file the writer thread deletes when it is done (or
+    for the trainer to die). Module-level, with a string argument: megatron-core's
+    persistent worker receives it through a spawn-context queue.
+    """
+    parent = os.getppid()
+    while os.path.exists(marker) and os.getppid() == parent:
+        time.sleep(0.01)
+
+
+def async_request(handle: Any = None) -> Any:
+    """A megatron-core ``AsyncRequest`` that tracks megashard's async save in flight.
+
+    For Megatron-LM's ``schedule_async_save``: its worker lives while this rank
+    writes; its finalize function commits (``handle.result()``, collective) and
+    writes the tracker. Returns None when no save is in flight.
+    """
+    import tempfile
+
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megashard import async_save
+
+    handle = handle or async_save.in_flight()
+    if handle is None:
+        return None
+    fd, marker = tempfile.mkstemp(prefix=".megashard-writing-", dir=os.environ.get("MEGASHARD_MARKER_DIR"))
+    os.close(fd)
+
+    def written() -> None:
+        try:
+            os.unlink(marker)
+        except FileNotFoundError:
+            pass
+
+    handle.when_written(written)
+    return AsyncRequest(async_fn=_wait_written, async_fn_args=(marker,), finalize_fns=[handle.result])
 
 
 # --------------------------------------------------------------------------------------

@@ -5,8 +5,10 @@ Megatron-LM's training loop calls ``save_checkpoint`` / ``load_checkpoint`` whic
 ``megatron/training/checkpointing.py``; patching only the checkpointing module would
 miss those call sites, so both modules' names are replaced. The wrappers send
 
-* saves with ``--save-format tensors`` to :func:`megashard.megatron.save_checkpoint`,
-  every other save to Megatron's original (with ``--save-format torch|torch_dist``
+* saves with ``--save-format tensors`` to :func:`megashard.megatron.save_checkpoint`
+  (with ``--async-save``: the snapshot is taken there and a megatron-core
+  ``AsyncRequest`` is handed to Megatron's ``schedule_async_save``, so Megatron's
+  ``maybe_finalize_async_save`` commits it and writes the tracker), every other save to Megatron's original (with ``--save-format torch|torch_dist``
   mapped onto ``--ckpt-format``);
 * loads whose ``--load`` (or ``--pretrained-checkpoint``) directory holds a megashard
   checkpoint to :func:`megashard.megatron.load_checkpoint`, every other load to the
@@ -55,11 +57,14 @@ def make_save_wrapper(original: Callable) -> Callable:
                         *args: Any, **kwargs: Any) -> Any:
         margs = _megatron_args()
         if uses_megashard_save(margs) and not kwargs.get("non_persistent_ckpt", False):
-            if getattr(margs, "async_save", False):
-                log.warning("--async-save: megashard saves synchronously")
+            is_async = bool(getattr(margs, "async_save", False))
             ms_ckpt.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                                     num_floating_point_operations_so_far, checkpointing_context,
-                                    args=margs, release=bool(kwargs.get("release", False)))
+                                    args=margs, release=bool(kwargs.get("release", False)), async_save=is_async)
+            if is_async:  # Megatron's own queue drives it: maybe_finalize_async_save commits + writes the tracker
+                from megatron.training.async_utils import schedule_async_save
+
+                schedule_async_save(ms_ckpt.async_request())
             return None
         fmt = megatron_save_format(margs)
         if fmt and getattr(margs, "ckpt_format", None) != fmt:
