@@ -205,7 +205,9 @@ def _kill_job(rank: int, world: int, tmp: str, victim: int) -> Dict[str, Any]:
 
 @pytest.mark.parametrize("victim", [0, 1], ids=["reader", "non_reader"])
 def test_scatter_sigkill_leaves_nothing(tmp_path, victim: int) -> None:
-    res = run_ranks(_kill_job, 2, str(tmp_path), victim, env=NODE_ENV, timeout=120)
+    # the stall timeout is far beyond the harness timeout: only the pid watch can end the survivor's wait
+    res = run_ranks(_kill_job, 2, str(tmp_path), victim, env=dict(NODE_ENV, MEGASHARD_SHM_TIMEOUT_S="3600"),
+                    timeout=120)
     assert res[victim] == (False, f"exit code {-signal.SIGKILL}"), res[victim]
     ok, survivor = res[1 - victim]
     assert ok and survivor["error"], survivor  # the survivor raised DistributedError, did not hang
