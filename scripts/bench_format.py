@@ -18,8 +18,8 @@ biases and embedding), with the page cache warm:
          with huge pages forced on; load_file(mmap=True) untouched (parsing + views only)
 
 Every loaded result is touched (one byte per 4 KiB page) inside the timing.
-Cases are interleaved round by round (one warm-up round, then --runs >= 3
-rounds; medians reported, plus same-round "paired" ratios and CPU-time ratios),
+Cases are interleaved round by round, the order rotated each round (one warm-up
+round, then --runs >= 3 rounds; medians reported, plus same-round "paired" ratios and CPU-time ratios),
 so a shared machine's background load hits every tool alike. Before every timed
 write the target is deleted and dirty pages are flushed (os.sync), and before
 every run freed heap memory is returned to the OS (malloc_trim), all outside
@@ -157,13 +157,16 @@ def malloc_trim() -> None:
 
 
 def interleave(cases: list[Case], runs: int) -> None:
-    """Round-robin the cases (one warm-up round, then `runs` rounds).
+    """Round-robin the cases (one warm-up round, then `runs` rounds), rotating the order.
 
     Interleaving makes every tool see the same background load on a shared machine.
+    Each round starts one case later than the previous one, so no case always follows
+    the same neighbour (freeing 1 GB just before an allocation makes its first touches
+    cheaper on VMs that hand free memory back to the host only after a delay).
     """
     for k in range(runs + 1):
-        for c in cases:
-            c.once(record=k > 0)
+        for i in range(len(cases)):
+            cases[(i + k) % len(cases)].once(record=k > 0)
     for c in cases:
         log(f"  {c.label}: " + ", ".join(f"{t:.3f}" for t in c.wall) + " s wall, cpu "
             + ", ".join(f"{t:.2f}" for t in c.cpu))

@@ -238,7 +238,7 @@ class TensorFileReader:
         dest = out if out is not None else self._new(e.codec.dtype, shape, nbytes)
         if nbytes:
             read_requests(self._fd, [(e.data_offset + start * row_bytes, tensor_memoryview(dest))],
-                          self.path, self._threads)
+                          self.path, self._threads, fresh=out is None)
         return dest
 
     def load(self, keys: Sequence[str] | None = None, *, verify: bool = False,
