@@ -32,7 +32,7 @@ def _load_with_failure(rank, world, path, how, timeout):
             if how == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if how == "hang":  # stuck far past the timeout, then gone
-                time.sleep(20)
+                time.sleep(12)
                 os._exit(0)
             if how == "exit":
                 raise SystemExit(3)
