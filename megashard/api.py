@@ -365,14 +365,18 @@ def save(
             job.groups[s][n] = c
         return job
 
+    t_plan = time.perf_counter()
     job, err = comm.run("save/snapshot", snapshot)
+    t_copy = time.perf_counter()
     st = _SaveState(comm.rank)  # drop every reference to the caller's tensors
     comm.agree(err, "save")  # every rank holds its snapshot
-    t_snap = time.perf_counter() - t0
-    log.debug("%sasync save %s: snapshot in %.3f s", _rank_prefix(comm), final_dir, t_snap)
-    return async_save_mod.start(
+    t_snap = time.perf_counter()
+    log.debug("%sasync save %s: snapshot in %.3f s", _rank_prefix(comm), final_dir, t_snap - t0)
+    handle = async_save_mod.start(
         async_save_mod._Commit(comm, final_dir, temp_dir, finish),
         lambda: _write_job(job, temp_dir, comm.rank, align, fsync, threads))
+    handle.timings = {"plan_s": t_plan - t0, "copy_s": t_copy - t_plan, "agree_s": t_snap - t_copy}
+    return handle
 
 
 def _shard_record_json(sh: ShardedTensor, file: Optional[str], name: str, header_offset: int, data_offset: int,
@@ -1073,8 +1077,9 @@ def load_common(
         for k, v in value.items():
             if keys is not None and k not in keys:
                 continue
-            v = _finalize_tree(_strip_tensors(v))
-            if v is not _SHARDED:
+            fv = _finalize_tree(_strip_tensors(v))
+            if fv is not _SHARDED and not (isinstance(fv, dict) and not fv and isinstance(v, dict) and v):
+                v = fv
                 if strict:
                     _refuse_unregistered(v, k)
                 out[k] = v

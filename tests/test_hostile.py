@@ -423,3 +423,8 @@ def test_bit_flips_caught_in_scatter_mode(tmp_path):
             assert intact, f"rank {rank}: pristine checkpoint did not load back ({transport})"
             missed = [i for i, c in enumerate(caught) if not c]
             assert not missed, f"rank {rank} ({transport}): flips {missed} not caught"
+
+
+def test_load_common_skips_tensor_only_subtrees(ckpt):
+    out = megashard.load_common(ckpt)
+    assert set(out) == {"args"}, out  # "w0"/"w1" (sharded), "local" and "blob" (file-backed) are left out
