@@ -20,6 +20,7 @@ Nothing here calls ``torch.distributed`` directly (see :class:`~megashard.transp
 from __future__ import annotations
 
 import bisect
+import ctypes
 import json
 import logging
 import os
@@ -54,6 +55,17 @@ def _recv_json(comm: Comm, src: int) -> Any:
     buf = torch.empty(int(n.item()), dtype=torch.uint8)
     comm.recv(buf, src)
     return json.loads(bytes(buf.numpy()))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy bytes between contiguous uint8 CPU tensors with libc memcpy (measured 16 GB/s
+    from a ring slot vs 1-3 GB/s for ``Tensor.copy_`` of uint8 here; ctypes drops the GIL)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()}")
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
+    else:
+        dst.copy_(src)
 
 
 def _err(e: BaseException, what: str) -> str:
@@ -131,7 +143,7 @@ def _consume_shm(ring: shm.Ring, sched: Dict[str, Any], ops: Sequence[Any]) -> O
             ring.wait_produced(k, reader_pid)
             src = ring.slot(k, ring.slot_bytes)
             for i, pos, n, off in pieces:
-                ops[i].target()[pos:pos + n].copy_(src[off:off + n])
+                _copy(ops[i].target()[pos:pos + n], src[off:off + n])
                 ops[i].arrived(n)
             del src
             ring.set_done(me, extents[j + 1][0] if j + 1 < len(extents) else total)
@@ -281,6 +293,8 @@ class _Reader:
         problem = None
         if not pidns_ok:
             problem = "the node's ranks are not all in this rank's PID namespace (cannot watch them for crashes)"
+        elif not os.path.isdir(shm.SHM_DIR):
+            problem = f"{shm.SHM_DIR} does not exist (mount a tmpfs there, e.g. docker --shm-size)"
         elif free < need:
             problem = (f"{shm.SHM_DIR} has {free / 2**20:.1f} MiB free (MEGASHARD_SHM_MAX_BYTES caps it), the ring needs "
                        f"{need / 2**20:.1f} MiB; enlarge it (docker --shm-size) or lower scatter_chunk_bytes")
@@ -382,7 +396,7 @@ class _Reader:
                     if k in mine:
                         src = ring.slot(k, size)
                         for i, pos, n, off in mine[k]:
-                            self.ops[i].target()[pos:pos + n].copy_(src[off:off + n])
+                            _copy(self.ops[i].target()[pos:pos + n], src[off:off + n])
                             self.ops[i].arrived(n)
                         del src
                     k += 1
@@ -442,7 +456,7 @@ class _Reader:
                     f, a, n = subops[j]
                     src = buf[a - ext.start:a - ext.start + n]
                     if r == me:
-                        self.ops[i].target()[pos:pos + n].copy_(src)
+                        _copy(self.ops[i].target()[pos:pos + n], src)
                         self.ops[i].arrived(n)
                     else:
                         in_flight[half].append(self.comm.isend(src, r))
