@@ -101,7 +101,7 @@ def _consume(comm: Comm, ops: Sequence[Any], touched: Mapping[str, Set[str]],
              reader: int) -> Tuple[Tuple[int, int, str], Optional[str]]:
     err: Optional[str] = None
     sched: Dict[str, Any] = {}
-    req = {"ops": [[op.file, op.offset, op.nbytes] for op in ops], "pid": os.getpid(), "pidns": shm.pid_namespace(),
+    req = {"ops": [[op.file, op.offset, op.nbytes] for op in ops], "pid": os.getpid(), "host": shm.host_identity(),
            "touched": {f: sorted(names) for f, names in touched.items()}}
     try:
         _send_json(comm, req, reader)
@@ -211,16 +211,16 @@ class _Reader:
             self.err = msg
 
     def run(self) -> Tuple[Tuple[int, int, str], Optional[str]]:
-        pidns_ok = True
+        same_host = True
         for r in self.consumers:
             try:
                 req = _recv_json(self.comm, r)
             except MegashardError as e:
                 self.fail(_err(e, f"receiving rank {r}'s scatter request"))
-                req = {"ops": [], "touched": {}, "pid": 0, "pidns": ""}
+                req = {"ops": [], "touched": {}, "pid": 0, "host": ""}
             self.requests[r] = [(str(f), int(a), int(n)) for f, a, n in req["ops"]]
             self.pids.append(int(req["pid"]))
-            pidns_ok = pidns_ok and bool(req["pidns"]) and req["pidns"] == shm.pid_namespace()
+            same_host = same_host and bool(req["host"]) and req["host"] == shm.host_identity()
             for f, names in req.get("touched", {}).items():
                 self.touched.setdefault(str(f), set()).update(str(n) for n in names)
         sched: Dict[str, Any] = {}
@@ -229,7 +229,7 @@ class _Reader:
             self.check_ranges()
             if self.wants_ring():
                 sched = self.plan_shm()
-                mode = self.choose(pidns_ok, shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"]))
+                mode = self.choose(same_host, shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"]))
         except Exception as e:  # noqa: BLE001 - still send schedules: the ranks must reach the agreement
             self.fail(f"{type(e).__name__}: planning the scatter load: {e}")
             mode = "group"
@@ -287,12 +287,13 @@ class _Reader:
         """Whether shared memory is an option: other ranks need bytes and the caller allows it."""
         return self.transport != "group" and any(n for r in self.consumers for _, _, n in self.requests[r])
 
-    def choose(self, pidns_ok: bool, need: int) -> str:
+    def choose(self, same_host: bool, need: int) -> str:
         """``shm`` or ``group`` for this node (the other ranks learn it from their schedule)."""
         free = shm.available_bytes()
         problem = None
-        if not pidns_ok:
-            problem = "the node's ranks are not all in this rank's PID namespace (cannot watch them for crashes)"
+        if not same_host:
+            problem = ("the node's ranks do not all share this rank's kernel (boot id) and PID namespace: "
+                       "no common /dev/shm, or their pids cannot be watched for crashes")
         elif not os.path.isdir(shm.SHM_DIR):
             problem = f"{shm.SHM_DIR} does not exist (mount a tmpfs there, e.g. docker --shm-size)"
         elif free < need:

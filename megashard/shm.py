@@ -69,10 +69,14 @@ def stall_timeout() -> float:
         return 300.0
 
 
-def pid_namespace() -> str:
-    """Identity of this process's PID namespace ('' if unknown): pids compare only within one."""
+def host_identity() -> str:
+    """This kernel's boot id and this process's PID namespace ('' if unknown). Ranks with equal
+    identities share a /dev/shm-capable kernel and can watch each other's pids; a node id that
+    groups ranks of different machines shows up as different boot ids."""
     try:
-        return os.readlink("/proc/self/ns/pid")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return ""
 

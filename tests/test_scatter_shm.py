@@ -116,24 +116,32 @@ def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     except megashard.DistributedError as e:
         forced = f"{type(e).__name__}: {e}"
     del os.environ["MEGASHARD_SHM_MAX_BYTES"]
+    from megashard import shm
+
+    if rank == 1:  # a node id that groups ranks of different machines (another boot id)
+        shm.host_identity = lambda: "another-machine/pid:[1]"
+    elsewhere = _load(layout, rank, path)
     try:
         _load(layout, rank, path, scatter_transport="bogus")
         bad_arg = "no error"
     except ValueError as e:
         bad_arg = str(e)
-    return {"auto": auto, "forced": forced, "logs": records, "bad_arg": bad_arg, "pid": os.getpid()}
+    return {"auto": auto, "forced": forced, "logs": records, "bad_arg": bad_arg, "pid": os.getpid(),
+            "elsewhere": elsewhere}
 
 
 def test_scatter_falls_back_when_shm_too_small(tmp_path) -> None:
     res = all_ok(run_ranks(_fallback_job, 2, str(tmp_path), env=NODE_ENV))
     for r in res:
         assert r["auto"]["bad"] == [] and r["auto"]["transport"] == "group"
+        assert r["elsewhere"]["bad"] == [] and r["elsewhere"]["transport"] == "group"
         assert r["forced"].startswith("DistributedError") and "/dev/shm has 0.0 MiB free" in r["forced"], r["forced"]
         assert "scatter_transport" in r["bad_arg"]
     lines = [m for m in res[0]["logs"] if "/dev/shm has" in m]
     assert len(lines) == 1, res[0]["logs"]  # one line: the size found and what to change
     assert "MEGASHARD_SHM_MAX_BYTES" in lines[0] and "scatter_chunk_bytes" in lines[0] and "--shm-size" in lines[0]
     assert [m for m in res[1]["logs"] if "/dev/shm has" in m] == []  # only the reader decides and says so
+    assert len([m for m in res[0]["logs"] if "do not all share this rank's kernel" in m]) == 1
     assert _segments([r["pid"] for r in res]) == []
 
 
