@@ -253,6 +253,7 @@ class AsyncSaveHandle:
         self._committed: List[Callable[[], None]] = []
         self.checkpoint_dir = commit.final_dir
         self.started = time.time()
+        self.timings: Dict[str, float] = {}  # where the blocking time went (plan, copy, agree), seconds
 
     @property
     def temp_dir(self) -> str:
