@@ -232,3 +232,38 @@ def test_sigkill_at_random_moments_of_async_saves(tmp_path):
         assert complete[-1] in (f"iter_{it:07d}", f"iter_{it + 1:07d}")  # at most one commit past the tracker
         outcomes.append(f"tracker {it}, newest complete {complete[-1]}")
     print("kill outcomes:", outcomes)
+
+
+def _killed_during_background_write(rank, world, ckpt):
+    import megashard.api as api
+
+    sd = {"w": torch.full((1 << 16,), float(rank)), "iteration": 1}
+    megashard.save(sd, ckpt)  # the previous checkpoint
+    if rank == 1:
+        real = api.write_file
+
+        def die(tensors, path, **k):  # on the writer thread, after part of a file is written
+            real(dict(list(tensors.items())[:1]), path, **k)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        api.write_file = die
+    sd = {"w": torch.full((1 << 16,), 10.0 + rank), "iteration": 2}
+    h = megashard.save(sd, ckpt, async_save=True, timeout=20)
+    t0 = time.monotonic()
+    try:
+        h.result()
+    except DistributedError as e:
+        return {"raised": sorted(e.failures), "after_s": time.monotonic() - t0}
+    return {"raised": None}
+
+
+def test_rank_sigkilled_during_background_write(tmp_path):
+    """The survivor's result() raises within the timeout; the previous checkpoint stays."""
+    ckpt = str(tmp_path / "ckpt")
+    res = run_ranks(_killed_during_background_write, 2, ckpt, timeout=120)
+    assert res[1][0] is False  # killed
+    assert res[0][0] is True and res[0][1]["raised"], res[0]
+    assert res[0][1]["after_s"] < 60
+    w = torch.empty(1 << 16)
+    out = megashard.load({"w": w, "iteration": 0}, ckpt, verify=True)
+    assert out["iteration"] == 1 and torch.equal(w, torch.zeros(1 << 16))
