@@ -322,7 +322,7 @@ def save(
     soon as every rank holds a snapshot of its tensors (the caller may change them at
     once); files are written in the background and the checkpoint is committed by the
     collective ``handle.result()``. A save started while another is in flight first
-    finalizes that one (see :mod:`megashard.async_save`).
+    finalizes that one, raising its error if it failed (see :mod:`megashard.async_save`).
     """
     previous = async_save_mod.in_flight()
     if previous is not None:

@@ -346,8 +346,8 @@ def all_done(comm: Optional[Comm] = None) -> bool:
 
     The non-blocking check of a training loop: call it every iteration (all ranks),
     and finalize with ``result()`` when it says True."""
-    comm = comm or Comm()
     h = _IN_FLIGHT
+    comm = comm or (h._commit.comm if h is not None else Comm())
     busy = 0 if h is None or h.done() else 1
     return comm.all_reduce_max(busy) == 0
 
@@ -362,7 +362,7 @@ def finalize(blocking: bool, comm: Optional[Comm] = None) -> Optional[str]:
     h = _IN_FLIGHT
     if h is None:
         return None
-    if not blocking and not all_done(comm or h._commit.comm):
+    if not blocking and not all_done(comm):
         return None
     return h.result()
 
