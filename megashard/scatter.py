@@ -24,6 +24,7 @@ import ctypes
 import json
 import logging
 import os
+import threading
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -205,6 +206,7 @@ class _Reader:
         self.err: Optional[str] = None
         self.nread = 0
         self.files: Any = None
+        self.lock = threading.Lock()  # ops' lazy temporaries, shared by the ring and direct-read threads
 
     def fail(self, msg: str) -> None:
         if self.err is None:
@@ -380,42 +382,43 @@ class _Reader:
         return self.files.open(f, int(self.manifest.files[f].get("bytes", 0)))
 
     def transfer_shm(self, ring: shm.Ring, sched: Dict[str, Any]) -> None:
-        """Fill the ring in extent order; while it is full, read this rank's own ranges into place."""
+        """Fill the ring in extent order while a second thread reads this rank's own ranges
+        straight into place (the two streams keep two cores busy without per-call hand-offs)."""
         extents, mine, batches = sched["extents"], sched["mine"], sched["batches"]
-        k = d = 0
+        ring_threads = max(1, self.threads // 2)
+        direct = _DirectReads(self, batches, max(1, self.threads - ring_threads))
+        direct.start()
         try:
             if self.err is not None:
                 raise shm.ShmError("not transferring: the setup failed")
-            while k < len(extents) or d < len(batches):
-                if k < len(extents) and ring.wait_slot_free(k, self.pids, blocking=d >= len(batches)):
-                    e = extents[k]
-                    size = e.stop - e.start
-                    path = os.path.join(self.base, e.file)
-                    read_requests(self.fd(e.file), [(e.start, ring.slot_memoryview(k, size))], path, self.threads)
-                    self.nread += size
-                    ring.publish(k)
-                    if k in mine:
-                        src = ring.slot(k, size)
-                        for i, pos, n, off in mine[k]:
-                            _copy(self.ops[i].target()[pos:pos + n], src[off:off + n])
+            for k, e in enumerate(extents):
+                ring.wait_slot_free(k, self.pids)
+                size = e.stop - e.start
+                path = os.path.join(self.base, e.file)
+                read_requests(self.fd(e.file), [(e.start, ring.slot_memoryview(k, size))], path, ring_threads)
+                self.nread += size
+                ring.publish(k)
+                if k in mine:
+                    src = ring.slot(k, size)
+                    for i, pos, n, off in mine[k]:
+                        with self.lock:
+                            dst = self.ops[i].target()[pos:pos + n]
+                        _copy(dst, src[off:off + n])
+                        del dst
+                        with self.lock:
                             self.ops[i].arrived(n)
-                        del src
-                    k += 1
-                else:
-                    self.read_direct(batches[d])
-                    d += 1
+                    del src
+                if direct.error is not None:
+                    break
         except Exception as e:  # noqa: BLE001 - the consumers stop; every rank learns it in the final agreement
             ring.fail_reader()
             self.fail(_err(e, "filling the node's shared memory ring"))
-
-    def read_direct(self, batch: List[Tuple[str, int, int, int, int]]) -> None:
-        f = batch[0][0]
-        reqs = [(a, tensor_memoryview(self.ops[i].target()[pos:pos + n])) for _, a, n, i, pos in batch]
-        read_requests(self.fd(f), reqs, os.path.join(self.base, f), self.threads)
-        del reqs
-        for _, _, n, i, _ in batch:
-            self.ops[i].arrived(n)
-        self.nread += sum(n for _, _, n, _, _ in batch)
+        finally:
+            direct.finish()
+        self.nread += direct.nread
+        if direct.error is not None:
+            ring.fail_reader()
+            self.fail(_err(direct.error, "reading into this rank's tensors"))
 
     def transfer_group(self) -> None:
         """Every node rank's sub-ops in serving order, staged in two buffers; sends overlap reads.
@@ -467,6 +470,43 @@ class _Reader:
         except Exception as e:  # noqa: BLE001
             self.fail(_err(e, "scatter send failed"))
 
+
+
+class _DirectReads(threading.Thread):
+    """The reader's own ranges that no other rank needs, read straight into its tensors in
+    batches of at most ``chunk`` bytes, concurrently with filling the ring."""
+
+    def __init__(self, reader: "_Reader", batches: List[List[Tuple[str, int, int, int, int]]], threads: int) -> None:
+        super().__init__(name="megashard-scatter-direct", daemon=True)
+        self.reader, self.batches, self.threads = reader, batches, threads
+        self.nread = 0
+        self.error: Optional[BaseException] = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        r = self.reader
+        try:
+            for batch in self.batches:
+                if self.stop.is_set():
+                    return
+                f = batch[0][0]
+                with r.lock:
+                    dsts = [r.ops[i].target()[pos:pos + n] for _, _, n, i, pos in batch]
+                reqs = [(a, tensor_memoryview(d)) for (_, a, _, _, _), d in zip(batch, dsts)]
+                read_requests(r.fd(f), reqs, os.path.join(r.base, f), self.threads)
+                del reqs, dsts
+                with r.lock:
+                    for _, _, n, i, _ in batch:
+                        r.ops[i].arrived(n)
+                self.nread += sum(n for _, _, n, _, _ in batch)
+        except BaseException as e:  # noqa: BLE001 - reported by the reader after join
+            self.error = e
+
+    def finish(self) -> None:
+        """Wait for the reads (stopping early if the ring side failed)."""
+        if self.reader.err is not None:
+            self.stop.set()
+        self.join()
 
 
 def partition(ranges: Sequence[Range], chunk: int) -> Tuple[List[plan.Extent], List[List[Tuple[int, int, int, int]]]]:
