@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
-import mmap as _mmap
 import os
 import stat
 import threading
@@ -296,16 +295,12 @@ class TensorFileReader:
             if size != self._size:
                 raise FormatError(f"{self.path}: the file changed size since it was opened ({self._size} -> "
                                   f"{size} bytes); reopen it")
-            proc = f"/proc/self/fd/{self._fd}"
             try:
-                if os.path.exists(proc):
-                    storage = torch.UntypedStorage.from_file(proc, shared=False, nbytes=size)
-                    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-                else:  # no /proc: Python's mmap (it keeps a duplicate descriptor while mapped)
-                    whole = torch.frombuffer(_mmap.mmap(self._fd, size, access=_mmap.ACCESS_COPY),
-                                             dtype=torch.uint8)
-            except (RuntimeError, OSError, ValueError) as e:
+                # shared=False: MAP_PRIVATE, read-write, copy-on-write; torch checks the size again
+                storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{self._fd}", shared=False, nbytes=size)
+            except (RuntimeError, OSError) as e:
                 raise FormatError(f"{self.path}: cannot map the file: {e}") from e
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage)
             self._map = whole
             return whole
 
