@@ -10,8 +10,10 @@ save, so a checkpoint only ever appears complete.
 
 Why a thread and not a process: the writer spends its time in SHA-256, CRC32 and
 ``pwrite``/``fsync``, all of which release the GIL, so a thread slows a training step
-no more than a process does (``scripts/bench_async.py`` measures both), while a
-process would need the staging memory shared with it and its results sent back.
+less than a forked process does (``scripts/bench_async.py`` measures both), while a
+process would need the staging memory shared with it and its results sent back. The
+writer runs at a raised niceness (``MEGASHARD_ASYNC_NICE``, default 10), so on busy
+CPUs the kernel runs training first and the write takes the idle time.
 
 At most one save is in flight per process: a new save (sync or async) first calls
 ``result()`` on the previous one. A process that exits with a save still in flight
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 ALIGN = 4096  # staged tensors start on page boundaries (aligned pwrite sources, dtype views)
 COPY_CHUNK = 32 << 20  # bytes per parallel copy task
+DEFAULT_WRITER_NICE = 10
 
 __all__ = ["AsyncSaveHandle", "Staging", "staging", "in_flight", "finalize", "all_done"]
 
@@ -211,7 +214,31 @@ class _Writer:
     def _loop(self) -> None:
         while True:
             job = self.q.get()
+            _set_nice(writer_nice())
             job.finish(*_capture(job.fn))
+
+
+def writer_nice() -> int:
+    """Niceness of the writer thread (and of the threads it starts, which inherit it):
+    ``MEGASHARD_ASYNC_NICE``, default 10, so that the kernel runs training first when
+    the CPUs are busy. 0 keeps the trainer's priority."""
+    v = os.environ.get("MEGASHARD_ASYNC_NICE", "")
+    try:
+        return max(0, min(19, int(v))) if v else DEFAULT_WRITER_NICE
+    except ValueError:
+        log.warning("MEGASHARD_ASYNC_NICE=%r is not an integer; using %d", v, DEFAULT_WRITER_NICE)
+        return DEFAULT_WRITER_NICE
+
+
+def _set_nice(nice: int) -> None:
+    """Linux: niceness is per thread (setpriority on the thread id). Only ever raised:
+    lowering it again would need privileges."""
+    try:
+        tid = threading.get_native_id()
+        if nice > os.getpriority(os.PRIO_PROCESS, tid):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (OSError, AttributeError) as e:  # not Linux, or not permitted: run at normal priority
+        log.debug("could not renice the async writer: %s", e)
 
 
 def _capture(fn: Callable[[], Any]) -> Tuple[Any, Optional[str]]:

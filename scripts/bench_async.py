@@ -13,7 +13,8 @@ model, ``--size-gib`` in all). In one run, rounds interleave (order rotating):
                 ``maybe_finalize_async_calls(blocking=False)`` each step;
 * ``thread`` / ``process``: the GIL question — the same bytes (the staging arena)
                 written by ``write_file(fsync=True)`` from a thread of the trainer or
-                from a forked child, while the trainer runs steps.
+                from a forked child, while the trainer runs steps; ``thread_nice``: the
+                thread at megashard's writer niceness (``MEGASHARD_ASYNC_NICE``).
 
 A training step is a small MLP's forward/backward/update on one thread (Python- and
 dispatch-heavy, as a CPU stand-in for a step's host side). The first async save
@@ -140,8 +141,13 @@ def _worker(a: argparse.Namespace) -> None:
         target = os.path.join(p, "arena.tensors")
         t0 = before(os.path.join(a.workdir, "none"))
         steps = []
-        if how == "thread":
-            th = threading.Thread(target=write_file, args=({"arena": arena}, target), kwargs={"fsync": True})
+        if how.startswith("thread"):
+            def write() -> None:
+                if how == "thread_nice":
+                    async_save._set_nice(async_save.writer_nice())  # as megashard's writer thread does
+                write_file({"arena": arena}, target, fsync=True)
+
+            th = threading.Thread(target=write)
             th.start()
             while th.is_alive():
                 steps.append(step())
@@ -162,7 +168,8 @@ def _worker(a: argparse.Namespace) -> None:
 
     ops: Dict[str, Callable[[str], None]] = {
         "sync": op_sync, "async": op_async, "td_async": op_td,
-        "thread": lambda t: op_writer(t, "thread"), "process": lambda t: op_writer(t, "process")}
+        "thread": lambda t: op_writer(t, "thread"), "thread_nice": lambda t: op_writer(t, "thread_nice"),
+        "process": lambda t: op_writer(t, "process")}
     dist.barrier()
     base = [step() for _ in range(10)]  # warm-up
     op_sync("warmup_sync")
@@ -191,7 +198,7 @@ def _med(xs: List[float]) -> float:
 def _summarize(ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
     base = _med([s for r in ranks for s in r["baseline_steps"][0]["steps"]])
     res: Dict[str, Any] = {"normal_step_s": base, "local_bytes": [r["meta"][0]["local_bytes"] for r in ranks]}
-    for op in ("sync", "async_first", "async", "td_async", "thread", "process"):
+    for op in ("sync", "async_first", "async", "td_async", "thread", "thread_nice", "process"):
         reps = list(zip(*[r[op] for r in ranks]))  # per repetition, every rank's record
         blocking = [max(x["blocking_s"] for x in rep) for rep in reps]
         total = [max(x["total_s"] for x in rep) for rep in reps]
@@ -247,7 +254,7 @@ def main(argv: List[str] | None = None) -> int:
     summary = _summarize(ranks)
     print(json.dumps(summary, indent=1))
     print(f"\n{'op':<12} {'blocking s':>11} {'total s':>9} {'peak RSS MiB':>13} {'step x':>7}")
-    for op in ("sync", "async_first", "async", "td_async", "thread", "process"):
+    for op in ("sync", "async_first", "async", "td_async", "thread", "thread_nice", "process"):
         r = summary[op]
         sd = "" if r["step_slowdown"] is None else f"{r['step_slowdown']:.2f}"
         print(f"{op:<12} {r['blocking_s']:>11.3f} {r['total_s']:>9.3f} {r['peak_rss_mib']:>13.0f} {sd:>7}")
