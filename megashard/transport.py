@@ -129,8 +129,8 @@ class Comm:
         try:
             everything = self.all_gather_json({"error": error, "payload": payload})
         except DistributedError as e:  # a peer died: report our own error too, if any
-            if error:
-                e.failures.setdefault(self.rank, error)
+            if error:  # keep this rank's own failure first: it usually explains the rest
+                e.failures[self.rank] = f"{error}\n(then: {e.failures.get(self.rank, 'the agreement failed')})"
             raise distributed_error(e.failures, what) from None
         failures = {r: e["error"] for r, e in enumerate(everything) if e["error"]}
         if failures:
