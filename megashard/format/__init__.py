@@ -47,7 +47,7 @@ Reading (:func:`open_file`, :func:`load_file`, :func:`parallel_read`)
       lengths, already validated); headers are parsed for ``info()``/``infos()``
       and verification.
     * ``load_file`` returns CPU tensors that are views into one fresh buffer,
-      pre-faulted in parallel in 8 MiB steps right before each ``preadv``
+      pre-faulted in parallel in 512 KiB steps right before each ``preadv``
       (``MADV_POPULATE_WRITE``, see :func:`~megashard.format.fastio.prefault`;
       huge pages where they help, ``MEGASHARD_HUGEPAGES=0/1`` overrides, see
       :func:`~megashard.format.fastio.hugepages_enabled`); the buffer is freed
