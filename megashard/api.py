@@ -275,7 +275,8 @@ def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool
 
 
 def _finish_save(comm: Comm, err: Optional[str], result: Any, *, all_meta: List[Dict[str, Any]], temp_dir: str,
-                 final_dir: str, layout: Optional[Mapping[str, Any]], t0: float, fsync: bool) -> None:
+                 final_dir: str, layout: Optional[Mapping[str, Any]], t0: float, fsync: bool,
+                 is_async: bool = False) -> None:
     """Agree on every rank's write, commit on rank 0 (manifest, rename), agree on the commit."""
     results = comm.agree(err, "save", result)  # gathers every rank's records
 
@@ -295,7 +296,8 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, all_meta: List[
     _, err = comm.run("save/commit", commit)
     comm.agree(err, "save")  # everybody learns the outcome
     total = sum(f["bytes"] for r in results for f in r["files"].values())
-    _log_summary(comm, "saved", final_dir, total, time.perf_counter() - t0, f"{len(all_meta)} writer(s), fsync={fsync}")
+    _log_summary(comm, "saved", final_dir, total, time.perf_counter() - t0,
+                 f"{'async, ' if is_async else ''}{len(all_meta)} rank(s), fsync={fsync}")
 
 
 def save(
@@ -349,7 +351,7 @@ def save(
     token = all_meta[0]["token"]
     temp_dir = storage.temp_dir_name(final_dir, token)
     finish = partial(_finish_save, all_meta=all_meta, temp_dir=temp_dir, final_dir=final_dir, layout=layout,
-                     t0=t0, fsync=fsync)
+                     t0=t0, fsync=fsync, is_async=async_save)
     if not async_save:
         result, err = comm.run("save/write", lambda: _write_job(_select(st, writers, obj_writer, comm.rank),
                                                                 temp_dir, comm.rank, align, fsync, threads))
