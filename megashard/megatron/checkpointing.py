@@ -393,24 +393,31 @@ def load_checkpoint(
                            f"megashard reads {st.DISTRIB_OPTIM_SHARDING_TYPE!r}")
 
     chunks = [st.unwrap_model(m) for m in st.as_chunk_list(ddp_model)]
-    template = st.build_state_dict(
-        args, chunks, optimizer if load_optim else None,
-        opt_param_scheduler if load_optim else None,
-        st.StateRequest(optimizer=load_optim, scheduler=load_optim, rng=load_rng, is_loading=True,
-                        data_parallel_random_init=_flag(args, "data_parallel_random_init"),
-                        metadata=metadata),
-    )
-    # the non-tensor values come from the checkpoint (load_common / load results)
-    for key in ("args", "checkpoint_version", "content_metadata"):
-        template.pop(key, None)
-    prepared = st.prepare_for_load(template)
     strict_load = bool(_flag(args, "megashard_strict_load", True))
-    # no_grad: template ShardedTensors wrap live nn.Parameters, which are filled in place
-    with torch.no_grad():
-        loaded = _call(_api().load, prepared.request, ckpt,
-                       mode=_flag(args, "megashard_load_mode", "auto") or "auto",
-                       strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
-    loaded = st.finish_load(loaded, prepared)
+    # a strict load overwrites every element of the optimizer state: no need to zero it first
+    fresh = st.preallocate_optimizer_state(optimizer) if load_optim and strict_load else st.FreshOptimizerState()
+    try:
+        template = st.build_state_dict(
+            args, chunks, optimizer if load_optim else None,
+            opt_param_scheduler if load_optim else None,
+            st.StateRequest(optimizer=load_optim, scheduler=load_optim, rng=load_rng, is_loading=True,
+                            data_parallel_random_init=_flag(args, "data_parallel_random_init"),
+                            metadata=metadata),
+        )
+        # the non-tensor values come from the checkpoint (load_common / load results)
+        for key in ("args", "checkpoint_version", "content_metadata"):
+            template.pop(key, None)
+        prepared = st.prepare_for_load(template, skip_aliased_main_params=strict_load)
+        # no_grad: template ShardedTensors wrap live nn.Parameters, which are filled in place
+        with torch.no_grad():
+            loaded = _call(_api().load, prepared.request, ckpt,
+                           mode=_flag(args, "megashard_load_mode", "auto") or "auto",
+                           strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
+        loaded = st.finish_load(loaded, prepared)
+        fresh.wait()
+    except BaseException:
+        fresh.zero()  # never leave uninitialised optimizer state behind a failed load
+        raise
 
     if finetune:
         iteration = 0

@@ -31,6 +31,7 @@ import argparse
 import base64
 import contextlib
 import enum
+import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -422,6 +423,114 @@ def allow_flattened_range() -> Iterator[None]:
         cls.validate_metadata_integrity = original
 
 
+def _inner_optimizers(optimizer: Any) -> List[Tuple[Any, Any]]:
+    """(megatron optimizer, torch optimizer) for every optimizer of a (chained) Megatron optimizer."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and hasattr(inner, "state") and hasattr(inner, "param_groups"):
+            out.append((opt, inner))
+    return out
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, without writing them
+_populate_unsupported = False
+
+
+def _populate(tensors: Sequence[torch.Tensor]) -> None:
+    """Take the first-touch page faults of fresh CPU tensors now, in one syscall each.
+
+    Faulting pages in one by one while ``preadv`` copies into them costs (measured on a
+    2-core VM) about twice as much as ``MADV_POPULATE_WRITE`` beforehand. Contents are
+    untouched, so this may run while the tensors are being read into. Without kernel
+    support it does nothing (the reads take the faults).
+    """
+    global _populate_unsupported
+    import ctypes
+    import mmap
+
+    if _populate_unsupported:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        _populate_unsupported = True
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    for t in tensors:
+        a, n = t.data_ptr(), t.numel() * t.element_size()
+        if n == 0:
+            continue
+        lo, hi = a - a % page, -(-(a + n) // page) * page
+        if madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+            _populate_unsupported = True  # EINVAL: kernel without MADV_POPULATE_WRITE
+            return
+
+
+@dataclass
+class FreshOptimizerState:
+    """Optimizer state allocated uninitialised for a load (see :func:`preallocate_optimizer_state`)."""
+
+    tensors: List[torch.Tensor] = field(default_factory=list)
+    _thread: Any = None
+
+    def wait(self) -> None:
+        """Wait for the background page population (call before the load returns)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def zero(self) -> None:
+        """After a failed load: no uninitialised memory may reach training."""
+        self.wait()
+        with torch.no_grad():
+            for t in self.tensors:
+                t.zero_()
+
+
+def preallocate_optimizer_state(optimizer: Any) -> FreshOptimizerState:
+    """Give a never-stepped torch Adam/AdamW (inside Megatron optimizers) its ``exp_avg`` /
+    ``exp_avg_sq`` uninitialised, for a load that overwrites every element.
+
+    Megatron's ``init_state_fn`` (run by ``sharded_state_dict(is_loading=True)``) fills
+    them with ``zeros_like``: a memset of the whole optimizer state, plus its page faults,
+    on the critical path. With the state already present it is skipped. The page faults
+    are taken in a background thread (:func:`_populate`, parallel over the CPUs), while
+    the state dicts are built and the load is planned. Only for plain (non-AMSGrad,
+    non precision-aware) Adam, whose ``init_state_fn`` creates exactly these two tensors.
+    The caller must :meth:`~FreshOptimizerState.wait` and, if the load does not complete,
+    :meth:`~FreshOptimizerState.zero`.
+    """
+    fresh = FreshOptimizerState()
+    for opt, inner in _inner_optimizers(optimizer):
+        config = getattr(opt, "config", None)
+        if (not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or len(inner.state) > 0
+                or getattr(opt, "init_state_fn", None) is None
+                or getattr(config, "use_precision_aware_optimizer", False)
+                or any(g.get("amsgrad") for g in inner.param_groups)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                s = inner.state[p]
+                s["exp_avg"] = torch.empty_like(p.data, memory_format=torch.contiguous_format)
+                s["exp_avg_sq"] = torch.empty_like(p.data, memory_format=torch.contiguous_format)
+                fresh.tensors += [s["exp_avg"], s["exp_avg_sq"]]
+    cpu = [t for t in fresh.tensors if t.device.type == "cpu"]
+    if cpu:
+        import threading
+
+        from megashard.format.fastio import default_read_threads, run_parallel
+
+        n = default_read_threads()
+        tasks = [functools.partial(_populate, cpu[i::n]) for i in range(n)]
+        fresh._thread = threading.Thread(target=run_parallel, args=(tasks, n), name="megashard-prefault",
+                                         daemon=True)
+        fresh._thread.start()
+    return fresh
+
+
 def ensure_distributed_optimizer_state(optimizer: Any) -> None:
     """Give a never-stepped DistributedOptimizer (torch Adam) an initial state with ``step``.
 
@@ -436,11 +545,13 @@ def ensure_distributed_optimizer_state(optimizer: Any) -> None:
         return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, do.DistributedOptimizer) or inner is None or len(inner.state) > 0:
+        if not isinstance(opt, do.DistributedOptimizer) or inner is None:
             continue
         if getattr(do, "HAVE_APEX_OR_TE", True) and not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
-        if opt.init_state_fn is not None:
+        if any("step" in s for s in inner.state.values()):
+            continue
+        if opt.init_state_fn is not None and len(inner.state) == 0:
             opt.init_state_fn(inner, opt.config)
         for group in inner.param_groups:
             for p in group["params"]:
@@ -513,6 +624,7 @@ class PreparedLoad:
     request: Dict[str, Any]            # factories applied, non-persistent objects removed
     factory_template: Dict[str, Any]   # the original template (with factories) for merges
     nonpersistent: Dict[Path, Any]
+    skipped: List[Path] = field(default_factory=list)  # left out of the request on purpose
 
 
 def prepare_for_save(sd: Dict[str, Any]) -> Dict[str, Any]:
@@ -527,15 +639,93 @@ def prepare_for_save(sd: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def prepare_for_load(template: Dict[str, Any]) -> PreparedLoad:
+def prepare_for_load(template: Dict[str, Any], skip_aliased_main_params: bool = False) -> PreparedLoad:
+    """``skip_aliased_main_params``: see :func:`drop_aliased_main_params` (only for strict
+    loads, which fill every model tensor)."""
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
     request = copy_structure(template)
     apply_factories(request)
     nonpersistent = extract_nonpersistent(request)
+    skipped: List[Path] = []
     if "optimizer" in request:
         strip_fs_model_space_steps(request["optimizer"])
-    return PreparedLoad(request, template, nonpersistent)
+        if skip_aliased_main_params:
+            skipped = drop_aliased_main_params(request, template)
+    return PreparedLoad(request, template, nonpersistent, skipped)
+
+
+def _memory(t: Any) -> Optional[Tuple[torch.dtype, int, int]]:
+    """(dtype, first byte, end byte) of a contiguous CPU/GPU tensor's memory, else None."""
+    if not isinstance(t, torch.Tensor) or not t.is_contiguous() or t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    return t.dtype, start, start + t.numel() * t.element_size()
+
+
+def drop_aliased_main_params(request: Dict[str, Any], template: Dict[str, Any]) -> List[Path]:
+    """Drop DistributedOptimizer ``fp32_param`` entries whose tensors are the model's own memory.
+
+    With an fp32 model, the DistributedOptimizer's main params are views of the model
+    parameters, which the same load fills from the model's shards (the saved bytes are
+    the same memory, so equal). Requesting them again reads every main param twice,
+    a quarter of the load's bytes; they are left out of the request (and of the
+    template, for factory merges), and :func:`_load_fs_model_space` keeps the live
+    tensors. Returns the paths left out (:func:`finish_load` drops what the load
+    returns there: the saved tree's markers for them).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor as MShardedTensor
+
+    runs: Dict[torch.dtype, List[List[int]]] = {}
+    for key, sub in request.items():
+        if not str(key).startswith("model"):
+            continue
+        for _, leaf in iter_leaves(sub):
+            mem = _memory(leaf.data) if isinstance(leaf, MShardedTensor) else None
+            if mem is not None:
+                runs.setdefault(mem[0], []).append([mem[1], mem[2]])
+    merged: Dict[torch.dtype, List[List[int]]] = {}
+    for dtype, spans in runs.items():  # touching/overlapping spans become one (SwiGLU's w|v halves)
+        out: List[List[int]] = []
+        for lo, hi in sorted(spans):
+            if out and lo <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], hi)
+            else:
+                out.append([lo, hi])
+        merged[dtype] = out
+
+    def inside(t: Any) -> bool:
+        import bisect
+
+        mem = _memory(t)
+        if mem is None or mem[0] not in merged:
+            return False
+        spans = merged[mem[0]]
+        i = bisect.bisect_right(spans, [mem[1], float("inf")]) - 1
+        return i >= 0 and spans[i][0] <= mem[1] and mem[2] <= spans[i][1]
+
+    skipped: List[Path] = []
+
+    def walk(req: Any, tmpl: Any, path: Path) -> None:
+        if not isinstance(req, dict):
+            return
+        if _is_fs_model_space(req) and isinstance(req.get("param_state"), dict):
+            tstate = tmpl.get("param_state") if isinstance(tmpl, dict) else None
+            for idx, entry in req["param_state"].items():
+                if not isinstance(entry, dict) or "fp32_param" not in entry:
+                    continue
+                leaves = [v for _, v in iter_leaves(entry["fp32_param"])]
+                if leaves and all(isinstance(v, MShardedTensor) and inside(v.data) for v in leaves):
+                    del entry["fp32_param"]
+                    if isinstance(tstate, dict) and isinstance(tstate.get(idx), dict):
+                        tstate[idx].pop("fp32_param", None)
+                    skipped.append(path + ("param_state", idx, "fp32_param"))
+            return
+        for k, v in req.items():
+            walk(v, tmpl.get(k) if isinstance(tmpl, dict) else None, path + (k,))
+
+    walk(request["optimizer"], template.get("optimizer"), ("optimizer",))
+    return skipped
 
 
 def finish_load(loaded: Dict[str, Any], prepared: PreparedLoad) -> Dict[str, Any]:
@@ -543,6 +733,11 @@ def finish_load(loaded: Dict[str, Any], prepared: PreparedLoad) -> Dict[str, Any
     from megatron.core.dist_checkpointing.mapping import apply_factory_merges
 
     restore_nonpersistent(loaded, prepared.nonpersistent)
+    for path in prepared.skipped:
+        try:
+            del get_path(loaded, path[:-1])[path[-1]]
+        except (KeyError, IndexError, TypeError):
+            pass
     loaded = apply_factory_merges(loaded, _factories_only(prepared.factory_template))
     if "optimizer" in prepared.request and "optimizer" in loaded:
         restore_scalar_tensors(loaded["optimizer"], prepared.request["optimizer"])

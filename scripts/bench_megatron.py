@@ -1,0 +1,398 @@
+#!/usr/bin/env python
+"""What a Megatron-LM user sees: ``save-checkpoint`` / ``load-checkpoint`` in Megatron's own timers.
+
+Usage::
+
+    python scripts/bench_megatron.py [--layers 8 --hidden 1024 --heads 16 --vocab 32000]
+        [--tp 2 --pp 1 --vp 1 --dp 1] [--distributed-optimizer] [--swiglu]
+        [--repeats 2] [--saves 2] [--formats tensors torch_dist] [--json] [--profile DIR]
+    python scripts/bench_megatron.py --report RESULT.json ...   # one table from saved --json results
+
+Runs Megatron-LM's own ``pretrain_gpt.py`` (the vendored core_v0.16.1 training tree,
+through ``tests/megatron_helpers/mlm_pretrain_gpt.py``: ``megashard.megatron.install()``,
+mock data, ``--transformer-impl local``, CPU, gloo) once per format and repetition:
+
+* a *save* run: ``--train-iters S --save-interval 1 --save-format F`` (S saves, each
+  timed by Megatron's ``save-checkpoint`` timer);
+* a *resume* run: ``--load`` of that save (``--override-opt_param-scheduler``), timed by
+  Megatron's ``load-checkpoint`` timer.
+
+Formats are interleaved (tensors, torch_dist, torch_dist, tensors, ...) so that other
+load on a shared machine hits both alike; medians over every save / resume are
+reported with min–max, and separately for each run's first save (torch_dist sets up
+its machinery then) and the later ones. Megatron's timers report (min, max) over ranks;
+the max is used.
+For ``tensors`` runs every rank also records where megashard's part went (state dict
+building incl. the model's and optimizer's ``sharded_state_dict``, factories,
+``megashard.save``/``load``, model / optimizer / RNG state in, tracker and barriers):
+the breakdown below the table, medians of the slowest rank. ``--profile DIR`` writes a
+cProfile of each rank's megashard save/load calls there. Checkpoints are deleted at the
+end unless ``--keep``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+TESTS = os.path.join(REPO, "tests")
+SCRIPT = os.path.join(TESTS, "megatron_helpers", "mlm_pretrain_gpt.py")
+WORKER_FLAG = "--_worker"
+
+#: megashard's part of a save / load, by the function that does it (module, attribute, phase)
+PHASES = [
+    ("megashard.megatron.checkpointing", "save_checkpoint", "total"),
+    ("megashard.megatron.checkpointing", "load_checkpoint", "total"),
+    ("megashard.megatron.checkpointing", "read_tracker", "tracker + common"),
+    ("megashard.megatron.checkpointing", "load_common", "tracker + common"),
+    ("megashard.megatron.checkpointing", "write_tracker", "tracker + barriers"),
+    ("megashard.megatron.checkpointing", "_barrier", "tracker + barriers"),
+    ("megashard.megatron.state", "preallocate_optimizer_state", "optimizer state allocation"),
+    ("megashard.megatron.state", "build_state_dict", "state dict (sharded_state_dict)"),
+    ("megashard.megatron.state", "prepare_for_save", "factories"),
+    ("megashard.megatron.state", "prepare_for_load", "factories"),
+    ("megashard.megatron.state", "finish_load", "factories"),
+    ("megashard.api", "save", "megashard.save"),
+    ("megashard.api", "load", "megashard.load"),
+    ("megashard.megatron.state", "load_model_state", "model state in"),
+    ("megashard.megatron.state", "load_optimizer_state", "optimizer state in"),
+    ("megashard.megatron.state", "restore_rng_state", "rng"),
+]
+
+
+# --------------------------------------------------------------------------------------
+# worker: one rank of Megatron-LM's pretrain_gpt.py, with megashard's phases timed
+# --------------------------------------------------------------------------------------
+def _instrument(out_dir: str, profile_dir: Optional[str]) -> None:
+    import importlib
+
+    rank = int(os.environ.get("RANK", "0"))
+    events: List[Dict[str, Any]] = []  # one per top-level save/load: {"op":, phase: seconds}
+    current: Dict[str, Any] = {}
+
+    def wrap(mod: Any, attr: str, phase: str) -> None:
+        fn = getattr(mod, attr, None)
+        if fn is None:  # an older megashard (A/B runs against a previous commit)
+            return
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **k: Any) -> Any:
+            top = phase == "total"
+            if top:
+                current.clear()
+                current["op"] = attr.split("_")[0]
+                prof = None
+                if profile_dir:
+                    import cProfile
+
+                    prof = cProfile.Profile()
+                    prof.enable()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                current[phase] = current.get(phase, 0.0) + dt
+                if top:
+                    if prof is not None:
+                        prof.disable()
+                        prof.dump_stats(os.path.join(profile_dir, f"{attr}-{len(events)}-rank{rank}.prof"))
+                    events.append(dict(current))
+                    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+                        json.dump(events, f)
+
+        setattr(mod, attr, timed)
+
+    for modname, attr, phase in PHASES:
+        wrap(importlib.import_module(modname), attr, phase)
+
+
+def _torch_adam_distopt_resumable() -> None:
+    """Megatron's own torch_dist resume with DistributedOptimizer and torch's Adam (no Apex /
+    TE, as on CPU) fails on a fresh optimizer (``assert len(steps) == 1``: no ``step`` yet).
+    megashard.megatron handles it (``state.ensure_distributed_optimizer_state``); the same
+    call is made here before megatron-core builds a load template, for both formats, so that
+    torch_dist can be timed too. It costs what Megatron's ``init_state_fn`` costs on GPU.
+    Both are no-ops for megashard's own path, which does the same itself."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megashard.megatron import state
+
+    original = DistributedOptimizer.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(self: Any, model_sd: Any, is_loading: bool = False, *a: Any, **k: Any) -> Any:
+        if is_loading:
+            state.ensure_distributed_optimizer_state(self)
+        return original(self, model_sd, is_loading, *a, **k)
+
+    DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    # fp32 model: the main params are views of the model's; megashard copies under no_grad,
+    # Megatron's torch_dist path does not ("a view of a leaf Variable ... in-place")
+    DistributedOptimizer.load_state_dict = torch.no_grad()(DistributedOptimizer.load_state_dict)
+
+
+def _worker(argv: List[str]) -> None:
+    out_dir, profile_dir = argv[0], argv[1] or None
+    sys.argv = [SCRIPT, *argv[2:]]
+    # the helper's module level: stubs for optional imports, CPU patches, sys.path (its __main__ does not run)
+    import megatron_helpers.mlm_pretrain_gpt  # noqa: F401
+    _instrument(out_dir, profile_dir)
+    _torch_adam_distopt_resumable()
+    import runpy
+
+    runpy.run_path(SCRIPT, run_name="__main__")
+
+
+# --------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------
+def _tree(workdir: str) -> str:
+    """Megatron-LM's training tree: $MEGATRON_LM_DIR, else the vendored archive, extracted."""
+    if os.environ.get("MEGATRON_LM_DIR"):
+        return os.environ["MEGATRON_LM_DIR"]
+    sys.path.insert(0, TESTS)
+    from pathlib import Path
+
+    from test_megatron_lm_install import ARCHIVE, _extract  # the tests' extraction (checked layout)
+
+    path, _ = _extract(ARCHIVE, Path(workdir) / "megatron-lm")
+    return path
+
+
+TIMER = re.compile(r"^\s*(save-checkpoint|load-checkpoint) \.*: \(([\d.]+), ([\d.]+)\)", re.M)
+
+
+def _megatron_args(a: argparse.Namespace) -> List[str]:
+    sys.path.insert(0, TESTS)
+    from test_megatron_lm_install import ARGS  # the tests' CPU/gloo/mock-data flags
+
+    args = list(ARGS) + [
+        "--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
+        "--vocab-size", str(a.vocab), "--seq-length", str(a.seq), "--max-position-embeddings", str(a.seq),
+        "--micro-batch-size", "1", "--global-batch-size", str(a.dp * max(1, a.pp * 2 if a.pp > 1 else 1)),
+        "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),
+        "--log-interval", "1000",
+        # the timings do not depend on the values; a larger model at lr 1e-3 may diverge in
+        # 2 steps and Megatron's NaN check would stop the run
+        "--lr", "1e-5", "--no-check-for-nan-in-loss-and-grad",
+    ]
+    if a.vp > 1:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(a.layers // (a.pp * a.vp))]
+    if a.distributed_optimizer:
+        args += ["--use-distributed-optimizer"]
+    if a.swiglu:
+        args += ["--swiglu"]
+    return args
+
+
+def _run(a: argparse.Namespace, tree: str, args: List[str], timeout: int) -> Dict[str, Any]:
+    from megatron_helpers.runner import torchrun
+
+    out_dir = tempfile.mkdtemp(prefix="phases-", dir=a.workdir)
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
+    env = {"MEGATRON_LM_DIR": tree, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    run = torchrun(os.path.abspath(__file__), [WORKER_FLAG, out_dir, a.profile or "", *args],
+                   nproc=a.tp * a.pp * a.dp, timeout=timeout, env=env)
+    if run.returncode != 0:
+        raise SystemExit(f"run failed ({run.returncode}): {' '.join(args)}\n{run.output[-6000:]}")
+    timers = [(m.group(1), float(m.group(3)) / 1e3) for m in TIMER.finditer(run.output)]
+    phases = {}
+    for f in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, f)) as fh:
+            phases[f[:-5]] = json.load(fh)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return {"timers": timers, "phases": phases, "output": run.output}
+
+
+def _slowest(phases: Dict[str, List[Dict[str, Any]]], op: str) -> List[Dict[str, float]]:
+    """Per save/load event: each phase's time on the rank whose total was largest."""
+    per_rank = {r: [e for e in evs if e.get("op") == op] for r, evs in phases.items()}
+    n = min((len(v) for v in per_rank.values()), default=0)
+    out = []
+    for i in range(n):
+        ev = max((v[i] for v in per_rank.values()), key=lambda e: e.get("total", 0.0))
+        out.append({k: v for k, v in ev.items() if k != "op"})
+    return out
+
+
+def _stat(xs: List[float]) -> Dict[str, Any]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+
+
+def bench(a: argparse.Namespace) -> Dict[str, Any]:
+    os.makedirs(a.workdir, exist_ok=True)
+    tree = _tree(a.workdir)
+    base = _megatron_args(a)
+    saves: Dict[str, List[float]] = {f: [] for f in a.formats}
+    loads: Dict[str, List[float]] = {f: [] for f in a.formats}
+    first: Dict[str, List[float]] = {f: [] for f in a.formats}  # each run's first save (one-time set-up)
+    save_phases: List[Dict[str, float]] = []
+    load_phases: List[Dict[str, float]] = []
+    sizes: Dict[str, int] = {}
+    for rep in range(a.repeats):
+        order = a.formats if rep % 2 == 0 else list(reversed(a.formats))
+        for fmt in order:
+            root = tempfile.mkdtemp(prefix=f"ckpt-{fmt}-", dir=a.workdir)
+            t0 = time.time()
+            r = _run(a, tree, base + ["--train-iters", str(a.saves), "--save-interval", "1", "--save", root,
+                                      "--save-format", fmt], a.timeout)
+            got = [t for name, t in r["timers"] if name == "save-checkpoint"]
+            if len(got) != a.saves:
+                raise SystemExit(f"expected {a.saves} save-checkpoint timers, got {got}\n{r['output'][-4000:]}")
+            saves[fmt] += got
+            first[fmt].append(got[0])
+            if fmt == "tensors":
+                save_phases += _slowest(r["phases"], "save")
+            last = os.path.join(root, f"iter_{a.saves:07d}")
+            sizes[fmt] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs)
+            # keep only the checkpoint that is resumed (disk)
+            for it in range(1, a.saves):
+                shutil.rmtree(os.path.join(root, f"iter_{it:07d}"), ignore_errors=True)
+            r = _run(a, tree, base + ["--train-iters", str(a.saves), "--load", root,
+                                      "--override-opt_param-scheduler"], a.timeout)
+            got = [t for name, t in r["timers"] if name == "load-checkpoint"]
+            if len(got) != 1:
+                raise SystemExit(f"expected one load-checkpoint timer, got {got}\n{r['output'][-4000:]}")
+            if fmt == "tensors" and "holds a megashard checkpoint: loading with megashard" not in r["output"]:
+                raise SystemExit("the resume did not go through megashard")
+            loads[fmt] += got
+            if fmt == "tensors":
+                load_phases += _slowest(r["phases"], "load")
+            print(f"[rep {rep}] {fmt}: save {saves[fmt][-a.saves:]} load {got[0]:.2f} s "
+                  f"({time.time() - t0:.0f} s wall)", file=sys.stderr, flush=True)
+            if not a.keep:
+                shutil.rmtree(root, ignore_errors=True)
+
+    def phase_stats(evs: List[Dict[str, float]]) -> Dict[str, Any]:
+        keys = sorted({k for e in evs for k in e})
+        return {k: _stat([e.get(k, 0.0) for e in evs]) for k in keys}
+
+    res: Dict[str, Any] = {
+        "config": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "tp", "pp", "vp", "dp",
+                                              "distributed_optimizer", "swiglu", "repeats", "saves")},
+        "checkpoint_bytes": sizes,
+        "save_checkpoint_s": {f: _stat(v) for f, v in saves.items()},
+        "save_checkpoint_first_s": {f: _stat(v) for f, v in first.items()},
+        "save_checkpoint_later_s": {f: _stat([t for i, t in enumerate(v) if i % a.saves]) for f, v in saves.items()},
+        "load_checkpoint_s": {f: _stat(v) for f, v in loads.items()},
+        "megashard_save_phases_s": phase_stats(save_phases),
+        "megashard_load_phases_s": phase_stats(load_phases),
+        "loadavg": os.getloadavg(),
+    }
+    if "tensors" in a.formats and "torch_dist" in a.formats:
+        res["ratio_torch_dist_over_tensors"] = {
+            t: res[k]["torch_dist"]["median"] / res[k]["tensors"]["median"]
+            for t, k in (("save", "save_checkpoint_s"), ("load", "load_checkpoint_s"))}
+    return res
+
+
+def _fmt(s: Dict[str, Any]) -> str:
+    return f"{s['median']:.2f} s ({s['min']:.2f}–{s['max']:.2f}, n={s['n']})" if s else "-"
+
+
+def table(res: Dict[str, Any]) -> str:
+    c = res["config"]
+    opt = "DistributedOptimizer" if c["distributed_optimizer"] else "Adam"
+    lines = [f"GPT {c['layers']} layers, hidden {c['hidden']}, vocab {c['vocab']}, TP={c['tp']} PP={c['pp']} "
+             f"VP={c['vp']} DP={c['dp']}, {opt}{', SwiGLU' if c['swiglu'] else ''}; checkpoint "
+             + ", ".join(f"{f} {b / 1e9:.2f} GB" for f, b in res["checkpoint_bytes"].items()),
+             "", "| Megatron timer | `--save-format tensors` | `torch_dist` | ratio |", "|---|---|---|---|"]
+    ratio = res.get("ratio_torch_dist_over_tensors", {})
+    for name, key, r in (("save-checkpoint", "save_checkpoint_s", "save"),
+                         ("load-checkpoint", "load_checkpoint_s", "load")):
+        lines.append(f"| {name} | {_fmt(res[key].get('tensors', {}))} | {_fmt(res[key].get('torch_dist', {}))} | "
+                     f"{ratio.get(r, float('nan')):.2f}× |")
+    for op in ("save", "load"):
+        ph = res[f"megashard_{op}_phases_s"]
+        if ph:
+            lines += ["", f"megashard's part of a {op} (slowest rank, medians):"]
+            for k, s in sorted(ph.items(), key=lambda kv: -kv[1]["median"]):
+                lines.append(f"    {k:34s} {s['median']:7.3f} s")
+    lines.append(f"\nload average during the run: {', '.join(f'{x:.1f}' for x in res['loadavg'])}")
+    return "\n".join(lines)
+
+
+def _label(c: Dict[str, Any]) -> str:
+    lay = f"TP={c['tp']}" + (f" PP={c['pp']}" if c["pp"] > 1 else "") + (f"·VP={c['vp']}" if c["vp"] > 1 else "") \
+        + (f" DP={c['dp']}" if c["dp"] > 1 else "")
+    opt = "DistOpt" if c["distributed_optimizer"] else "Adam"
+    return f"{c['layers']}L h{c['hidden']}, {lay}, {opt}{' SwiGLU' if c['swiglu'] else ''}"
+
+
+def _later_ratio(r: Dict[str, Any]) -> str:
+    later = r.get("save_checkpoint_later_s", {})
+    if not later.get("tensors") or not later.get("torch_dist"):
+        return "–"
+    return f"{later['torch_dist']['median'] / later['tensors']['median']:.2f}×"
+
+
+def report(paths: List[str]) -> str:
+    """One markdown row per saved ``--json`` result: both timers, both formats, ratios."""
+    rows = ["| config | GB | save-checkpoint tensors | torch_dist | ratio | ratio, later saves | "
+            "load-checkpoint tensors | torch_dist | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        sv, ld, ratio = r["save_checkpoint_s"], r["load_checkpoint_s"], r["ratio_torch_dist_over_tensors"]
+        rows.append(f"| {_label(r['config'])} | {r['checkpoint_bytes']['tensors'] / 1e9:.2f} | "
+                    f"{sv['tensors']['median']:.2f} s | {sv['torch_dist']['median']:.2f} s | **{ratio['save']:.2f}×** | "
+                    f"{_later_ratio(r)} | "
+                    f"{ld['tensors']['median']:.2f} s | {ld['torch_dist']['median']:.2f} s | **{ratio['load']:.2f}×** |")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == WORKER_FLAG:
+        _worker(argv[1:])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--swiglu", action="store_true")
+    p.add_argument("--formats", nargs="+", default=["tensors", "torch_dist"])
+    p.add_argument("--repeats", type=int, default=2, help="save+resume runs per format (interleaved)")
+    p.add_argument("--saves", type=int, default=2, help="saves per save run (each one timed)")
+    p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_megatron"))
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--profile", default=None, help="directory for cProfile dumps of megashard's save/load")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="print one table from saved --json results; run nothing")
+    a = p.parse_args(argv)
+    if a.report:
+        print(report(a.report))
+        return 0
+    if a.vp > 1 and a.layers % (a.pp * a.vp):
+        p.error("--layers must be a multiple of PP*VP")
+    res = bench(a)
+    print(json.dumps(res, indent=1) if a.json else table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
+        sys.path.insert(0, TESTS)
+        sys.path.insert(0, REPO)
+    sys.exit(main())
