@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import async_save as async_save_mod, jsonstate, plan, storage
-from .errors import CheckpointError, MegashardError, StateDictError
-from .format import empty_buffer, parallel_read, write_file
+from .errors import CheckpointError, StateDictError
+from .format import empty_buffer, write_file
 from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel, tensor_memoryview
 from .manifest import Manifest, ShardRecord, TensorRecord, dtype_from_name, dtype_name, itemsize
 from .plan import Box, ShardId
@@ -600,7 +600,8 @@ _SHARDED = _Sharded()
 
 @dataclass
 class _LazyRef:
-    """A rank-local tensor or large bytes value in a file: read only if the template asks."""
+    """A rank-local tensor or large bytes value in a file, validated but not yet planned:
+    read straight into the template's tensor when it asks for one (see ``_materialize``)."""
 
     ref: Dict[str, Any]
     path: str
@@ -669,7 +670,7 @@ def _finalize_tree(value: Any) -> Any:
     if isinstance(value, _LazyBytes):
         return bytes(value.t.numpy().tobytes())
     if isinstance(value, _LazyRef):
-        return _SHARDED  # saved by this rank but not asked for: not read
+        return _SHARDED  # never planned for reading (e.g. under load_common): left out
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -795,10 +796,6 @@ class _Objects:
         return self.done[ukey]
 
 
-def _sees_checkpoint(path: str) -> bool:
-    return storage.locate(path) is not None
-
-
 def checkpoint_location(checkpoint_dir: str | os.PathLike) -> str:
     """The directory that holds the complete checkpoint ``checkpoint_dir`` (read-only: an
     interrupted re-save's ``.old-*`` copy is read in place, never renamed)."""
@@ -824,20 +821,6 @@ def read_manifest(checkpoint_dir: str | os.PathLike) -> Manifest:
 
 def is_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
     return storage.is_checkpoint(os.fspath(checkpoint_dir))
-
-
-def _group_by_file(ops: Sequence[_Op]) -> Dict[str, List[_Op]]:
-    out: Dict[str, List[_Op]] = {}
-    for op in ops:
-        out.setdefault(op.file, []).append(op)
-    return out
-
-
-def _check_files(base: str, manifest: Manifest, files: Sequence[str]) -> None:
-    """Each file opens safely inside ``base`` (no symlink, regular) with the manifest's size."""
-    with storage.CheckpointFiles(base) as cf:
-        for f in files:
-            cf.open(f, _file_size(manifest, f))
 
 
 def _file_size(manifest: Manifest, f: str) -> int:
@@ -945,8 +928,9 @@ def load(
 
     Template ShardedTensors are filled in place (any TP/PP/VP/DP layout); the result
     mirrors the template with ShardedTensor -> tensor, ShardedObject -> its value,
-    and keeps what this rank saved that the template lacks. ``verify`` checks every delivered byte (structure + hashes).
-    ``timeout`` (s) bounds every collective; default: the process group's.
+    and keeps what this rank saved that the template lacks. ``verify`` checks every
+    delivered byte (structure + hashes). ``timeout`` (s) bounds every collective;
+    default: the process group's.
     Read-only: never renames or deletes anything in the checkpoint's parent.
     """
     if mode not in ("auto", "own", "scatter"):
@@ -991,10 +975,14 @@ def load(
         manifest, err = comm.run("load/manifest", lambda: Manifest.from_json(_read_manifest_bytes(base), mpath))
         comm.agree(err, "load")
     else:
-        text, err = comm.run("load/manifest", lambda: _read_manifest_text(base) if comm.rank == 0 else None)
+        def read0() -> Any:  # rank 0 reads and validates once; the others parse what it sends
+            data = _read_manifest_bytes(base)
+            return Manifest.from_json(data, mpath), data.decode()
+
+        read, err = comm.run("load/manifest", read0 if comm.rank == 0 else lambda: (None, None))
         comm.agree(err, "load")
-        text = comm.broadcast_json(text, 0)
-        manifest, err = comm.run("load/manifest", lambda: Manifest.from_json(text, mpath))
+        text = comm.broadcast_json(read[1], 0)
+        manifest, err = comm.run("load/manifest", lambda: read[0] if read[0] is not None else Manifest.from_json(text, mpath))
         comm.agree(err, "load")
 
     work = _LoadWork(rows_ok=chosen == "own")
@@ -1108,13 +1096,6 @@ def _format_problems(problems: List[str], base: str) -> str:
     more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
     return (f"state dict does not match checkpoint {base} ({len(problems)} problem(s)):\n  {head}{more}\n"
             "Pass strict=False to load what matches.")
-
-
-def _read_manifest_text(base: str) -> str:
-    """The manifest's text, validated (digest and content) before other ranks get it."""
-    data = _read_manifest_bytes(base)
-    Manifest.from_json(data, os.path.join(base, storage.MANIFEST_NAME))
-    return data.decode()
 
 
 def _scatter(comm: Comm, base: str, manifest: Manifest, work: _LoadWork, readers: Mapping[int, int], chunk: int,

@@ -445,18 +445,30 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
         remove_checkpoint(stale)
 
 
+def _has_manifest(path: str) -> bool:
+    """``path`` holds a regular ``manifest.json`` (opened safely; not parsed)."""
+    if not os.path.isdir(path):
+        return False
+    try:
+        with CheckpointFiles(path) as files:
+            files.open(MANIFEST_NAME)
+    except CheckpointError:
+        return False
+    return True
+
+
 def locate(final_dir: PathLike) -> Optional[str]:
     """Where the complete checkpoint called ``final_dir`` is, without changing anything.
 
-    ``final_dir`` itself when it is a checkpoint; the newest ``.<name>.old-*`` checkpoint
+    ``final_dir`` itself when it holds a manifest (the caller parses it); the newest ``.<name>.old-*`` checkpoint
     when ``final_dir`` is absent (a re-save crashed mid-commit: :func:`recover`, the next
     save or ``megashard recover`` puts it back); else None. Read paths use this, so
     loading or inspecting never renames or deletes.
     """
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
-    if is_checkpoint(final):
-        return final
+    if _has_manifest(final):
+        return final  # parsed (once) by the caller, which reports damage precisely
     if os.path.lexists(final):
         return None
     candidates = [o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)]

@@ -36,17 +36,17 @@ def register_megatron_enums() -> None:
     """Let checkpoints hold the enums Megatron's ``args`` carry (AttnBackend, CudaGraphScope,
     ModelType, Fp8Recipe, ...): megashard decodes only registered enums, never imports."""
     import enum
-    import importlib
 
     from megashard import jsonstate
 
-    for name in ("megatron.core.enums", "megatron.core.transformer.enums"):
-        try:
-            mod = importlib.import_module(name)  # our own dependency, never a name from a checkpoint
-        except ImportError:
-            continue
+    try:
+        from megatron.core import enums as core_enums
+        from megatron.core.transformer import enums as transformer_enums
+    except ImportError:
+        return
+    for mod in (core_enums, transformer_enums):
         for v in vars(mod).values():
-            if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == name:
+            if isinstance(v, type) and issubclass(v, enum.Enum) and v.__module__ == mod.__name__:
                 jsonstate.register_enum(v)
 
 
