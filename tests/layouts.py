@@ -169,3 +169,22 @@ def extras(rank: int) -> Dict[str, Any]:
         "blob": bytes(range(256)) * 2,
         "note": {"rank": rank, 7: "int key", "t": (1, 2.5, None)},
     }
+
+
+EXP_AVG = "optimizer.state.exp_avg."
+
+
+def union_state(layout: Layout, distopt: bool) -> Dict[str, Any]:
+    """Every rank's shards of ``layout`` held by one process (save deduplicates the replicas)."""
+    sd: Dict[str, Any] = {}
+    for r in range(layout.world):
+        for name, part in model_state(layout, r, distopt=distopt).items():
+            sd[f"{name}_r{r}"] = part
+    return sd
+
+
+def expected_global(key: str) -> torch.Tensor:
+    """The full global value of ``key`` in a :func:`union_state` checkpoint (Adam moments included)."""
+    if key.startswith(EXP_AVG):
+        return full(key[len(EXP_AVG):]).float() * 0.5
+    return full(key)

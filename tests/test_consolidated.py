@@ -10,30 +10,15 @@ from megashard.api import LAST_LOAD_STATS
 from megashard.consolidated import global_nbytes
 
 from distributed import all_ok, run_ranks
-from layouts import GLOBALS, Layout, bit_equal, full, model_state
+from layouts import GLOBALS, Layout, bit_equal, expected_global, full, model_state, union_state
 from tamper import read_manifest_doc, write_manifest_doc
-
-
-def _union_state(layout: Layout, distopt: bool) -> dict:
-    """Every rank's shards of ``layout`` held by one process (replicas deduplicated by save)."""
-    sd = {}
-    for r in range(layout.world):
-        for name, part in model_state(layout, r, distopt=distopt).items():
-            sd[f"{name}_r{r}"] = part
-    return sd
-
-
-def _expected(key: str) -> torch.Tensor:
-    if key.startswith("optimizer.state.exp_avg."):
-        return full(key[len("optimizer.state.exp_avg."):]).float() * 0.5
-    return full(key)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """TP=2 x DP=2 with the distributed optimizer: TP row/column splits and flattened ranges."""
     path = str(tmp_path_factory.mktemp("cons") / "iter_0000010")
-    sd = _union_state(Layout(tp=2, dp=2), distopt=True)
+    sd = union_state(Layout(tp=2, dp=2), distopt=True)
     sd.update({"iteration": 10, "rng": torch.arange(7)})
     megashard.save(sd, path)
     return path
@@ -47,7 +32,7 @@ def test_all_tensors_bit_exact_and_bytes_read_equal_needed(ckpt):
     assert set(out) == set(m.tensors)
     assert len(out) == 2 * len(GLOBALS)
     for k, t in out.items():
-        assert bit_equal(t, _expected(k)), k
+        assert bit_equal(t, expected_global(k)), k
     needed = sum(global_nbytes(t) for t in m.tensors.values())
     assert LAST_LOAD_STATS.mode == "consolidated"
     assert LAST_LOAD_STATS.bytes_read == needed
@@ -70,7 +55,7 @@ def test_missing_shard_is_a_clear_error(tmp_path):
     path = str(tmp_path / "half")
     with pytest.raises(megashard.StateDictError):
         megashard.save(sd, path)  # save refuses incomplete coverage; build one by editing the manifest
-    full_sd = _union_state(Layout(tp=2), distopt=False)
+    full_sd = union_state(Layout(tp=2), distopt=False)
     megashard.save(full_sd, path)
     doc = read_manifest_doc(path)
     doc["tensors"]["decoder.layers.self_attention.linear_proj.weight"]["shards"].pop()
@@ -85,7 +70,7 @@ def _rank0_only(rank, world, path):
     """Rank 0 loads while rank 1 waits in nothing: any collective would hang the job."""
     if rank == 0:
         out = megashard.load_consolidated(path)
-        return {k: bit_equal(t, _expected(k)) for k, t in out.items()}
+        return {k: bit_equal(t, expected_global(k)) for k, t in out.items()}
     return {}
 
 

@@ -16,25 +16,9 @@ from megashard import storage
 from megashard.convert import ConvertInputError, _megatron_core, convert
 from megashard.sharded import is_main_replica
 
-from layouts import GLOBALS, Layout, bit_equal, full, model_state
+from layouts import EXP_AVG, GLOBALS, Layout, bit_equal, expected_global, full, model_state, union_state
 
 pytest.importorskip("megatron.core")
-
-EXP = "optimizer.state.exp_avg."
-
-
-def _expected(key: str) -> torch.Tensor:
-    if key.startswith(EXP):
-        return full(key[len(EXP):]).float() * 0.5
-    return full(key)
-
-
-def _union_state(layout: Layout, distopt: bool) -> dict:
-    sd = {}
-    for r in range(layout.world):
-        for name, part in model_state(layout, r, distopt=distopt).items():
-            sd[f"{name}_r{r}"] = part
-    return sd
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +26,7 @@ def megatron_root(tmp_path_factory):
     """A Megatron save directory: iter 5 and iter 10 (tracker), TP=2 x DP=2, distributed-optimizer state."""
     root = str(tmp_path_factory.mktemp("conv") / "save")
     for it in (5, 10):
-        sd = _union_state(Layout(tp=2, dp=2), distopt=True)
+        sd = union_state(Layout(tp=2, dp=2), distopt=True)
         sd.update(iteration=it, args=argparse.Namespace(lr=3e-4, name="toy"), rng=torch.arange(5) + it)
         megashard.save(sd, os.path.join(root, storage.iteration_dir_name(it)))
     storage.write_tracker(root, 10)
@@ -72,13 +56,13 @@ def test_megashard_to_tensors_read_by_tensorizer_with_hashes(megatron_root, tmp_
     dst = str(tmp_path / "model.tensors")
     res = convert(megatron_root, dst, to="tensors")
     assert res.iteration == 10 and res.tensors == 2 * len(GLOBALS)
-    assert res.bytes == sum(_expected(k).numel() * _expected(k).element_size() for k in GLOBALS) + sum(
-        _expected(EXP + k).numel() * 4 for k in GLOBALS)
+    assert res.bytes == sum(expected_global(k).numel() * expected_global(k).element_size() for k in GLOBALS) + sum(
+        expected_global(EXP_AVG + k).numel() * 4 for k in GLOBALS)
     with TensorDeserializer(dst, device="cpu", verify_hash=True) as d:
         got = {k: d[k].clone() for k in d.keys()}
     assert len(got) == 2 * len(GLOBALS)
     for k, t in got.items():
-        assert bit_equal(t, _expected(k)), k
+        assert bit_equal(t, expected_global(k)), k
     assert any("args" in x for x in res.dropped)
 
 
@@ -129,7 +113,7 @@ def test_megashard_torch_dist_megashard_round_trip(megatron_root, tmp_path):
         fulls = dc.load({k: ShardedTensor.from_rank_offsets(k, torch.empty(m.global_shape, dtype=m.dtype))
                          for k, m in meta.items()}, ck)
         for k in meta:
-            assert bit_equal(fulls[k], _expected(k)), k
+            assert bit_equal(fulls[k], expected_global(k)), k
     back = str(tmp_path / "back")
     res2 = convert(td, back)
     assert storage.read_tracker(back) == 10
