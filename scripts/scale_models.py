@@ -408,11 +408,12 @@ class _Builder:
                 for i in range(n_local):
                     eo = (*offs, (ax, self.ep_rank * n_local + i, E))
                     self._expert_linear(base + name, out_f, in_f, eo, mode, name == "linear_fc1." and s.swiglu)
+                    self.params[-1].path = f"{self._path(p)}mlp.experts.{name}weight{i}"
                 for i in range(n_local):
                     eo = (*offs, (ax, self.ep_rank * n_local + i, E))
                     self.objects.append((base + name + "_extra_state", tuple(o[2] for o in eo),
                                          tuple(o[1] for o in eo), "expert",
-                                         f"{self._path(base)}{name}_extra_state{i or ''}"))
+                                         f"{self._path(p)}mlp.experts.{name}_extra_state{i or ''}"))
         else:  # SequentialMLP: local_experts.i.linear_fc1, .linear_fc2
             kp, pathp = self.kp, self.pathp
             for i in range(n_local):
@@ -625,22 +626,26 @@ def _optimizer_sd(model: str, layout: Layout, c: Coords, chunks: List[Chunk], qu
 
 
 def _adam_sd(c: Coords, chunks: List[Chunk]) -> Dict[str, Any]:
-    """Float16OptimizerWithFloat16Params (no DistributedOptimizer): state per param + fp32 copies."""
+    """Float16OptimizerWithFloat16Params (no DistributedOptimizer): state per param + fp32 copies.
+
+    Parameters are grouped as megatron-core's ``_get_param_groups`` does: weight-decayed
+    (matrices) and not (1-D: norms), groups in order of first appearance.
+    """
+    groups: Dict[bool, List[Param]] = {}
+    for ch in chunks:
+        for p in ch.params:
+            if p.is_param:
+                groups.setdefault(len(p.shards[0].local_shape) == 1, []).append(p)
     state: Dict[int, Any] = {}
     fp32 = []
     n = 0
-    for ch in chunks:
-        for p in ch.params:
-            if not p.is_param:
-                continue
-            entry = {}
-            for name in ("exp_avg", "exp_avg_sq"):
-                entry[name] = _shard_like(p, c, f"optimizer.state.{name}.")
-            state[n] = entry
-            fp32.append(_shard_like(p, c, "optimizer.state.fp32_param."))
+    for params in groups.values():
+        fp32.append([_shard_like(p, c, "optimizer.state.fp32_param.") for p in params])
+        for p in params:
+            state[n] = {name: _shard_like(p, c, f"optimizer.state.{name}.") for name in ("exp_avg", "exp_avg_sq")}
             n += 1
-    groups = _param_groups(False)["param_groups"]
-    return {"optimizer": {"state": state, "param_groups": groups}, "fp32_from_fp16_params": [fp32]}
+    pg = _param_groups(False)["param_groups"][:len(groups)]
+    return {"optimizer": {"state": state, "param_groups": pg}, "fp32_from_fp16_params": fp32}
 
 
 def _shard_like(p: Param, c: Coords, prefix: str) -> Any:
@@ -698,6 +703,9 @@ def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_qu
         sd[key] = _model_sd(ch, c)
     if layout.distributed_optimizer:
         sd["optimizer"] = _optimizer_sd(model, layout, c, chunks, swiglu_dist_opt_quirk)
+    elif MODELS[model].num_experts:
+        raise ValueError(f"{model}: MoE without the DistributedOptimizer (chained Float16 optimizers) "
+                         "is not modelled")
     else:
         sd["optimizer"] = _adam_sd(c, chunks)
     sd["opt_param_scheduler"] = {"max_lr": 3e-4, "lr_warmup_steps": 2000, "num_steps": 1024000,
