@@ -12,13 +12,13 @@ from .plan import Box, coverage_problems, numel
 
 
 def _manifest(path: str) -> Manifest:
-    from .api import read_manifest
+    from .index import read_manifest
 
     return read_manifest(path)
 
 
 def _location(path: str) -> str:
-    from .api import checkpoint_location
+    from .storage import checkpoint_location
 
     return checkpoint_location(path)
 
@@ -54,7 +54,7 @@ OPTIMIZER_PREFIX = "optimizer."  # Megatron's global keys of optimizer state (e.
 
 def _top_level(m: Manifest) -> Dict[str, Any]:
     """Rank 0's top-level saved values, decoded without reading any tensor bytes."""
-    from .api import _decode_saved_tree, _LoadWork
+    from .loading import _decode_saved_tree, _LoadWork
 
     try:
         value = _decode_saved_tree(m.tree_for_rank(0), m, _LoadWork(), lazy=True)
@@ -99,7 +99,7 @@ def _totals(path: str, m: Manifest) -> Dict[str, Any]:
 
 def _only_sharded(value: Any) -> bool:
     """True for a subtree that holds nothing but global-tensor/object references (e.g. ``model``)."""
-    from .api import _SHARDED
+    from .loading import _SHARDED
 
     if value is _SHARDED:
         return True
@@ -111,7 +111,7 @@ def _only_sharded(value: Any) -> bool:
 
 
 def _check_ref(m: Manifest, ref: Any, path: str) -> None:
-    from .api import _checked_ref
+    from .loading import _checked_ref
 
     if isinstance(ref, dict) and ref.get("kind") in ("tensor", "bytes"):
         _checked_ref(ref, m, path)

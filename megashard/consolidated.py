@@ -16,12 +16,14 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .api import (LAST_LOAD_STATS, LoadStats, _execute_own, _LoadWork, _plan_sharded, _verify, checkpoint_location,
-                  read_manifest)
+from .index import read_manifest
+from .loading import LoadStats, _LoadWork, _plan_sharded
+from .readers import read_own, verify_delivered
+from .storage import checkpoint_location
 from .errors import CheckpointError
 from .manifest import Manifest, TensorRecord, itemsize
 from .plan import numel
@@ -86,17 +88,17 @@ def read_global_tensors(
         if dest is not None:
             dest = dest.view(shape)
         sh = ShardedTensor(key, dest, shape, (0,) * len(shape), local_shape=shape, dtype=rec.dtype)
-        out[key] = _plan_sharded(sh, rec, work, key)
+        out[key] = _plan_sharded(sh, manifest, work, key)
     if work.problems:
         head = "\n  ".join(work.problems[:20])
         raise CheckpointError(f"{base}: cannot assemble {len(work.problems)} global tensor(s):\n  {head}\n"
                               "The checkpoint is incomplete; `megashard verify` shows what is missing.")
-    nread = _execute_own(base, manifest, work, threads)
+    nread = read_own(base, manifest, work.ops, work.view_ops, work.row_jobs, threads)
     with torch.no_grad():
         for f in work.finish:
             f()
     if verify:
-        _verify(base, work.touched, manifest)
+        verify_delivered(base, work.touched, manifest.files)
     return out, nread
 
 
@@ -148,13 +150,15 @@ def load_consolidated(
     device: str | torch.device = "cpu",
     threads: Optional[int] = None,
     verify: bool = False,
-) -> Dict[str, torch.Tensor]:
+    return_stats: bool = False,
+) -> Any:
     """``{global key: full tensor}`` of a checkpoint, in this process alone (no process group).
 
     ``keys``: global keys or shell patterns (``"decoder.layers.*"``); default all.
     Tensors are read on CPU in parallel, then moved to ``device`` one by one. The
-    bytes read (equal to the bytes of the requested tensors) are in
-    ``megashard.api.LAST_LOAD_STATS`` (mode ``"consolidated"``). The keys are
+    bytes read (equal to the bytes of the requested tensors) are in the
+    :class:`~megashard.loading.LoadStats` returned with ``return_stats=True`` (as
+    ``(tensors, stats)``, mode ``"consolidated"``). The keys are
     Megatron's global keys: a serving stack needs its own name mapping.
     Non-tensor state (``args``, ``iteration``, ...) comes from :func:`megashard.load_common`.
     """
@@ -172,7 +176,6 @@ def load_consolidated(
             t = got.pop(k)
             out[k] = t if target.type == "cpu" else t.to(target)
     stats.seconds = time.perf_counter() - t0
-    LAST_LOAD_STATS.__dict__.update(stats.__dict__)
     log.info("loaded %d global tensors of %s in one process (%.1f MB read, %.2f s)", len(out), base,
              stats.bytes_read / 1e6, stats.seconds)
-    return out
+    return (out, stats) if return_stats else out

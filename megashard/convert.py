@@ -356,7 +356,8 @@ class _SafetensorsWriter:
 
 def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequence[str]], batch_bytes: int,
                     bar: Callable[[int], Any], res: ConvertResult) -> None:
-    from .api import checkpoint_location, read_manifest
+    from .index import read_manifest
+    from .storage import checkpoint_location
     from .consolidated import iter_global_tensors
     from .format.stream import StreamWriter
 
@@ -399,12 +400,13 @@ def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequenc
 
 def _rank0_state(src: str, m: Manifest) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Rank 0's non-sharded state (args, iteration, its local tensors) and every sharded object's value."""
-    from .api import _decode_saved_tree, _execute_own, _finalize_tree, _LoadWork
+    from .loading import _decode_saved_tree, _finalize_tree, _LoadWork
+    from .readers import read_own
 
     work = _LoadWork()
     tree = _decode_saved_tree(m.tree_for_rank(0), m, work)
     objects = {u: _decode_saved_tree(e.get("value"), m, work, u) for u, e in m.objects.items()}
-    _execute_own(src, m, work, None)
+    read_own(src, m, work.ops, work.view_ops, work.row_jobs, None)
     for f in work.finish:
         f()
     common = _finalize_tree(tree)
@@ -415,7 +417,8 @@ def _rank0_state(src: str, m: Manifest) -> Tuple[Dict[str, Any], Dict[str, Any]]
 
 def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence[str]],
                              bar: Callable[[int], Any], res: ConvertResult) -> None:
-    from .api import checkpoint_location, read_manifest
+    from .index import read_manifest
+    from .storage import checkpoint_location
     from .consolidated import read_global_tensors
 
     src = checkpoint_location(src)

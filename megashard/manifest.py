@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .errors import CheckpointError
+from .jsonstate import TAG
 from .plan import Box, SavedPiece, numel
 
 MANIFEST_FORMAT = "megashard"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # written; version 1 (one JSON document) is still read
+READ_VERSIONS = (1, 2)
+INDEX_NAME = "manifest.index"  # version 2: the sections the head points into
 
 _DTYPES: Dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -86,7 +90,8 @@ class TensorRecord:
 
 @dataclass
 class Manifest:
-    """In-memory form of ``manifest.json``."""
+    """The whole index in memory (tools, conversion, version-1 checkpoints). Loads plan
+    through the same methods on :class:`LazyIndex`, which reads only what a rank needs."""
 
     world_size: int
     layout: Dict[str, Any]
@@ -97,25 +102,42 @@ class Manifest:
     rank_trees: List[str]  # rank -> tree id
     created: float = 0.0
     extra: Dict[str, Any] = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+    bytes_read: int = 0  # index bytes read to build this (head + sections)
 
-    def to_json(self) -> str:
-        doc = {
-            "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
-            "created": self.created,
-            "world_size": self.world_size,
-            "layout": self.layout,
-            "files": self.files,
+    def to_doc(self) -> Dict[str, Any]:
+        """The logical document (version-1 shape): what :func:`encode` splits into files."""
+        return {
+            "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": self.created,
+            "world_size": self.world_size, "layout": self.layout, "files": self.files,
             "tensors": {k: t.to_json() for k, t in self.tensors.items()},
-            "objects": self.objects,
-            "trees": self.trees,
-            "rank_trees": self.rank_trees,
-            "extra": self.extra,
+            "objects": self.objects, "trees": self.trees, "rank_trees": self.rank_trees, "extra": self.extra,
         }
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
-    def tree_for_rank(self, rank: int) -> Any:
-        """The saved state tree of ``rank`` (rank 0's when that rank did not exist)."""
+    def close(self) -> None:
+        """Nothing to release (the interface of :class:`LazyIndex`)."""
+
+    # -- the planning interface (shared with LazyIndex) -----------------------
+    def tensor(self, key: str) -> Optional[TensorRecord]:
+        return self.tensors.get(key)
+
+    def pieces(self, key: str, box: Box) -> List[ShardRecord]:
+        """The saved shards of ``key`` whose chunks overlap ``box`` (or equal it, if empty)."""
+        rec = self.tensors.get(key)
+        if rec is None:
+            return []
+        return [s for s in rec.shards if _touches(s.offset, s.shape, box)]
+
+    def object(self, ukey: str) -> Any:
+        """The stored entry of ShardedObject ``ukey`` (``KeyError`` when absent)."""
+        return self.objects[ukey]
+
+    def has_object(self, ukey: str) -> bool:
+        return ukey in self.objects
+
+    def tree_for_rank(self, rank: int, keys: Optional[Any] = None) -> Any:
+        """The saved state tree of ``rank`` (rank 0's when that rank did not exist);
+        ``keys`` is a hint that only those top-level entries are needed."""
         tid = self.rank_trees[rank] if 0 <= rank < len(self.rank_trees) else self.rank_trees[0]
         return self.trees[tid]
 
@@ -125,21 +147,21 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "manifest.json") -> "Manifest":
-        from .jsonstate import parse_json
+        """A version-1 manifest (one JSON document), or a version-2 head without sections."""
+        doc = parse_head(text, where)
+        if doc.get("version") != 1:
+            raise CheckpointError(f"{where}: a version-{doc.get('version')} manifest needs its {INDEX_NAME}; "
+                                  "open it with megashard.index.read_manifest")
+        m = cls.from_doc(doc, where)
+        m.bytes_read = len(text)
+        return m
 
-        doc = parse_json(text, f"{where} (the checkpoint is damaged)")
+    @classmethod
+    def from_doc(cls, doc: Dict[str, Any], where: str = "manifest.json") -> "Manifest":
+        """Validate a logical document (version-1 shape) into a Manifest."""
         p = _Parser(where)
-        p.require(isinstance(doc, dict), "top level is not an object")
-        p.require(doc.get("format") == MANIFEST_FORMAT, f"format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        version = doc.get("version")
-        p.require(version == MANIFEST_VERSION,
-                  f"manifest version {version!r} is not supported by this megashard (reads {MANIFEST_VERSION}); upgrade megashard")
         world = p.int(doc.get("world_size"), "world_size", lo=1)
-        files = p.dict(doc.get("files"), "files")
-        for name, info in files.items():
-            p.require(is_plain_file_name(name), f"file name {str(name)[:100]!r} is not a plain file name")
-            p.dict(info, f"files[{name!r}]")
-            p.int(info.get("bytes", 0), f"files[{name!r}].bytes")
+        files = _parse_files(p, doc.get("files"))
         tensors: Dict[str, TensorRecord] = {}
         for key, t in p.dict(doc.get("tensors"), "tensors").items():
             w = f"tensors[{key!r}]"
@@ -153,42 +175,328 @@ class Manifest:
                 p.dict(s, ws)
                 off = p.shape(s.get("offset"), f"{ws}.offset")
                 shp = p.shape(s.get("shape"), f"{ws}.shape")
-                p.require(len(off) == len(gshape) == len(shp), f"{ws}: offset/shape rank differs from the tensor's")
-                p.require(all(o + n <= g for o, n, g in zip(off, shp, gshape)),
-                          f"{ws}: chunk {list(off)}+{list(shp)} lies outside the global shape {list(gshape)}")
-                flat = s.get("flat")
-                if flat is not None:
-                    flat = p.shape(flat, f"{ws}.flat")
-                    p.require(len(flat) == 2 and flat[0] <= flat[1] <= numel(shp), f"{ws}.flat {flat} invalid")
-                    n_el = flat[1] - flat[0]
-                else:
-                    n_el = numel(shp)
-                nbytes = p.int(s.get("nbytes"), f"{ws}.nbytes")
-                p.require(nbytes == n_el * isz, f"{ws}.nbytes={nbytes} but the shard has {n_el} x {isz} bytes")
-                file = s.get("file")
-                p.require(file is None or (isinstance(file, str) and file in files),
-                          f"{ws}.file {str(file)[:100]!r} is not listed in files")
-                p.require(file is not None or nbytes == 0, f"{ws}: has bytes but no file")
-                data_offset = p.int(s.get("data_offset"), f"{ws}.data_offset")
-                header_offset = p.int(s.get("header_offset", 0), f"{ws}.header_offset")
-                if file is not None:
-                    fbytes = files[file].get("bytes", 0)
-                    p.require(header_offset <= data_offset and data_offset + nbytes <= fbytes,
-                              f"{ws}: bytes {data_offset}+{nbytes} do not fit in {file} ({fbytes} bytes)")
-                name = s.get("name", "")
-                p.require(isinstance(name, str), f"{ws}.name must be a string")
-                rec.shards.append(ShardRecord(
-                    off, shp, tuple(flat) if flat is not None else None, file, name, header_offset,
-                    data_offset, nbytes, p.int(s.get("crc32", 0), f"{ws}.crc32")))
+                rec.shards.append(_parse_shard(p, ws, off, shp, gshape, isz, files, s.get("flat"), s.get("file"),
+                                               s.get("name", ""), s.get("header_offset", 0), s.get("data_offset"),
+                                               s.get("nbytes"), s.get("crc32", 0)))
             tensors[key] = rec
         trees = p.dict(doc.get("trees"), "trees")
         rank_trees = p.list(doc.get("rank_trees"), "rank_trees")
-        p.require(len(rank_trees) >= 1 and all(r in trees for r in rank_trees), "rank_trees refer to unknown trees")
+        p.require(len(rank_trees) >= 1 and all(isinstance(r, str) and r in trees for r in rank_trees),
+                  "rank_trees refer to unknown trees")
         return cls(
             world_size=world, layout=p.dict(doc.get("layout", {}), "layout"), files=files, tensors=tensors,
             objects=p.dict(doc.get("objects", {}), "objects"), trees=trees, rank_trees=list(rank_trees),
-            created=float(doc.get("created", 0.0) or 0.0), extra=p.dict(doc.get("extra", {}), "extra"),
+            created=_created(doc), extra=p.dict(doc.get("extra", {}), "extra"),
+            version=int(doc.get("version", MANIFEST_VERSION)),
         )
+
+
+def _created(doc: Dict[str, Any]) -> float:
+    c = doc.get("created", 0.0)
+    return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else 0.0
+
+
+def _touches(offset: Tuple[int, ...], shape: Tuple[int, ...], box: Box) -> bool:
+    if len(offset) != len(box.offset):
+        return False
+    if box.numel == 0 or numel(shape) == 0:
+        return tuple(offset) == tuple(box.offset) and tuple(shape) == tuple(box.shape)
+    return all(o < bo + bs and bo < o + s for o, s, bo, bs in zip(offset, shape, box.offset, box.shape))
+
+
+def parse_head(text: str | bytes, where: str) -> Dict[str, Any]:
+    """``manifest.json`` parsed (bounded) with its format and version checked."""
+    from .jsonstate import parse_json
+
+    doc = parse_json(text, f"{where} (the checkpoint is damaged)")
+    p = _Parser(where)
+    p.require(isinstance(doc, dict), "top level is not an object")
+    p.require(doc.get("format") == MANIFEST_FORMAT, f"format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+    version = doc.get("version")
+    p.require(version in READ_VERSIONS,
+              f"manifest version {version!r} is not supported by this megashard (reads {list(READ_VERSIONS)}); "
+              "upgrade megashard")
+    return doc
+
+
+def _parse_files(p: "_Parser", files: Any) -> Dict[str, Dict[str, Any]]:
+    p.dict(files, "files")
+    for name, info in files.items():
+        p.require(is_plain_file_name(name), f"file name {str(name)[:100]!r} is not a plain file name")
+        p.dict(info, f"files[{name!r}]")
+        p.int(info.get("bytes", 0), f"files[{name!r}].bytes")
+    return files
+
+
+def _parse_shard(p: "_Parser", ws: str, off: Tuple[int, ...], shp: Tuple[int, ...], gshape: Tuple[int, ...],
+                 isz: int, files: Dict[str, Dict[str, Any]], flat: Any, file: Any, name: Any, header_offset: Any,
+                 data_offset: Any, nbytes: Any, crc32: Any) -> ShardRecord:
+    """One saved shard, checked: inside the global shape, byte count matching its
+    elements, byte range inside a listed file. Shared by both index versions."""
+    p.require(len(off) == len(gshape) == len(shp), f"{ws}: offset/shape rank differs from the tensor's")
+    p.require(all(o + n <= g for o, n, g in zip(off, shp, gshape)),
+              f"{ws}: chunk {list(off)}+{list(shp)} lies outside the global shape {list(gshape)}")
+    if flat is not None:
+        flat = p.shape(flat, f"{ws}.flat")
+        p.require(len(flat) == 2 and flat[0] <= flat[1] <= numel(shp), f"{ws}.flat {list(flat)} invalid")
+        n_el = flat[1] - flat[0]
+    else:
+        n_el = numel(shp)
+    nbytes = p.int(nbytes, f"{ws}.nbytes")
+    p.require(nbytes == n_el * isz, f"{ws}.nbytes={nbytes} but the shard has {n_el} x {isz} bytes")
+    p.require(file is None or (isinstance(file, str) and file in files),
+              f"{ws}.file {str(file)[:100]!r} is not listed in files")
+    p.require(file is not None or nbytes == 0, f"{ws}: has bytes but no file")
+    data_offset = p.int(data_offset, f"{ws}.data_offset")
+    header_offset = p.int(header_offset, f"{ws}.header_offset")
+    if file is not None:
+        fbytes = files[file].get("bytes", 0)
+        p.require(header_offset <= data_offset and data_offset + nbytes <= fbytes,
+                  f"{ws}: bytes {data_offset}+{nbytes} do not fit in {file} ({fbytes} bytes)")
+    p.require(isinstance(name, str), f"{ws}.name must be a string")
+    return ShardRecord(off, shp, tuple(flat) if flat is not None else None, file, name, header_offset,
+                       data_offset, nbytes, p.int(crc32, f"{ws}.crc32"))
+
+
+# ---------------------------------------------------------------------------
+# version 2: a small head (manifest.json) + sections (manifest.index)
+#
+# The head lists every tensor's chunks with the byte range of the section that holds
+# that chunk's shard records, every object's and state-tree part's section, and the
+# file table. A load reads the head and then only the sections of the chunks its own
+# shards overlap, the objects its template names and its own state tree.
+
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+class _Sections:
+    """The index file being built; identical section texts are stored once."""
+
+    def __init__(self) -> None:
+        self.parts: List[bytes] = []
+        self.size = 0
+        self.seen: Dict[bytes, List[int]] = {}
+
+    def add(self, data: bytes) -> List[int]:
+        got = self.seen.get(data)
+        if got is None:
+            got = self.seen[data] = [self.size, len(data), zlib.crc32(data)]
+            self.parts.append(data)
+            self.size += len(data)
+        return got
+
+
+def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
+    """Split a logical document (version-1 shape) into ``manifest.json`` (head) and
+    ``manifest.index`` (sections). Does not validate: the reader does (hostile-input
+    tests write damaged documents through here on purpose)."""
+    sec = _Sections()
+    tensors: Dict[str, Any] = {}
+    for key, t in doc.get("tensors", {}).items():
+        groups: Dict[str, List[Any]] = {}
+        for s in t.get("shards", []):
+            groups.setdefault(_dumps([s.get("offset"), s.get("shape")]), []).append(
+                [s.get("flat"), s.get("file"), s.get("name", ""), s.get("header_offset", 0), s.get("data_offset"),
+                 s.get("nbytes"), s.get("crc32", 0)])
+        chunks = []
+        for g, recs in groups.items():
+            off, shp = json.loads(g)
+            chunks.append([off, shp] + sec.add(_dumps(recs).encode()))
+        tensors[key] = {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": chunks}
+    objects = {u: sec.add(_dumps(v).encode()) for u, v in doc.get("objects", {}).items()}
+    memo: Dict[int, List[int]] = {}
+
+    def part(v: Any) -> List[int]:
+        got = memo.get(id(v))
+        if got is None:
+            got = memo[id(v)] = sec.add(_dumps(v).encode())
+        return got
+
+    trees: Dict[str, Any] = {}
+    for tid, tree in doc.get("trees", {}).items():
+        if isinstance(tree, dict) and TREE_WHOLE not in tree and TAG not in tree:
+            trees[tid] = [[k] + part(v) for k, v in tree.items()]
+        else:
+            trees[tid] = [[TREE_WHOLE] + part(tree)]
+    head = {k: doc[k] for k in ("format", "version", "created", "world_size", "layout", "extra", "files",
+                                "rank_trees") if k in doc}
+    head.update(version=MANIFEST_VERSION, index={"file": INDEX_NAME, "bytes": sec.size}, tensors=tensors,
+                objects=objects, trees=trees)
+    return _dumps(head).encode(), b"".join(sec.parts)
+
+
+TREE_WHOLE = "__whole__"  # a tree stored as one part (not a plain string-keyed dict)
+
+
+class LazyIndex:
+    """A version-2 index: the head parsed, sections read and validated on first use.
+
+    ``read(start, length)`` returns bytes of ``manifest.index`` (the caller has checked
+    the file's size against the head). Everything a section holds is validated as a
+    version-1 manifest's would be; its CRC32 guards it against damage."""
+
+    def __init__(self, doc: Dict[str, Any], read: Callable[[int, int], bytes], where: str,
+                 head_bytes: int = 0, closer: Optional[Callable[[], None]] = None) -> None:
+        p = self._p = _Parser(where)
+        self._closer = closer
+        self.where = where
+        self._read = read
+        self.world_size = p.int(doc.get("world_size"), "world_size", lo=1)
+        self.layout = p.dict(doc.get("layout", {}), "layout")
+        self.extra = p.dict(doc.get("extra", {}), "extra")
+        self.created = _created(doc)
+        self.version = 2
+        self.files = _parse_files(p, doc.get("files"))
+        idx = p.dict(doc.get("index"), "index")
+        p.require(idx.get("file") == INDEX_NAME, f"index.file must be {INDEX_NAME!r}")
+        self.index_bytes = p.int(idx.get("bytes"), "index.bytes")
+        self._tensors_doc = p.dict(doc.get("tensors"), "tensors")
+        self._objects_doc = p.dict(doc.get("objects", {}), "objects")
+        self._trees_doc = p.dict(doc.get("trees"), "trees")
+        self.rank_trees = p.list(doc.get("rank_trees"), "rank_trees")
+        p.require(len(self.rank_trees) >= 1 and all(isinstance(r, str) and r in self._trees_doc
+                                                    for r in self.rank_trees), "rank_trees refer to unknown trees")
+        self._tensors: Dict[str, Optional[Tuple[TensorRecord, Any, Any, List[Any]]]] = {}
+        self._chunks: Dict[Tuple[str, int], List[ShardRecord]] = {}
+        self._objects: Dict[str, Any] = {}
+        self.bytes_read = head_bytes
+
+    def close(self) -> None:
+        """Release the index file (sections already read stay available)."""
+        if self._closer is not None:
+            self._closer()
+            self._closer = None
+
+    # -- sections ----------------------------------------------------------------
+    def _section(self, entry: Any, what: str) -> Any:
+        from .jsonstate import parse_json
+
+        p = self._p
+        p.require(isinstance(entry, list) and len(entry) == 3, f"{what}: bad section reference")
+        start, length, crc = (p.int(v, what) for v in entry)
+        p.require(start + length <= self.index_bytes, f"{what}: section {start}+{length} lies past the end of "
+                                                       f"{INDEX_NAME} ({self.index_bytes} bytes)")
+        data = self._read(start, length)
+        self.bytes_read += length
+        p.require(len(data) == length and zlib.crc32(data) == crc,
+                  f"{what}: section {start}+{length} of {INDEX_NAME} is damaged (CRC32 mismatch)")
+        return parse_json(data, f"{self.where}: {what}")
+
+    # -- the planning interface ------------------------------------------------------
+    def tensor(self, key: str) -> Optional[TensorRecord]:
+        got = self._tensor(key)
+        return got[0] if got is not None else None
+
+    def _tensor(self, key: str) -> Optional[Tuple[TensorRecord, Any, Any, List[Any]]]:
+        if key in self._tensors:
+            return self._tensors[key]
+        t = self._tensors_doc.get(key)
+        if t is None:
+            self._tensors[key] = None
+            return None
+        import numpy as np
+
+        p, w = self._p, f"tensors[{key!r}]"
+        p.dict(t, w)
+        rec = TensorRecord(key, dtype_from_name(t.get("dtype"), f"{self.where}: {w}: "), p.shape(t.get("shape"), f"{w}.shape"))
+        chunks = p.list(t.get("chunks"), f"{w}.chunks")
+        nd = len(rec.global_shape)
+        offs = np.zeros((len(chunks), nd), dtype=np.int64)
+        shps = np.zeros((len(chunks), nd), dtype=np.int64)
+        for i, c in enumerate(chunks):
+            wc = f"{w}.chunks[{i}]"
+            p.require(isinstance(c, list) and len(c) == 5, f"{wc} must be [offset, shape, start, length, crc32]")
+            off, shp = p.shape(c[0], f"{wc}.offset"), p.shape(c[1], f"{wc}.shape")
+            p.require(len(off) == len(shp) == nd, f"{wc}: offset/shape rank differs from the tensor's")
+            p.require(all(o + n <= g for o, n, g in zip(off, shp, rec.global_shape)),
+                      f"{wc}: chunk {list(off)}+{list(shp)} lies outside the global shape {list(rec.global_shape)}")
+            offs[i], shps[i] = off, shp
+        got = (rec, offs, shps, chunks)
+        self._tensors[key] = got
+        return got
+
+    def pieces(self, key: str, box: Box) -> List[ShardRecord]:
+        got = self._tensor(key)
+        if got is None or len(box.offset) != len(got[0].global_shape):
+            return []
+        import numpy as np
+
+        rec, offs, shps, chunks = got
+        bo, bs = np.asarray(box.offset, dtype=np.int64), np.asarray(box.shape, dtype=np.int64)
+        if box.numel == 0:
+            hit = np.all(offs == bo, axis=1) & np.all(shps == bs, axis=1)
+        else:
+            hit = np.all((offs < bo + bs) & (bo < offs + shps), axis=1) if len(offs) else np.zeros(0, dtype=bool)
+            empty = np.prod(shps, axis=1) == 0 if len(offs) else hit
+            hit &= ~empty
+        out: List[ShardRecord] = []
+        for i in np.flatnonzero(hit).tolist():
+            out += self._chunk(key, i, rec, chunks[i])
+        return out
+
+    def _chunk(self, key: str, i: int, rec: TensorRecord, c: List[Any]) -> List[ShardRecord]:
+        got = self._chunks.get((key, i))
+        if got is None:
+            p, w = self._p, f"tensors[{key!r}].chunks[{i}]"
+            off, shp = tuple(c[0]), tuple(c[1])
+            isz = itemsize(rec.dtype)
+            got = []
+            for j, r in enumerate(p.list(self._section(c[2:], w), w)):
+                ws = f"{w}.shards[{j}]"
+                p.require(isinstance(r, list) and len(r) == 7, f"{ws} must have 7 fields")
+                got.append(_parse_shard(p, ws, off, shp, rec.global_shape, isz, self.files, *r))
+            self._chunks[(key, i)] = got
+        return got
+
+    def object(self, ukey: str) -> Any:
+        if ukey not in self._objects:
+            if ukey not in self._objects_doc:
+                raise KeyError(ukey)
+            self._objects[ukey] = self._section(self._objects_doc[ukey], f"objects[{ukey!r}]")
+        return self._objects[ukey]
+
+    def has_object(self, ukey: str) -> bool:
+        return ukey in self._objects_doc
+
+    def tree_for_rank(self, rank: int, keys: Optional[Any] = None) -> Any:
+        """Rank ``rank``'s state tree; with ``keys``, only those top-level entries are read."""
+        tid = self.rank_trees[rank] if 0 <= rank < len(self.rank_trees) else self.rank_trees[0]
+        return self._tree(tid, keys)
+
+    def _tree(self, tid: str, keys: Optional[Any] = None) -> Any:
+        p, w = self._p, f"trees[{tid!r}]"
+        parts = p.list(self._trees_doc[tid], w)
+        out: Dict[str, Any] = {}
+        for i, part in enumerate(parts):
+            p.require(isinstance(part, list) and len(part) == 4 and isinstance(part[0], str), f"{w}[{i}] is malformed")
+            if keys is not None and part[0] != TREE_WHOLE and part[0] not in keys:
+                continue
+            value = self._section(part[1:], f"{w}[{i}]")
+            if part[0] == TREE_WHOLE:
+                p.require(len(parts) == 1, f"{w}: a whole tree has one part")
+                return value
+            out[part[0]] = value
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(int(f.get("bytes", 0)) for f in self.files.values())
+
+    def full(self) -> Manifest:
+        """Everything, as a :class:`Manifest` (reads every section)."""
+        tensors: Dict[str, TensorRecord] = {}
+        for key in self._tensors_doc:
+            rec, _, _, chunks = self._tensor(key)
+            full = TensorRecord(key, rec.dtype, rec.global_shape)
+            for i, c in enumerate(chunks):
+                full.shards += self._chunk(key, i, rec, c)
+            full.shards.sort(key=lambda s: (s.offset, s.flat or (0, 0)))
+            tensors[key] = full
+        objects = {u: self.object(u) for u in self._objects_doc}
+        trees = {tid: self._tree(tid) for tid in self._trees_doc}
+        return Manifest(world_size=self.world_size, layout=self.layout, files=self.files, tensors=tensors,
+                        objects=objects, trees=trees, rank_trees=list(self.rank_trees), created=self.created,
+                        extra=self.extra, version=2, bytes_read=self.bytes_read)
 
 
 _PLAIN_NAME = re.compile(r"[^/\\\x00]{1,255}\Z")

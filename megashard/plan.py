@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 Shape = Tuple[int, ...]
 
@@ -111,19 +111,154 @@ def assign_writers(
     for sid, ranks in holders.items():
         if not ranks:
             continue
-        if len(set(ranks)) == 1:
-            out[sid] = ranks[0]
-            load[ranks[0]] = load.get(ranks[0], 0) + nbytes[sid]
+        first = ranks[0]
+        if all(r == first for r in ranks):
+            out[sid] = first
+            load[first] = load.get(first, 0) + nbytes[sid]
         else:
             multi.append(sid)
-    multi.sort(key=lambda s: (-nbytes[s], s.key, s.offset, s.flat or (0, 0)))
+    multi.sort(key=lambda s: (-nbytes[s], _order(s)))
+    pref_of = preferred or {}
     for sid in multi:
         ranks = sorted(set(holders[sid]))
-        pref = (preferred or {}).get(sid)
+        pref = pref_of.get(sid)
         best = min(ranks, key=lambda r: (load.get(r, 0), r != pref, r))
         out[sid] = best
         load[best] = load.get(best, 0) + nbytes[sid]
     return out
+
+
+def _order(sid: "ShardId | Tuple") -> Tuple:
+    """A total order on shard ids (ShardId or the coordinator's plain tuples)."""
+    if isinstance(sid, ShardId):
+        return (sid.key, sid.offset, sid.shape, sid.flat or (0, 0))
+    return (sid[0], sid[1], sid[2], sid[3] or (0, 0))
+
+
+# ---------------------------------------------------------------------------
+# save: the coordinator (rank 0 validates every rank's announcement and assigns writers)
+
+# One shard as a rank announces it: [key, dtype name, global shape, global offset, chunk
+# shape, flat range or None, bytes]. A rank's announcement puts its regular shards in one
+# JSON text ("fixed") and its flattened ones in another ("flat"): data-parallel replicas send
+# byte-identical "fixed" texts, which the coordinator parses once for all of them.
+
+
+def announcement(entries: Sequence[Sequence[Any]], main: Sequence[bool], objects: Sequence[str],
+                 objects_main: Sequence[bool], blobs: Sequence[Tuple[str, int]]) -> Tuple[Dict[str, Any], List[int]]:
+    """A rank's save announcement, plus the order of its shards in it (regular, then flat):
+    replies index shards in that order."""
+    import json
+
+    order = [i for i, e in enumerate(entries) if e[5] is None] + [i for i, e in enumerate(entries) if e[5] is not None]
+    nfixed = sum(1 for e in entries if e[5] is None)
+    dumps = (lambda v: json.dumps(v, separators=(",", ":")))
+    msg = {
+        "fixed": dumps([list(entries[i]) for i in order[:nfixed]]),
+        "flat": dumps([list(entries[i]) for i in order[nfixed:]]),
+        "main": [j for j, i in enumerate(order) if main[i]],
+        "objects": dumps(list(objects)),
+        "objects_main": [i for i, m in enumerate(objects_main) if m],
+        "blobs": [list(b) for b in blobs],
+    }
+    return msg, order
+
+
+@dataclass
+class SaveAssignment:
+    """The coordinator's decisions: ``replies[r]`` goes to rank ``r``; ``tensors`` (key ->
+    (dtype name, global shape)) and ``blob_owner`` stay on the coordinator for the index."""
+
+    replies: List[Dict[str, Any]]
+    tensors: Dict[str, Tuple[str, Tuple[int, ...]]]
+    blob_owner: Dict[str, int]
+
+
+def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
+    """Validate every rank's announcement (one dtype and global shape per key, every
+    tensor covered exactly once, one main replica per object) and choose one writer per
+    distinct shard, object and state-tree blob. Work is per *distinct* announcement text
+    plus one step per rank: 16,384 data-parallel replicas of the same shards cost little
+    more than one. Raises ``ValueError`` with every problem found."""
+    import json
+
+    problems: List[str] = []
+    parsed: Dict[str, List[Tuple[Tuple, int]]] = {}
+    by_text: Dict[Tuple[str, str], List[int]] = {}
+    tensors: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    for rank, m in enumerate(messages):
+        by_text.setdefault((m["fixed"], m["flat"]), []).append(rank)
+    holders: Dict[Tuple, List[int]] = {}
+    nbytes: Dict[Tuple, int] = {}
+    for (fixed, flat), ranks in by_text.items():
+        for text in (fixed, flat):
+            if text in parsed:
+                continue
+            entries = []
+            for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
+                gshape = tuple(gshape)
+                known = tensors.setdefault(key, (dt, gshape))
+                if known != (dt, gshape):
+                    problems.append(f"tensor {key!r}: rank {ranks[0]} has dtype {dt} global shape {gshape}, another "
+                                    f"rank has {known[0]} {known[1]}")
+                entries.append(((key, tuple(off), tuple(cshape), tuple(fl) if fl else None), nb))
+            parsed[text] = entries
+        for text in (fixed, flat):
+            for sid, nb in parsed[text]:
+                h = holders.get(sid)
+                if h is None:
+                    holders[sid] = list(ranks)
+                    nbytes[sid] = nb
+                else:
+                    h.extend(ranks)
+    preferred: Dict[Tuple, int] = {}
+    for rank, m in enumerate(messages):
+        if m["main"]:
+            entries = parsed[m["fixed"]] + parsed[m["flat"]]
+            for j in m["main"]:
+                preferred.setdefault(entries[j][0], rank)
+    by_key: Dict[str, List[Tuple[Box, Optional[Tuple[int, int]]]]] = {}
+    for sid in holders:
+        by_key.setdefault(sid[0], []).append((Box(sid[1], sid[2]), sid[3]))
+    for key, pieces in by_key.items():
+        problems += coverage_problems(key, tensors[key][1], pieces)
+    writers = assign_writers(holders, nbytes, preferred)
+    # objects: the main replica writes; without one, the first holder
+    obj_parsed: Dict[str, List[str]] = {}
+    obj_first: Dict[str, int] = {}  # announcement text -> first rank that sent it
+    obj_writer: Dict[str, int] = {}
+    for rank, m in enumerate(messages):
+        ukeys = obj_parsed.get(m["objects"])
+        if ukeys is None:
+            ukeys = obj_parsed[m["objects"]] = json.loads(m["objects"])
+            obj_first[m["objects"]] = rank
+        for i in m["objects_main"]:
+            u = ukeys[i]
+            if u in obj_writer:
+                problems.append(f"object {u!r}: main replica on ranks {obj_writer[u]} and {rank}")
+            obj_writer[u] = rank
+    for text, ukeys in obj_parsed.items():
+        for u in ukeys:
+            obj_writer.setdefault(u, obj_first[text])
+    if problems:
+        head = "\n  ".join(problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        raise ValueError(f"sharded state dict is inconsistent across ranks:\n  {head}{more}")
+    blob_owner: Dict[str, int] = {}
+    replies: List[Dict[str, Any]] = []
+    for rank, m in enumerate(messages):
+        entries = parsed[m["fixed"]] + parsed[m["flat"]]
+        ukeys = obj_parsed[m["objects"]]
+        upload = []
+        for _key, sha, *_ in m["blobs"]:
+            if blob_owner.setdefault(sha, rank) == rank and sha not in upload:
+                upload.append(sha)
+        replies.append({
+            "write": [j for j, (sid, _) in enumerate(entries) if writers[sid] == rank],
+            "objects": [i for i, u in enumerate(ukeys) if obj_writer[u] == rank],
+            "blobs": upload,
+        })
+    return SaveAssignment(replies, tensors, blob_owner)
 
 
 def coverage_problems(
@@ -160,19 +295,112 @@ def coverage_problems(
         if pos != box.numel:
             problems.append(f"{key}: chunk at {box.offset} covers {pos} of {box.numel} elements")
         total += box.numel
-    boxes = sorted(chunks, key=lambda b: b.offset)
-    # Overlap check is quadratic only within small per-key shard counts; fine for TP/PP/EP grids.
-    for i in range(len(boxes)):
-        for j in range(i + 1, len(boxes)):
-            if boxes[i].intersect(boxes[j]) is not None:
-                problems.append(f"{key}: shards at {boxes[i].offset} and {boxes[j].offset} overlap")
+    problems += _overlaps(key, [b for b in chunks if b.numel])
     if total != numel(global_shape) and not problems:
         problems.append(f"{key}: shards cover {total} of {numel(global_shape)} elements")
     return problems
 
 
+MAX_GRID_CELLS = 1 << 24
+
+
+def _overlaps(key: str, boxes: List[Box]) -> List[str]:
+    """Pairs of overlapping chunks, found without comparing every pair.
+
+    The chunk boundaries of each dimension cut the tensor into a grid of cells; every
+    chunk covers a block of cells, and two chunks overlap exactly when some cell is
+    covered twice. Counting costs one slice update per chunk plus the cell count
+    (~ the chunk count for the grids TP/PP/EP/expert layouts produce). Irregular
+    layouts whose grid would be huge fall back to a sweep along the first dimension."""
+    if len(boxes) < 2:
+        return []
+    import numpy as np
+
+    nd = len(boxes[0].shape)
+    if nd == 0:
+        return [f"{key}: {len(boxes)} scalar shards overlap"]
+    cuts = [sorted({b.offset[d] for b in boxes} | {b.offset[d] + b.shape[d] for b in boxes}) for d in range(nd)]
+    cells = 1
+    for c in cuts:
+        cells *= max(len(c) - 1, 1)
+    if cells > MAX_GRID_CELLS:
+        return _overlaps_sweep(key, boxes)
+    index = [{v: i for i, v in enumerate(c)} for c in cuts]
+    count = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
+    spans = []
+    for b in boxes:
+        sl = tuple(slice(index[d][b.offset[d]], index[d][b.offset[d] + b.shape[d]]) for d in range(nd))
+        count[sl] += 1
+        spans.append(sl)
+    if int(count.max()) <= 1:
+        return []
+    out = []
+    for i, sl in enumerate(spans):  # name the pairs (only when something is wrong)
+        if int(count[sl].max()) > 1:
+            for j in range(i + 1, len(boxes)):
+                if boxes[i].intersect(boxes[j]) is not None:
+                    out.append(f"{key}: shards at {boxes[i].offset} and {boxes[j].offset} overlap")
+                    if len(out) >= 20:
+                        return out
+    return out
+
+
+def _overlaps_sweep(key: str, boxes: List[Box]) -> List[str]:
+    """Sort by the first dimension; compare only chunks whose first-dimension ranges overlap."""
+    out: List[str] = []
+    order = sorted(boxes, key=lambda b: b.offset)
+    active: List[Box] = []
+    for b in order:
+        active = [a for a in active if a.offset[0] + a.shape[0] > b.offset[0]]
+        for a in active:
+            if a.intersect(b) is not None:
+                out.append(f"{key}: shards at {a.offset} and {b.offset} overlap")
+                if len(out) >= 20:
+                    return out
+        active.append(b)
+    return out
+
+
 # ---------------------------------------------------------------------------
 # load: read plans
+
+
+def flat_boxes(shape: Shape, a: int, b: int) -> List[Tuple[Box, int]]:
+    """The flat range ``[a, b)`` of a C-ordered array of ``shape`` as at most ``2·ndim - 1``
+    boxes (relative to the array), each one contiguous run of the range, with its
+    element position in the range.
+
+    This is what lets a flattened (DistributedOptimizer) request be planned box by box:
+    each box reads only the saved bytes it overlaps, instead of the whole chunk."""
+    out: List[Tuple[Box, int]] = []
+    nd = len(shape)
+
+    def rec(d: int, lo: int, hi: int, prefix: Shape, pos: int) -> int:
+        ones = (1,) * d
+        if lo >= hi:
+            return pos
+        if d == nd - 1:
+            out.append((Box(prefix + (lo,), ones + (hi - lo,)), pos))
+            return pos + hi - lo
+        inner = numel(shape[d + 1:])
+        i0, r0 = divmod(lo, inner)
+        i1, r1 = divmod(hi, inner)
+        if i0 == i1:
+            return rec(d + 1, r0, r1, prefix + (i0,), pos)
+        if r0:
+            pos = rec(d + 1, r0, inner, prefix + (i0,), pos)
+            i0 += 1
+        if i1 > i0:
+            out.append((Box(prefix + (i0,) + (0,) * (nd - d - 1), ones + (i1 - i0,) + tuple(shape[d + 1:])), pos))
+            pos += (i1 - i0) * inner
+        if r1:
+            pos = rec(d + 1, 0, r1, prefix + (i1,), pos)
+        return pos
+
+    if nd == 0:
+        return [(Box((), ()), 0)] if b > a else []
+    rec(0, a, b, (), 0)
+    return out
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ from . import plan, shm
 from .errors import CheckpointError, MegashardError
 from .format import empty_buffer
 from .format.fastio import default_read_threads, read_requests, tensor_memoryview
-from .manifest import Manifest
 from .transport import Comm
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ def _err(e: BaseException, what: str) -> str:
     return f"{type(e).__name__}: {what}: {e}"
 
 
-def scatter(comm: Comm, base: str, manifest: Manifest, ops: Sequence[Any], touched: Dict[str, Set[str]],
+def scatter(comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: Dict[str, Dict[str, Any]],
             readers: Mapping[int, int], chunk: int, threads: Optional[int], transport: str,
             open_files: Callable[[], Any]) -> Tuple[Tuple[int, int, str], Optional[str]]:
     """Deliver every op's ``file``/``offset``/``nbytes``: into ``op.target()`` (a contiguous CPU
@@ -98,12 +97,12 @@ def scatter(comm: Comm, base: str, manifest: Manifest, ops: Sequence[Any], touch
 # non-readers
 
 
-def _consume(comm: Comm, ops: Sequence[Any], touched: Mapping[str, Set[str]],
+def _consume(comm: Comm, ops: Sequence[Any], touched: Mapping[str, Dict[str, Any]],
              reader: int) -> Tuple[Tuple[int, int, str], Optional[str]]:
     err: Optional[str] = None
     sched: Dict[str, Any] = {}
     req = {"ops": [[op.file, op.offset, op.nbytes] for op in ops], "pid": os.getpid(), "host": shm.host_identity(),
-           "touched": {f: sorted(names) for f, names in touched.items()}}
+           "touched": touched}
     try:
         _send_json(comm, req, reader)
         sched = _recv_json(comm, reader)
@@ -194,13 +193,13 @@ def _consume_group(comm: Comm, ops: Sequence[Any], reader: int, chunk: int) -> O
 class _Reader:
     """The node reader's side: plan, schedule, set up the transport, transfer."""
 
-    def __init__(self, comm: Comm, base: str, manifest: Manifest, ops: Sequence[Any], touched: Dict[str, Set[str]],
+    def __init__(self, comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: Dict[str, Dict[str, Any]],
                  readers: Mapping[int, int], chunk: int, threads: Optional[int], transport: str,
                  open_files: Callable[[], Any]) -> None:
         self.comm, self.base, self.manifest, self.ops, self.touched = comm, base, manifest, ops, touched
         self.chunk, self.transport, self.open_files = chunk, transport, open_files
         self.threads = threads or default_read_threads()
-        self.consumers = [r for r in range(comm.world_size) if readers[r] == comm.rank and r != comm.rank]
+        self.consumers = sorted(r for r, rd in readers.items() if rd == comm.rank and r != comm.rank)
         self.requests: Dict[int, List[Range]] = {}
         self.pids: List[int] = []
         self.err: Optional[str] = None
@@ -224,7 +223,8 @@ class _Reader:
             self.pids.append(int(req["pid"]))
             same_host = same_host and bool(req["host"]) and req["host"] == shm.host_identity()
             for f, names in req.get("touched", {}).items():
-                self.touched.setdefault(str(f), set()).update(str(n) for n in names)
+                if isinstance(names, dict):
+                    self.touched.setdefault(str(f), {}).update({str(n): r for n, r in names.items()})
         sched: Dict[str, Any] = {}
         mode, name = "group", None
         try:

@@ -134,3 +134,23 @@ def looks_like_sharded_object(obj: Any) -> bool:
     return type(obj).__name__ == "ShardedObject" and all(
         hasattr(obj, a) for a in ("key", "data", "global_shape", "global_offset", "replica_id")
     )
+
+
+def object_unique_key(obj: Any) -> str:
+    """The identity of a ShardedObject across ranks (megatron-core's ``unique_key``)."""
+    uk = getattr(obj, "unique_key", None)
+    if isinstance(uk, str):
+        return uk
+    return f"{obj.key}/shard_{'.'.join(map(str, obj.global_offset))}_{'.'.join(map(str, obj.global_shape))}"
+
+
+def reject_unapplied(path: str, value: Any) -> None:
+    """Factories and non-persistent objects must be resolved before save/load see them."""
+    name = type(value).__name__
+    if name in ("ShardedTensorFactory", "LocalNonpersistentObject"):
+        from .errors import StateDictError
+
+        raise StateDictError(
+            f"{path!r}: {name} must be resolved before megashard.save/load "
+            "(apply megatron-core's apply_factories / drop non-persistent objects; megashard.megatron does this)"
+        )

@@ -67,6 +67,7 @@ __all__ = [
     "is_checkpoint",
     "recover",
     "locate",
+    "checkpoint_location",
     "why_not_checkpoint",
     "CheckpointFiles",
     "MANIFEST_DIGEST_NAME",
@@ -478,6 +479,18 @@ def locate(final_dir: PathLike) -> Optional[str]:
     logger.warning("%s is missing; reading the complete copy %s left by an interrupted re-save "
                    "(run `megashard recover %s` to restore it)", final, candidates[0], final)
     return candidates[0]
+
+
+def checkpoint_location(checkpoint_dir: PathLike) -> str:
+    """The directory that holds the complete checkpoint ``checkpoint_dir`` (read-only: an
+    interrupted re-save's ``.old-*`` copy is read in place, never renamed)."""
+    path = os.path.abspath(os.fspath(checkpoint_dir))
+    found = locate(path)
+    if found is None:
+        raise CheckpointError(
+            f"{path} is not a megashard checkpoint ({why_not_checkpoint(path)}); check the path, or "
+            "whether the save that should have produced it finished")
+    return found
 
 
 def why_not_checkpoint(path: PathLike) -> str:

@@ -83,6 +83,8 @@ class Comm:
 
     # -- collectives (JSON) --------------------------------------------------
     def all_gather_json(self, obj: Any) -> List[Any]:
+        """Every rank's object on every rank: O(world) per rank, so only for small groups
+        (e.g. the ranks of one node or one data-parallel group), never the whole job."""
         data = json.dumps(obj, separators=(",", ":")).encode()
         if not self.is_dist or self.world_size == 1:
             return [json.loads(data)]
@@ -95,6 +97,57 @@ class Comm:
         out = [torch.empty(m, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
         self._collective("all_gather", dist.all_gather, out, self._bytes_tensor(data, m))
         return [json.loads(bytes(t[:k].cpu().numpy())) for t, k in zip(out, lens)]
+
+    def gather_json(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
+        """Every rank's object on ``dst`` (None elsewhere), each message its own size.
+
+        A rank sends its bytes once and receives nothing but the 8-byte size exchange;
+        ``dst`` receives the sum of the messages (no padding to the largest)."""
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        if not self.is_dist or self.world_size == 1:
+            return [json.loads(data)]
+        dist = _dist()
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = ([torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+                 if self.rank == dst else None)
+        self._collective("gather", dist.gather, n, gather_list=sizes, dst=self.global_rank(dst))
+        if self.rank != dst:
+            if data:
+                self.isend(self._bytes_tensor(data, len(data)), dst).wait()
+            return None
+        bufs: List[Optional[torch.Tensor]] = []
+        pending = []
+        for r, s in enumerate(sizes or []):
+            k = int(s.item())
+            if r == dst or k == 0:
+                bufs.append(None)
+                continue
+            buf = torch.empty(k, dtype=torch.uint8)
+            pending.append(self.irecv(buf, r))
+            bufs.append(buf)
+        for p in pending:
+            p.wait()
+        return [json.loads(data) if r == dst else json.loads(bytes(b.numpy())) if b is not None else None
+                for r, b in enumerate(bufs)]
+
+    def scatter_json(self, objs: Optional[Sequence[Any]], src: int = 0) -> Any:
+        """Rank ``r`` receives ``objs[r]`` from ``src``: each rank only its own message."""
+        if not self.is_dist or self.world_size == 1:
+            return objs[0] if objs else None
+        dist = _dist()
+        datas = [json.dumps(o, separators=(",", ":")).encode() for o in objs] if self.rank == src else []
+        n = torch.zeros(1, dtype=torch.int64, device=self.device)
+        lens = ([torch.tensor([len(d)], dtype=torch.int64, device=self.device) for d in datas]
+                if self.rank == src else None)
+        self._collective("scatter", dist.scatter, n, scatter_list=lens, src=self.global_rank(src))
+        if self.rank == src:
+            pending = [self.isend(self._bytes_tensor(d, len(d)), r) for r, d in enumerate(datas) if r != src]
+            for p in pending:
+                p.wait()
+            return json.loads(datas[src])
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        self.irecv(buf, src).wait()
+        return json.loads(bytes(buf.numpy()))
 
     def broadcast_json(self, obj: Any, src: int = 0) -> Any:
         if not self.is_dist or self.world_size == 1:
@@ -109,33 +162,67 @@ class Comm:
 
     def all_reduce_max(self, value: int) -> int:
         """The maximum of an integer over the group."""
+        return self.all_reduce([value], "max")[0]
+
+    def all_reduce(self, values: Sequence[int], op: str = "sum") -> List[int]:
+        """Element-wise ``sum`` or ``max`` of a few integers over the group."""
         if not self.is_dist or self.world_size == 1:
-            return int(value)
+            return [int(v) for v in values]
         dist = _dist()
-        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
-        self._collective("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        self._collective("all_reduce", dist.all_reduce, t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return [int(x) for x in t.cpu().tolist()]
 
     def barrier(self) -> None:
         if self.is_dist and self.world_size > 1:
-            self.all_gather_json(None)
+            self.all_reduce([0])
 
     # -- error aggregation ---------------------------------------------------
-    def agree(self, error: Optional[str], what: str, payload: Any = None) -> List[Any]:
-        """Exchange status (and an optional payload); raise on every rank if any failed.
-
-        Returns every rank's payload when all succeeded.
-        """
+    def agree(self, error: Optional[str], what: str) -> None:
+        """Raise on every rank if any rank failed: one 8-byte all-reduce when all is well;
+        on failure the messages are gathered on rank 0 and broadcast (bounded)."""
         try:
-            everything = self.all_gather_json({"error": error, "payload": payload})
+            failed = self.all_reduce([1 if error else 0], "max")[0]
+            if not failed:
+                return
+            msgs = self.gather_json(error, 0)
+            failures = _bounded_failures({r: m for r, m in enumerate(msgs or []) if m})
+            failures = self.broadcast_json({str(r): m for r, m in failures.items()}, 0)
         except DistributedError as e:  # a peer died: report our own error too, if any
             if error:  # keep this rank's own failure first: it usually explains the rest
                 e.failures[self.rank] = f"{error}\n(then: {e.failures.get(self.rank, 'the agreement failed')})"
             raise distributed_error(e.failures, what) from None
-        failures = {r: e["error"] for r, e in enumerate(everything) if e["error"]}
-        if failures:
-            raise distributed_error(failures, what)
-        return [e["payload"] for e in everything]
+        raise distributed_error({int(r): m for r, m in failures.items()}, what)
+
+    def coordinate(self, what: str, error: Optional[str], payload: Any,
+                   compute: Callable[[List[Any]], List[Any]]) -> Any:
+        """Gather every rank's payload on rank 0, run ``compute`` there (payloads -> one
+        reply per rank) and send each rank its reply; raise on every rank if any rank's
+        payload or the computation failed. A rank receives only its own reply."""
+        try:
+            got = self.gather_json({"error": error, "payload": payload}, 0)
+            replies: Optional[List[Any]] = None
+            if self.rank == 0:
+                failures = {r: g["error"] for r, g in enumerate(got or []) if g["error"]}
+                if not failures:
+                    out, err = self.run(what, lambda: compute([g["payload"] for g in got or []]))
+                    if err is None and (not isinstance(out, list) or len(out) != self.world_size):
+                        err = f"internal error: {what} produced no reply per rank"
+                    if err is not None:
+                        failures = {0: err}
+                    else:
+                        replies = [{"ok": o} for o in out]
+                if failures:
+                    fail = {str(r): m for r, m in _bounded_failures(failures).items()}
+                    replies = [{"failures": fail}] * self.world_size
+            reply = self.scatter_json(replies, 0)
+        except DistributedError as e:
+            if error:
+                e.failures[self.rank] = f"{error}\n(then: {e.failures.get(self.rank, 'the agreement failed')})"
+            raise distributed_error(e.failures, what) from None
+        if "failures" in reply:
+            raise distributed_error({int(r): m for r, m in reply["failures"].items()}, what)
+        return reply["ok"]
 
     def run(self, what: str, fn: Callable[[], T]) -> Tuple[Optional[T], Optional[str]]:
         """Run ``fn`` locally, capturing any exception as a message for :meth:`agree`."""
@@ -208,6 +295,21 @@ def _timeout(group: Any, timeout: Optional[float]) -> float:
     except Exception:  # noqa: BLE001 - not initialised, or a torch without these internals
         pass
     return 1800.0
+
+
+MAX_REPORTED_FAILURES = 64
+MAX_FAILURE_CHARS = 4096
+
+
+def _bounded_failures(failures: Dict[int, str]) -> Dict[int, str]:
+    """At most 64 ranks' messages (4 KiB each) travel back: a job of 16,384 failing ranks
+    must not broadcast 16,384 tracebacks. The rest are counted in the last entry."""
+    ranks = sorted(failures)
+    out = {r: failures[r][:MAX_FAILURE_CHARS] for r in ranks[:MAX_REPORTED_FAILURES]}
+    if len(ranks) > MAX_REPORTED_FAILURES:
+        rest = ranks[MAX_REPORTED_FAILURES:]
+        out[rest[0]] = f"... and {len(rest)} more rank(s) failed (ranks {rest[0]}..{rest[-1]})"
+    return out
 
 
 def node_readers(node_ids: Sequence[str]) -> Dict[int, int]:

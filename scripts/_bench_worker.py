@@ -437,7 +437,6 @@ def run_group(ctx: Ctx) -> Dict[str, Any]:
     a process. Loads are checked bit-for-bit after their last repetition.
     """
     import megashard
-    from megashard.api import LAST_LOAD_STATS
 
     torch_dist_cpu_shim()  # only affects torch.cuda.*, which megashard does not call on gloo
     from megatron.core import dist_checkpointing
@@ -478,8 +477,8 @@ def run_group(ctx: Ctx) -> Dict[str, Any]:
             kw: Dict[str, Any] = {"scatter_transport": op.transport} if op.transport else {}
             if os.environ.get("MEGASHARD_BENCH_SCATTER_CHUNK"):  # scripts/bench.py --scatter-chunk-mib
                 kw["scatter_chunk_bytes"] = int(os.environ["MEGASHARD_BENCH_SCATTER_CHUNK"])
-            megashard.load(sd, path, mode=op.mode, **kw)
-            return dict(LAST_LOAD_STATS.__dict__)
+            _, stats = megashard.load(sd, path, mode=op.mode, return_stats=True, **kw)
+            return dict(stats.__dict__)
         if op.save:
             return dist_checkpointing.save(sd, path)
         return dist_checkpointing.load(sd, path)

@@ -44,10 +44,9 @@ th = threading.Thread(target=sample, daemon=True); th.start()
 what, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
 t0 = time.perf_counter()
 if what == "load_consolidated":
-    from megashard.api import LAST_LOAD_STATS
-    out = megashard.load_consolidated(src)
+    out, stats = megashard.load_consolidated(src, return_stats=True)
     nbytes = sum(t.numel() * t.element_size() for t in out.values())
-    assert LAST_LOAD_STATS.bytes_read == nbytes, (LAST_LOAD_STATS.bytes_read, nbytes)  # read == needed
+    assert stats.bytes_read == nbytes, (stats.bytes_read, nbytes)  # read == needed
 else:
     nbytes = convert(src, dst, to=what, progress=False).bytes
 dt = time.perf_counter() - t0

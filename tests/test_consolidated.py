@@ -6,7 +6,6 @@ import torch
 
 import megashard
 from megashard import CheckpointError
-from megashard.api import LAST_LOAD_STATS
 from megashard.consolidated import global_nbytes
 
 from distributed import all_ok, run_ranks
@@ -28,24 +27,25 @@ def test_all_tensors_bit_exact_and_bytes_read_equal_needed(ckpt):
     m = megashard.read_manifest(ckpt)
     assert any(s.flat is not None for t in m.tensors.values() for s in t.shards), "no flattened shards to test"
     assert any(len(t.shards) > 1 for t in m.tensors.values())
-    out = megashard.load_consolidated(ckpt)
+    out, stats = megashard.load_consolidated(ckpt, return_stats=True)
     assert set(out) == set(m.tensors)
     assert len(out) == 2 * len(GLOBALS)
     for k, t in out.items():
         assert bit_equal(t, expected_global(k)), k
     needed = sum(global_nbytes(t) for t in m.tensors.values())
-    assert LAST_LOAD_STATS.mode == "consolidated"
-    assert LAST_LOAD_STATS.bytes_read == needed
+    assert stats.mode == "consolidated"
+    assert stats.bytes_read == needed
 
 
 def test_key_patterns_read_only_those_bytes(ckpt):
     m = megashard.read_manifest(ckpt)
-    out = megashard.load_consolidated(ckpt, ["decoder.layers.*", "embedding.word_embeddings.weight"], verify=True)
+    out, stats = megashard.load_consolidated(ckpt, ["decoder.layers.*", "embedding.word_embeddings.weight"], verify=True,
+                                             return_stats=True)
     want = [k for k in m.tensors if k.startswith("decoder.layers.") or k == "embedding.word_embeddings.weight"]
     assert sorted(out) == sorted(want)
     for k in want:
         assert bit_equal(out[k], full(k))
-    assert LAST_LOAD_STATS.bytes_read == sum(global_nbytes(m.tensors[k]) for k in want)
+    assert stats.bytes_read == sum(global_nbytes(m.tensors[k]) for k in want)
     with pytest.raises(CheckpointError, match="no global tensor matches 'nope.*'"):
         megashard.load_consolidated(ckpt, ["nope.*"])
 

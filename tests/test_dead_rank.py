@@ -23,7 +23,7 @@ def _save(rank, world, path):
 def _load_with_failure(rank, world, path, how, timeout):
     """Rank 1 dies (SIGKILL), hangs, or raises SystemExit inside its planning; rank 0 must raise
     DistributedError within the timeout."""
-    import megashard.api as api
+    import megashard.loading as api
 
     if rank == 1:
         orig = api._merge_template

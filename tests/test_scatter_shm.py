@@ -36,12 +36,11 @@ def _save(layout: Layout, rank: int, path: str) -> None:
 
 def _load(layout: Layout, rank: int, path: str, **kw: Any) -> Dict[str, Any]:
     import megashard
-    from megashard.api import LAST_LOAD_STATS
 
     template = model_state(layout, rank, empty=True)
-    megashard.load(template, path, mode="scatter", **kw)
-    return {"bad": check_state(template), "transport": LAST_LOAD_STATS.transport,
-            "read": LAST_LOAD_STATS.bytes_read, "received": LAST_LOAD_STATS.bytes_received,
+    _, stats = megashard.load(template, path, mode="scatter", return_stats=True, **kw)
+    return {"bad": check_state(template), "transport": stats.transport,
+            "read": stats.bytes_read, "received": stats.bytes_received,
             "needed": sum(sh.data.numel() * sh.data.element_size() for c in template.values() for sh in c.values())}
 
 

@@ -36,7 +36,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megashard  # noqa: E402
-from megashard.api import LAST_LOAD_STATS  # noqa: E402
 
 from layouts import GLOBALS, Layout, check_state, model_state  # noqa: E402
 
@@ -60,12 +59,13 @@ def run_case(case: str, ckpt: str, rank: int, local_rank: int) -> Dict[str, Any]
         path, mode = (ckpt if local_rank == 0 else ckpt + "-not-visible-here"), "auto"
     else:
         path, mode = ckpt, "scatter"
-    megashard.load(template, path, mode=mode, scatter_transport="group" if case == "shared_group" else "auto")
+    _, stats = megashard.load(template, path, mode=mode, return_stats=True,
+                              scatter_transport="group" if case == "shared_group" else "auto")
     return {
         "case": case, "rank": rank, "local_rank": local_rank,
         "node": os.environ.get("GROUP_RANK"), "path_exists": os.path.exists(path),
-        "mode": LAST_LOAD_STATS.mode, "bytes_read": LAST_LOAD_STATS.bytes_read,
-        "bytes_received": LAST_LOAD_STATS.bytes_received, "transport": LAST_LOAD_STATS.transport,
+        "mode": stats.mode, "bytes_read": stats.bytes_read,
+        "bytes_received": stats.bytes_received, "transport": stats.transport,
         "needed_bytes": template_bytes(template), "node_needed_bytes": model_unique_bytes(),
         "mismatches": check_state(template),
     }

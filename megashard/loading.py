@@ -1,0 +1,667 @@
+"""``load``: fill a template state dict from a checkpoint saved in any layout.
+
+Collectives per load, whatever the world size: *probe* (every rank sends rank 0 whether
+it sees the checkpoint and its node; each receives its mode and node reader), *plan*
+agreement, the transfer (scatter mode only) and the final agreement. Each rank opens
+the index itself and reads only the sections its own shards overlap
+(:class:`~megashard.manifest.LazyIndex`); a rank that cannot see the checkpoint gets the
+index from its node's reader. ``own`` mode reads exactly the byte ranges each rank
+needs; ``scatter`` has one reader per node read every needed byte once and hand it to
+the node's ranks (:mod:`megashard.readers`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from . import jsonstate, plan, readers, storage
+from .errors import CheckpointError, StateDictError
+from .format import empty_buffer
+from .format.fastio import tensor_memoryview
+from .index import Index, open_index
+from .logs import log_summary, rank_prefix
+from .manifest import INDEX_NAME, LazyIndex, Manifest, dtype_from_name, dtype_name, itemsize, parse_head
+from .plan import Box
+from .sharded import (ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key,
+                      reject_unapplied)
+from .transport import Comm, node_readers
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCATTER_CHUNK = 8 << 20  # bytes per ring slot / staging buffer of a scatter load (4 slots fit a 64 MB /dev/shm)
+
+
+@dataclass
+class _Op:
+    """One byte range to bring into ``dest`` (a contiguous uint8 tensor), or, in scatter
+    loads, into a temporary that exists only while its bytes arrive (``lazy``)."""
+
+    file: str
+    offset: int
+    nbytes: int
+    dest: Optional[torch.Tensor]
+    lazy: Optional[Tuple["_Temps", int, int]] = None  # temporaries, buffer index, offset in buffer
+
+    def target(self) -> torch.Tensor:
+        """Where the bytes go (allocates a lazy temporary on first use)."""
+        if self.lazy is None:
+            return self.dest
+        temps, i, off = self.lazy
+        return temps.buffer(i)[off:off + self.nbytes]
+
+    def arrived(self, nbytes: int) -> None:
+        """``nbytes`` of this op were delivered (a complete temporary is placed and freed)."""
+        if self.lazy is not None:
+            self.lazy[0].arrived(self.lazy[1], nbytes)
+
+
+class _Temps:
+    """The temporaries of one resharded shard (saved pieces before placement).
+
+    Scatter loads allocate each buffer when its first bytes arrive and place and free it
+    as soon as all its bytes have, so a rank never holds every temporary at once; the
+    final ``place`` (in ``work.finish``) only handles what is left."""
+
+    def __init__(self, sizes: Sequence[int], dtype: torch.dtype, wp: Any, chunk: torch.Tensor) -> None:
+        self.sizes, self.dtype, self.wp, self.chunk = list(sizes), dtype, wp, chunk
+        self.bufs: Dict[int, torch.Tensor] = {}
+        self.pending = [0] * len(self.sizes)
+        self.placed: set = set()
+
+    def buffer(self, i: int) -> torch.Tensor:
+        if i not in self.bufs:
+            self.bufs[i] = _bytes_view(_empty(self.sizes[i], self.dtype))
+        return self.bufs[i]
+
+    def arrived(self, i: int, nbytes: int) -> None:
+        self.pending[i] -= nbytes
+        if self.pending[i] <= 0:
+            self.place(i)
+
+    def place(self, i: int) -> None:
+        if i in self.placed:
+            return
+        buf = self.buffer(i).view(self.dtype)
+        for p in self.wp.placements:
+            if p.buffer == i:
+                idx = tuple(slice(o, o + s) for o, s in zip(p.dst.offset, p.dst.shape))
+                self.chunk[idx].copy_(buf.as_strided(p.shape, p.strides, buf.storage_offset() + p.storage_offset))
+        self.placed.add(i)
+        self.bufs.pop(i, None)  # freed as soon as it is placed
+
+
+@dataclass
+class _LoadWork:
+    rows_ok: bool = False  # own mode: strided overlaps are read run by run into the destination
+    view_ops: List[Tuple[str, int, memoryview]] = field(default_factory=list)
+    row_jobs: List[Tuple[str, int, int, List[memoryview]]] = field(default_factory=list)  # file, offset, run, views
+    ops: List[_Op] = field(default_factory=list)
+    finish: List[Callable[[], None]] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+    touched: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # file -> {name: [data offset, bytes]} (verify)
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a contiguous tensor, outside autograd (parameters are filled in place)."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A temporary; large ones are huge-page backed so first-touch page faults stay cheap."""
+    nbytes = numel * itemsize(dtype)
+    if nbytes >= (8 << 20):
+        return empty_buffer(nbytes).view(dtype)[:numel]
+    return torch.empty(numel, dtype=dtype)
+
+
+def _plan_rows(rr: plan.RowReads, mv: memoryview, work: _LoadWork) -> None:
+    """Runs whose source bytes are back to back become one preadv per IOV_MAX runs."""
+    import numpy as np
+
+    n = rr.run_bytes
+    src = np.zeros(1, dtype=np.int64) + rr.file_offset
+    dst = np.zeros(1, dtype=np.int64) + rr.dst_offset
+    for size, ss, ds in zip(rr.lead_shape, rr.src_strides, rr.dst_strides):
+        steps = np.arange(size, dtype=np.int64)
+        src = (src[:, None] + steps[None, :] * ss).reshape(-1)
+        dst = (dst[:, None] + steps[None, :] * ds).reshape(-1)
+    views = [mv[d:d + n] for d in dst.tolist()]
+    if len(src) < 2 or bool(np.all(np.diff(src) == n)):
+        work.row_jobs.append((rr.file, int(src[0]), n, views))
+    else:
+        work.view_ops.extend((rr.file, o, v) for o, v in zip(src.tolist(), views))
+
+
+def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -> Optional[torch.Tensor]:
+    """Plan reads for one requested shard; returns the tensor that will hold it.
+
+    A flattened request (DistributedOptimizer state) is cut into the boxes its flat range
+    covers, so a resharding load reads only the bytes it needs, straight into place."""
+    rec = index.tensor(sh.key)
+    if rec is None:
+        work.problems.append(f"missing: tensor {sh.key!r} (at {path}) is not in the checkpoint")
+        return sh.data
+    if rec.dtype != sh.dtype:
+        work.problems.append(f"dtype mismatch: {sh.key!r} saved as {dtype_name(rec.dtype)}, requested {dtype_name(sh.dtype)}")
+        return sh.data
+    if tuple(rec.global_shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
+        work.problems.append(
+            f"shape mismatch: {sh.key!r} saved with global shape {tuple(rec.global_shape)}, requested {tuple(sh.global_shape)}")
+        return sh.data
+    dest = sh.data
+    n_el = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else plan.numel(sh.local_shape)
+    if dest is None:
+        dest = torch.empty(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
+    if dest.numel() != n_el:
+        work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
+        return dest
+    want = Box(tuple(sh.global_offset), tuple(sh.chunk_shape))
+    isz = itemsize(sh.dtype)
+    staged = not (dest.is_contiguous() and dest.device.type == "cpu")
+    buf = torch.empty(dest.shape, dtype=dest.dtype) if staged else dest
+    flat_buf = buf.detach().reshape(-1)
+    boxes: List[Tuple[Box, int]] = [(want, 0)]
+    exact_flat = None  # a flattened request saved exactly so: one direct read
+    if sh.flat_range is not None:
+        a, b = sh.flat_range
+        if any(s.offset == want.offset and s.shape == want.shape and s.flat == (a, b)
+               for s in index.pieces(sh.key, want)):
+            exact_flat = (a, b)
+        else:
+            boxes = [(Box(tuple(g + o for g, o in zip(want.offset, box.offset)), box.shape), pos)
+                     for box, pos in plan.flat_boxes(want.shape, a, b)]
+    covered = 0
+    for box, pos in boxes:
+        flat = exact_flat
+        n = (flat[1] - flat[0]) if flat is not None else box.numel
+        view = flat_buf[pos:pos + n] if flat is not None else flat_buf[pos:pos + n].view(box.shape)
+        covered += _plan_box(sh.key, index, box, flat, view, sh.dtype, isz, work)
+    total = n_el if sh.flat_range is not None else want.numel
+    if covered < total and not (sh.allow_shape_mismatch and covered > 0):
+        work.problems.append(f"missing data: {sh.key!r} at offset {tuple(sh.global_offset)}: checkpoint covers "
+                             f"{covered} of {total} elements")
+        return dest
+    if staged:
+        work.finish.append(lambda d=dest, t=buf: d.copy_(t.view(d.shape)))
+    return dest
+
+
+def _plan_box(key: str, index: Index, want: Box, flat: Optional[Tuple[int, int]], view: torch.Tensor,
+              dtype: torch.dtype, isz: int, work: _LoadWork) -> int:
+    """Plan the reads that fill ``view`` (contiguous CPU, the C-ordered ``want`` box, or
+    its ``flat`` range when that is saved exactly); returns the elements covered."""
+    records = index.pieces(key, want)
+    wp = plan.plan_want(want, flat, [s.piece() for s in records], isz, rows_ok=work.rows_ok)
+    used = {(r.file, r.file_offset) for r in wp.reads} | {(r.file, None) for r in wp.rows}
+    for s in records:
+        if s.file and ((s.file, None) in used or any(f == s.file for f, _ in used)):
+            work.touched.setdefault(s.file, {})[s.name] = [s.data_offset, s.nbytes]
+    if wp.direct:
+        for r in wp.reads:
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(view)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        return wp.covered if flat is None else flat[1] - flat[0]
+    chunk = view
+    temps = _Temps(wp.buffers, dtype, wp, chunk)
+    if wp.rows:
+        mv = tensor_memoryview(chunk.detach())
+        for rr in wp.rows:
+            _plan_rows(rr, mv, work)
+    for r in wp.reads:
+        if r.buffer == -1:
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(chunk)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        elif work.rows_ok:  # own mode: every temporary up front (its reads run all at once anyway)
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, temps.buffer(r.buffer)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+        else:  # scatter: allocated when its bytes arrive, placed and freed when complete
+            temps.pending[r.buffer] += r.nbytes
+            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, None, (temps, r.buffer, r.buffer_offset)))
+    if wp.buffers:
+        def place(temps=temps) -> None:
+            for i in range(len(temps.sizes)):
+                temps.place(i)
+
+        work.finish.append(place)
+    return wp.covered
+
+
+class _Sharded:
+    """Marker for saved-tree entries that the template supplies."""
+
+
+_SHARDED = _Sharded()
+
+
+@dataclass
+class _LazyRef:
+    """A rank-local tensor or large bytes value in a file, validated but not yet planned:
+    read straight into the template's tensor when it asks for one (see ``_materialize``)."""
+
+    ref: Dict[str, Any]
+    path: str
+
+
+def _decode_saved_tree(tree: Any, index: Index, work: _LoadWork, path_prefix: str = "",
+                       lazy: bool = False) -> Any:
+    """Decode a state tree; file-backed values are planned for reading (or left as
+    :class:`_LazyRef` with ``lazy``). Never imports, never allocates before validating."""
+    def resolver(ref: Any, path: str) -> Any:
+        kind = ref.get("kind") if isinstance(ref, dict) else None
+        if kind in ("sharded", "object"):
+            return _SHARDED
+        if kind in ("tensor", "bytes"):
+            _checked_ref(ref, index, path)
+            return _LazyRef(ref, path) if lazy else _materialize(ref, path, index, work)
+        raise CheckpointError(f"state {path or '<root>'}: unknown reference {str(ref)[:100]} in the index")
+
+    return jsonstate.decode(tree, path=path_prefix, resolver=resolver)
+
+
+def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
+                 into: Optional[torch.Tensor] = None) -> Any:
+    """Plan the read of a file-backed value, into ``into`` when it is a matching CPU tensor."""
+    dtype, shape, file, offset, nbytes = _checked_ref(ref, index, path)
+    direct = (into is not None and into.dtype == dtype and tuple(into.shape) == shape
+              and into.is_contiguous() and into.device.type == "cpu")
+    t = into if direct else torch.empty(shape, dtype=dtype)  # size validated against the file above
+    if nbytes:
+        work.ops.append(_Op(file, offset, nbytes, _bytes_view(t)))
+        work.touched.setdefault(file, {})[ref.get("name", "")] = [offset, nbytes]
+    if into is not None and not direct:
+        work.finish.append(lambda d=into, s=t: d.copy_(s.view(d.shape)))
+        return into
+    return _LazyBytes(t) if ref.get("kind") == "bytes" else t
+
+
+def _checked_ref(ref: Dict[str, Any], index: Index, path: str) -> Tuple[torch.dtype, Tuple[int, ...], Any, int, int]:
+    """A rank-local tensor/bytes reference, checked before anything is allocated for it:
+    shape, byte count and byte range must agree with the dtype and lie inside a listed file."""
+    where = f"state {path or '<root>'}"
+    dtype = dtype_from_name(ref.get("dtype"), f"{where}: ")
+    shape = ref.get("shape", [])
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 64:
+        raise CheckpointError(f"{where}: bad tensor shape {str(shape)[:80]}")
+    nbytes, offset, file = ref.get("nbytes", 0), ref.get("data_offset", 0), ref.get("file")
+    if type(nbytes) is not int or type(offset) is not int or nbytes < 0 or offset < 0:
+        raise CheckpointError(f"{where}: bad byte range {offset!r}+{nbytes!r}")
+    if nbytes != plan.numel(shape) * itemsize(dtype):
+        raise CheckpointError(f"{where}: {nbytes} bytes do not match shape {shape} of {dtype_name(dtype)}")
+    if nbytes:
+        if not isinstance(file, str) or file not in index.files:
+            raise CheckpointError(f"{where}: tensor refers to unknown file {file!r}")
+        if offset + nbytes > int(index.files[file].get("bytes", 0)):
+            raise CheckpointError(f"{where}: byte range {offset}+{nbytes} lies past the end of {file}")
+    return dtype, tuple(shape), file, offset, nbytes
+
+
+class _LazyBytes:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _finalize_tree(value: Any) -> Any:
+    """Drop template-supplied markers, turn lazily read bytes into bytes."""
+    if isinstance(value, _LazyBytes):
+        return bytes(value.t.numpy().tobytes())
+    if isinstance(value, _LazyRef):
+        return _SHARDED  # never planned for reading (e.g. under load_common): left out
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            fv = _finalize_tree(v)
+            if fv is _SHARDED or (isinstance(fv, dict) and not fv and isinstance(v, dict) and v):
+                continue
+            out[k] = fv
+        return out
+    if isinstance(value, list):
+        return [_finalize_tree(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_finalize_tree(v) for v in value)
+    return value
+
+
+def _lookup(tree: Any, keys: Sequence[Any]) -> Tuple[bool, Any]:
+    cur = tree
+    for k in keys:
+        if isinstance(cur, dict) and k in cur:
+            cur = cur[k]
+        elif isinstance(cur, (list, tuple)) and isinstance(k, int) and 0 <= k < len(cur):
+            cur = cur[k]
+        else:
+            return False, None
+    return True, cur
+
+
+def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _LoadWork, index: Index,
+                    objects: "_Objects", strict: bool) -> Any:
+    """Result = template structure with leaves loaded; this rank's saved-only entries are kept too."""
+    path = ".".join(map(str, keys))
+    reject_unapplied(path, template)
+    if looks_like_sharded_tensor(template):
+        sh = ShardedTensor.from_any(template)
+        return _plan_sharded(sh, index, work, path)
+    if looks_like_sharded_object(template):
+        ukey = object_unique_key(template)
+        if ukey not in objects:
+            work.problems.append(f"missing: object {ukey!r} (at {path}) is not in the checkpoint")
+            return template.data
+        if strict:
+            _refuse_unregistered(objects[ukey], path)
+        return objects[ukey]
+    found, sv = _lookup(saved, keys)
+    if isinstance(template, torch.Tensor):
+        if not found or not isinstance(sv, _LazyRef) or sv.ref.get("kind") != "tensor":
+            work.problems.append(f"missing: tensor at {path} was not saved by this rank")
+            return template
+        dtype, shape, *_ = _checked_ref(sv.ref, index, sv.path)
+        if shape == tuple(template.shape) and dtype == template.dtype:
+            return _materialize(sv.ref, sv.path, index, work, into=template)  # straight into the caller's tensor
+        work.problems.append(f"shape mismatch: tensor at {path} saved as {shape} {dtype}, "
+                             f"requested {tuple(template.shape)} {template.dtype}")
+        return template
+    if isinstance(template, dict):
+        out = dict(sv) if found and isinstance(sv, dict) else {}
+        for k in out:
+            if k not in template:  # saved by this rank, not in the template: returned as saved
+                out[k] = _materialize_all(out[k], index, work)
+        if strict and not template:  # an empty template dict asks for everything saved there
+            _refuse_unregistered(out, path)
+        for k, v in template.items():
+            out[k] = _merge_template(v, saved, keys + (k,), work, index, objects, strict)
+        return out
+    if isinstance(template, (list, tuple)):
+        vals = [_merge_template(v, saved, keys + (i,), work, index, objects, strict)
+                for i, v in enumerate(template)]
+        return type(template)(vals) if isinstance(template, tuple) and not hasattr(template, "_fields") else (
+            type(template)(*vals) if isinstance(template, tuple) else vals)
+    if not found:
+        return template
+    if isinstance(sv, _LazyRef):
+        return _materialize(sv.ref, sv.path, index, work)
+    if strict:
+        _refuse_unregistered(sv, path)
+    return sv
+
+
+def _materialize_all(value: Any, index: Index, work: _LoadWork) -> Any:
+    """Plan reads for every file-backed value inside ``value`` (validated refs only)."""
+    if isinstance(value, _LazyRef):
+        return _materialize(value.ref, value.path, index, work)
+    if isinstance(value, dict):
+        return {k: _materialize_all(v, index, work) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_materialize_all(v, index, work) for v in value]
+    if type(value) is tuple:
+        return tuple(_materialize_all(v, index, work) for v in value)
+    return value
+
+
+def _refuse_unregistered(value: Any, path: str) -> None:
+    """strict loads fail on enums nobody registered (non-strict ones load as placeholders)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, jsonstate.UnregisteredEnum):
+            raise CheckpointError(f"cannot load {path or '<root>'}: enum {v.type_name} is not registered; call "
+                                  "megashard.jsonstate.register_enum(cls) before loading, or pass strict=False")
+        if isinstance(v, dict):
+            stack.extend(v.values())
+            stack.extend(k for k in v if isinstance(k, jsonstate.Unrepresentable))
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+        elif isinstance(v, argparse.Namespace):
+            stack.extend(vars(v).values())
+
+
+class _Objects:
+    """ShardedObject values by unique key, decoded only when the template asks for them."""
+
+    def __init__(self, index: Index, work: _LoadWork) -> None:
+        self.index, self.work, self.done = index, work, {}
+
+    def __contains__(self, ukey: str) -> bool:
+        return self.index.has_object(ukey)
+
+    def __getitem__(self, ukey: str) -> Any:
+        if ukey not in self.done:
+            entry = self.index.object(ukey)
+            value = entry.get("value") if isinstance(entry, dict) else None
+            self.done[ukey] = _decode_saved_tree(value, self.index, self.work, ukey)
+        return self.done[ukey]
+
+
+@dataclass
+class LoadStats:
+    mode: str = ""
+    bytes_read: int = 0  # from storage, by this rank
+    bytes_received: int = 0
+    index_bytes_read: int = 0  # of the checkpoint's index, by this rank
+    transport: str = ""  # scatter: "shm" or "group" on this rank's node
+    seconds: float = 0.0
+
+
+def _probe(base: str) -> Dict[str, Any]:
+    node = os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
+    found = storage.locate(base)
+    return {"sees": found, "node": str(node), "why": None if found else storage.why_not_checkpoint(base)}
+
+
+def plan_probe(infos: List[Dict[str, Any]], base: str, mode: str) -> List[Dict[str, Any]]:
+    """Rank 0: the load mode, each rank's node reader and who shares the index with whom."""
+    if not any(i["sees"] for i in infos):
+        raise CheckpointError(f"{base} is not a readable megashard checkpoint: {infos[0]['why']}")
+    readers_of = node_readers([i["node"] for i in infos])
+    all_see = all(i["sees"] for i in infos)
+    chosen = mode if mode != "auto" else ("own" if all_see else "scatter")
+    if chosen == "own" and not all_see:
+        blind = [r for r, i in enumerate(infos) if not i["sees"]]
+        raise StateDictError(f"mode='own' but ranks {blind[:20]} cannot see {base}; use mode='scatter' or 'auto'")
+    members: Dict[int, List[int]] = {}
+    for r, rd in readers_of.items():
+        members.setdefault(rd, []).append(r)
+    if chosen == "scatter":
+        blind_readers = sorted(rd for rd in members if not infos[rd]["sees"])
+        if blind_readers:
+            raise CheckpointError(f"scatter load: node reader rank(s) {blind_readers[:20]} cannot see {base}")
+    out = []
+    for r, i in enumerate(infos):
+        rd = readers_of[r]
+        out.append({"mode": chosen, "base": i["sees"], "reader": rd,
+                    "node": {str(m): rd for m in members[rd]} if chosen == "scatter" else {},
+                    "index_from": rd if not i["sees"] else None,
+                    "index_to": [m for m in members[r] if not infos[m]["sees"]] if rd == r else []})
+    return out
+
+
+def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
+    """This rank's index: opened from the checkpoint, or sent whole by its node's reader
+    (for ranks that cannot see the directory), then read lazily like any other."""
+    if probe["index_to"]:
+        try:
+            with storage.CheckpointFiles(base) as cf:
+                head = cf.read_manifest_bytes()
+                doc = parse_head(head, cf.path(storage.MANIFEST_NAME))
+                sections = b""
+                if doc.get("version") != 1:
+                    idx = doc.get("index") if isinstance(doc.get("index"), dict) else {}
+                    sections = cf.read_bytes(INDEX_NAME, storage.max_manifest_bytes())
+                    if len(sections) != idx.get("bytes"):
+                        raise CheckpointError(f"{cf.path(INDEX_NAME)}: size differs from the manifest's")
+        except BaseException:
+            for m in probe["index_to"]:  # never leave a waiting rank behind
+                comm.send(torch.tensor([-1, -1], dtype=torch.int64), m)
+            raise
+        for m in probe["index_to"]:
+            comm.send(torch.tensor([len(head), len(sections)], dtype=torch.int64), m)
+            comm.send(torch.frombuffer(bytearray(head + sections), dtype=torch.uint8), m)
+    if probe["index_from"] is not None:
+        sizes = torch.zeros(2, dtype=torch.int64)
+        comm.recv(sizes, probe["index_from"])
+        nh, ns = (int(x) for x in sizes.tolist())
+        if nh < 0:
+            raise CheckpointError(f"{base}: this node's reader (rank {probe['index_from']}) could not read the index")
+        buf = torch.empty(nh + ns, dtype=torch.uint8)
+        comm.recv(buf, probe["index_from"])
+        data = bytes(buf.numpy())
+        where = os.path.join(base, storage.MANIFEST_NAME)
+        doc = parse_head(data[:nh], where)
+        if doc.get("version") == 1:
+            return Manifest.from_doc(doc, where)
+        sections = data[nh:]
+        return LazyIndex(doc, lambda s, n: sections[s:s + n], where, nh)
+    return open_index(base)
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    mode: str = "auto",
+    process_group: Any = None,
+    strict: bool = True,
+    verify: bool = False,
+    scatter_chunk_bytes: int = DEFAULT_SCATTER_CHUNK,
+    scatter_transport: str = "auto",
+    threads: Optional[int] = None,
+    timeout: Optional[float] = None,
+    return_stats: bool = False,
+) -> Any:
+    """Load a checkpoint into the template ``state_dict``; collective over ``process_group``.
+
+    Template ShardedTensors are filled in place (any TP/PP/VP/DP layout); the result
+    mirrors the template with ShardedTensor -> tensor, ShardedObject -> its value,
+    and keeps what this rank saved that the template lacks. ``verify`` checks every
+    delivered byte (structure + hashes). ``timeout`` (s) bounds every collective;
+    default: the process group's. ``return_stats``: return ``(result, LoadStats)``.
+    Read-only: never renames or deletes anything in the checkpoint's parent.
+    """
+    if mode not in ("auto", "own", "scatter"):
+        raise ValueError(f"mode must be 'auto', 'own' or 'scatter', got {mode!r}")
+    if scatter_transport not in readers.SCATTER_TRANSPORTS:
+        raise ValueError(f"scatter_transport must be one of {readers.SCATTER_TRANSPORTS}, got {scatter_transport!r}")
+    comm = Comm(process_group, timeout)
+    base = os.path.abspath(os.fspath(checkpoint_dir))
+    t0 = time.perf_counter()
+    stats = LoadStats()
+
+    info, err = comm.run("load/probe", lambda: _probe(base))
+    probe = comm.coordinate("load", err, info, lambda infos: plan_probe(infos, base, mode))  # collective 1
+    base = probe["base"] or base  # an interrupted re-save's copy is read where it is
+    chosen = stats.mode = probe["mode"]
+    node = {int(r): rd for r, rd in probe["node"].items()}
+
+    index, err = comm.run("load/index", lambda: _open_shared_index(comm, base, probe))
+    work = _LoadWork(rows_ok=chosen == "own")
+
+    def plan_local() -> Any:
+        saved = _decode_saved_tree(index.tree_for_rank(comm.rank), index, work, lazy=True)
+        res = _merge_template(dict(state_dict), saved, (), work, index, _Objects(index, work), strict)
+        if work.problems and strict:
+            raise StateDictError(_format_problems(work.problems, base))
+        for p in work.problems:
+            log.warning("%s%s", rank_prefix(comm), p)
+        return res
+
+    try:
+        if err is None:
+            result, err = comm.run("load/plan", torch.no_grad()(plan_local))
+        comm.agree(err, "load")
+        if chosen == "own":
+            nread, err = comm.run("load/read", lambda: readers.read_own(base, index, work.ops, work.view_ops,
+                                                                          work.row_jobs, threads))
+            stats.bytes_read = nread or 0
+        else:
+            try:
+                (nread, nrecv, stats.transport), err = readers.scatter(
+                    comm, base, index, work.ops, work.touched, node, scatter_chunk_bytes, threads, scatter_transport)
+            except Exception as e:  # noqa: BLE001 - must reach the final agreement, never skip it
+                (nread, nrecv), err = (0, 0), f"{type(e).__name__}: scatter transfer failed: {e}"
+            stats.bytes_read, stats.bytes_received = nread, nrecv
+        if err is None:
+            @torch.no_grad()
+            def fin() -> None:
+                for f in work.finish:
+                    f()
+                if verify and (chosen == "own" or node.get(comm.rank, comm.rank) == comm.rank):
+                    readers.verify_delivered(base, work.touched, index.files)
+            _, err = comm.run("load/finish", fin)
+        comm.agree(err, "load")  # final: all succeeded or all raise
+    finally:
+        if index is not None:
+            stats.index_bytes_read = index.bytes_read
+            index.close()
+    total = comm.all_reduce([stats.bytes_read])[0]
+    stats.seconds = time.perf_counter() - t0
+    log_summary(log, comm, "loaded", base, total, stats.seconds, f"{chosen} mode{', verified' if verify else ''}")
+    out = _finalize_tree(result)
+    return (out, stats) if return_stats else out
+
+
+def load_common(
+    checkpoint_dir: str | os.PathLike,
+    keys: Optional[Sequence[str]] = None,
+    *,
+    process_group: Any = None,
+    strict: bool = False,
+    timeout: Optional[float] = None,
+) -> Dict[str, Any]:
+    """Top-level non-tensor values saved by rank 0 (e.g. ``args``, ``iteration``), without a template.
+
+    Collective when a process group is initialised: rank 0 reads and broadcasts, so it
+    works when only rank 0 can see the checkpoint. Tensor-valued entries are skipped;
+    only the requested ``keys`` are decoded (and, in a version-2 index, read). ``strict``:
+    an unregistered enum raises CheckpointError instead of loading as a placeholder.
+    """
+    comm = Comm(process_group, timeout)
+    base = os.path.abspath(os.fspath(checkpoint_dir))
+
+    def read() -> Any:
+        if comm.rank != 0 and comm.world_size > 1:
+            return None
+        index = open_index(storage.checkpoint_location(base))
+        try:
+            tree = index.tree_for_rank(0, keys)
+        finally:
+            index.close()
+        if isinstance(tree, dict) and jsonstate.TAG not in tree and keys is not None:
+            tree = {k: v for k, v in tree.items() if k in keys}  # decode only what was asked for
+        value = _decode_saved_tree(tree, index, _LoadWork(), lazy=True)
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{base}: saved state is not a dict")
+        out = {}
+        for k, v in value.items():
+            if keys is not None and k not in keys:
+                continue
+            fv = _finalize_tree(_strip_tensors(v))
+            if fv is not _SHARDED and not (isinstance(fv, dict) and not fv and isinstance(v, dict) and v):
+                v = fv
+                if strict:
+                    _refuse_unregistered(v, k)
+                out[k] = v
+        return jsonstate.encode(out)
+
+    encoded, err = comm.run("load_common", read)
+    comm.agree(err, "load_common")
+    encoded = comm.broadcast_json(encoded, 0)
+    return jsonstate.decode(encoded)
+
+
+def _strip_tensors(v: Any) -> Any:
+    if isinstance(v, (torch.Tensor, _LazyBytes, _LazyRef)):
+        return _SHARDED
+    if isinstance(v, dict):
+        return {k: _strip_tensors(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_strip_tensors(x) for x in v]
+    return v
+
+
+def _format_problems(problems: List[str], base: str) -> str:
+    head = "\n  ".join(problems[:50])
+    more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+    return (f"state dict does not match checkpoint {base} ({len(problems)} problem(s)):\n  {head}{more}\n"
+            "Pass strict=False to load what matches.")

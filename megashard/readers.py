@@ -1,0 +1,99 @@
+"""How planned byte ranges reach their destinations: the storage-reading seam of ``load``.
+
+``own``: every rank reads its own ranges (parallel ``preadv`` per file). ``scatter``: one
+reader per node reads every range its node needs once and hands it over through shared
+memory or the process group (:mod:`megashard.scatter`). Both open members only through
+:class:`megashard.storage.CheckpointFiles`; another storage (object stores) would add a
+reader here with the same inputs: the planned ops and the index's file table.
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from . import scatter as scatter_mod, storage
+from .errors import CheckpointError
+from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel, tensor_memoryview
+from .transport import Comm
+
+SCATTER_TRANSPORTS = scatter_mod.TRANSPORTS
+
+
+def _file_size(files: Mapping[str, Any], f: str) -> int:
+    if f not in files:
+        raise CheckpointError(f"{f!r} is not listed in the index's files")
+    return int(files[f].get("bytes", 0))
+
+
+def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple[str, int, memoryview]],
+             row_jobs: Sequence[Tuple[str, int, int, List[memoryview]]], threads: Optional[int]) -> int:
+    """Read every planned byte range straight into its destination; returns bytes read.
+    ``files`` is the index (or its file table): names and sizes, checked on open."""
+    files = getattr(files, "files", files)
+    by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
+    for op in ops:
+        by_file.setdefault(op.file, []).append((op.offset, tensor_memoryview(op.dest)))
+    for f, off, mv in view_ops:
+        by_file.setdefault(f, []).append((off, mv))
+    names = sorted(set(by_file) | {j[0] for j in row_jobs})
+    nthreads = threads or default_read_threads()
+    total = 0
+    with storage.CheckpointFiles(base) as cf:
+        fds = {f: cf.open(f, _file_size(files, f)) for f in names}
+        for f, reqs in by_file.items():
+            path = os.path.join(base, f)
+            size = _file_size(files, f)
+            for off, mv in reqs:
+                if off < 0 or off + len(mv) > size:
+                    raise CheckpointError(f"{path}: byte range {off}+{len(mv)} past end of file ({size} bytes)")
+            read_requests(fds[f], reqs, path, nthreads)
+            total += sum(len(mv) for _, mv in reqs)
+        tasks = []
+        for f, off, run, views in row_jobs:
+            path = os.path.join(base, f)
+            size = _file_size(files, f)
+            if off < 0 or off + run * len(views) > size:
+                raise CheckpointError(f"{path}: byte range {off}+{run * len(views)} past end of file ({size} bytes)")
+            for i in range(0, len(views), IOV_MAX):
+                tasks.append(partial(preadv_all, fds[f], views[i:i + IOV_MAX], off + i * run, path))
+            total += run * len(views)
+        run_parallel(tasks, nthreads)
+    return total
+
+
+def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict[str, Dict[str, Any]],
+            node: Mapping[int, int], chunk: int, threads: Optional[int],
+            transport: str) -> Tuple[Tuple[int, int, str], Optional[str]]:
+    """One reader per node reads each needed byte once; its ranks take their bytes from
+    shared memory or the process group. ``node`` maps this node's ranks to their reader.
+    On a reader, ``touched`` grows by what its node's other ranks touched, so ``verify``
+    there covers every byte the node loaded."""
+    return scatter_mod.scatter(comm, base, index, ops, touched, node, chunk, threads, transport,
+                               partial(storage.CheckpointFiles, base))
+
+
+def verify_delivered(base: str, touched: Mapping[str, Mapping[str, Any]],
+                     files: Optional[Mapping[str, Any]] = None) -> None:
+    """Check every byte a load delivered: each touched file's structure (header, index,
+    zero fill, terminator), that the index's byte range of every touched tensor is the one
+    the file's own index names, and every touched tensor's hash."""
+    from .format import TensorFileReader
+    from .format.verify import structure_problems
+
+    with storage.CheckpointFiles(base) as cf:
+        for f, names in sorted(touched.items()):
+            cf.open(f, _file_size(files, f) if files is not None else None)  # name, type and size checks first
+            with TensorFileReader(f, dir_fd=cf.dir_fd, nofollow=True) as r:
+                problems = structure_problems(r)
+                if problems:
+                    raise CheckpointError("; ".join(problems[:5]))
+                for n in sorted(names):
+                    if n not in r:
+                        raise CheckpointError(f"{cf.path(f)}: tensor {n!r} named by the index is not in the file")
+                    e = r._entry(n)
+                    want = names[n] if isinstance(names, Mapping) else None
+                    if want is not None and tuple(want) != (e.data_offset, e.data_length):
+                        raise CheckpointError(f"{cf.path(f)}: tensor {n!r}: the index says bytes {want[0]}+{want[1]}, "
+                                              f"the file's index {e.data_offset}+{e.data_length}")
+                    r.verify(n)

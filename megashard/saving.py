@@ -1,0 +1,401 @@
+"""``save``: every rank writes its own shards; a coordinator plans and commits.
+
+Collectives per save, whatever the world size (none per tensor):
+  1. *plan*: every rank sends its announcement (shards, objects, state-tree parts) to
+     rank 0, which validates the whole (:func:`megashard.plan.coordinate_save`) and sends
+     each rank only its own writer assignment;
+  2. every rank writes its files into a shared temporary directory and fsyncs them;
+  3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 writes the
+     index (:mod:`megashard.index`) and commits by rename; every rank learns the outcome.
+A rank receives O(its own metadata); only rank 0 receives everybody's. A failure
+anywhere raises on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from . import async_save as async_save_mod, jsonstate, plan, storage
+from .errors import StateDictError
+from .format import write_file
+from .index import write_index
+from .logs import log_summary, rank_prefix
+from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, dtype_name, itemsize
+from .sharded import (ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor,
+                      object_unique_key, reject_unapplied)
+from .transport import Comm
+
+log = logging.getLogger(__name__)
+
+MODEL_CHUNK_PREFIX = "model"
+REST_STEM = "__rest__"
+BYTES_IN_FILE_THRESHOLD = 64 * 1024  # larger bytes values go into .tensors files, not JSON
+
+
+@dataclass
+class _LocalTensor:
+    name: str
+    tensor: torch.Tensor
+    stem: str
+    ref: Dict[str, Any]  # JSON ref dict patched with file/offsets after writing
+    path: str = ""
+
+
+@dataclass
+class _SaveState:
+    rank: int
+    shards: List[Tuple[str, ShardedTensor, str]] = field(default_factory=list)  # (path, shard, stem)
+    objects: List[Tuple[str, Any, str]] = field(default_factory=list)  # (path, sharded object, stem)
+    local: List[_LocalTensor] = field(default_factory=list)
+    obj_local: Dict[str, List[_LocalTensor]] = field(default_factory=dict)
+    tree: Any = None
+    tree_parts: List[Tuple[str, str]] = field(default_factory=list)
+    parts: Dict[str, Any] = field(default_factory=dict)  # part id -> encoded value
+    order: List[int] = field(default_factory=list)  # announcement position -> index into shards
+
+
+def _stem_for(path: str, file_stems: Optional[Mapping[str, str]]) -> str:
+    top = path.split(".", 1)[0].split("[", 1)[0]
+    if file_stems and top in file_stems:
+        return file_stems[top]
+    if top.startswith(MODEL_CHUNK_PREFIX) and (top == MODEL_CHUNK_PREFIX or top[len(MODEL_CHUNK_PREFIX):].isdigit()):
+        return top
+    return (file_stems or {}).get(REST_STEM, "state")
+
+
+def _shard_name(sh: ShardedTensor) -> str:
+    if sh.chunk_shape == sh.global_shape and sh.flattened_range is None:
+        return sh.key
+    name = f"{sh.key}/shard_{'.'.join(map(str, sh.global_offset))}_{'.'.join(map(str, sh.chunk_shape))}"
+    if sh.flat_range is not None:
+        name += f"_flat{sh.flat_range[0]}-{sh.flat_range[1]}"
+    return name
+
+
+def _tensor_ref(t: torch.Tensor) -> Dict[str, Any]:
+    return {"kind": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+
+
+def _make_save_hook(st: _SaveState, file_stems: Optional[Mapping[str, str]]) -> Callable[[str, Any], Any]:
+    def hook(path: str, value: Any) -> Any:
+        reject_unapplied(path, value)
+        if looks_like_sharded_tensor(value):
+            sh = ShardedTensor.from_any(value)
+            if sh.data is None:
+                raise StateDictError(f"cannot save {path!r}: ShardedTensor {sh.key!r} has no data")
+            st.shards.append((path, sh, _stem_for(path, file_stems)))
+            return {"kind": "sharded", "key": sh.key}
+        if looks_like_sharded_object(value):
+            st.objects.append((path, value, _stem_for(path, file_stems)))
+            return {"kind": "object", "key": object_unique_key(value)}
+        if isinstance(value, torch.Tensor):
+            ref = _tensor_ref(value)
+            st.local.append(_LocalTensor(f"__rank{st.rank}__/{path}", value, _stem_for(path, file_stems), ref, path))
+            return ref
+        if isinstance(value, (bytes, bytearray)) and len(value) > BYTES_IN_FILE_THRESHOLD:
+            t = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+            ref = _tensor_ref(t)
+            ref["kind"] = "bytes"
+            st.local.append(_LocalTensor(f"__rank{st.rank}__/{path}", t, _stem_for(path, file_stems), ref, path))
+            return ref
+        return jsonstate.UNHANDLED
+
+    return hook
+
+
+def _encode_object_value(st: _SaveState, ukey: str, value: Any, stem: str) -> Any:
+    items: List[_LocalTensor] = st.obj_local.setdefault(ukey, [])
+
+    def hook(path: str, v: Any) -> Any:
+        reject_unapplied(path, v)
+        if isinstance(v, torch.Tensor) or (isinstance(v, (bytes, bytearray)) and len(v) > BYTES_IN_FILE_THRESHOLD):
+            t = v if isinstance(v, torch.Tensor) else torch.frombuffer(bytearray(v), dtype=torch.uint8)
+            ref = _tensor_ref(t)
+            if not isinstance(v, torch.Tensor):
+                ref["kind"] = "bytes"
+            items.append(_LocalTensor(f"__object__/{ukey}/{len(items)}", t, stem, ref))
+            return ref
+        return jsonstate.UNHANDLED
+
+    return jsonstate.encode(value, path=ukey, hook=hook)
+
+
+def _shard_meta(sh: ShardedTensor) -> List[Any]:
+    flat = list(sh.flat_range) if sh.flat_range is not None else None
+    n = sh.data.numel() if sh.data is not None else 0
+    return [sh.key, dtype_name(sh.dtype), list(sh.global_shape), list(sh.global_offset), list(sh.chunk_shape),
+            flat, n * itemsize(sh.dtype)]
+
+
+def _tree_parts(st: _SaveState, rank: int) -> List[Tuple[str, str]]:
+    """The state tree as (top-level key, part id) pairs: parts identical on many ranks
+    (Megatron's args, iteration, ...) get the same id and are sent and stored once;
+    parts holding this rank's own tensors are this rank's alone."""
+    tree = st.tree
+    local_tops = {_top(lt.path) for lt in st.local}
+    if isinstance(tree, dict) and jsonstate.TAG not in tree and TREE_WHOLE not in tree:
+        items = list(tree.items())
+    else:
+        items, local_tops = [(TREE_WHOLE, tree)], {TREE_WHOLE} if st.local else set()
+    out = []
+    for k, v in items:
+        if k in local_tops:
+            pid = f"rank{rank}/{k}"
+        else:
+            pid = hashlib.sha256(json.dumps(v, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+        st.parts[pid] = v
+        out.append((k, pid))
+    return out
+
+
+def _top(path: str) -> str:
+    return path.split(".", 1)[0].split("[", 1)[0]
+
+
+def announce(st: _SaveState, rank: int) -> Dict[str, Any]:
+    """This rank's announcement for the coordinator (see :func:`megashard.plan.announcement`)."""
+    msg, st.order = plan.announcement(
+        [_shard_meta(sh) for _, sh, _ in st.shards], [is_main_replica(sh.replica_id) for _, sh, _ in st.shards],
+        [object_unique_key(o) for _, o, _ in st.objects], [is_main_replica(o.replica_id) for _, o, _ in st.objects],
+        st.tree_parts)
+    return msg
+
+
+@dataclass
+class _Coordinator:
+    """What rank 0 keeps between planning and commit."""
+
+    tensors: Dict[str, Tuple[str, Tuple[int, ...]]] = field(default_factory=dict)
+
+
+def coordinate(messages: List[Dict[str, Any]], token: str, keep: Optional[_Coordinator] = None) -> List[Dict[str, Any]]:
+    """Rank 0: validate and assign (a StateDictError names every inconsistency)."""
+    try:
+        assignment = plan.coordinate_save(messages)
+    except ValueError as e:
+        raise StateDictError(str(e)) from None
+    if keep is not None:
+        keep.tensors = assignment.tensors
+    return [dict(r, token=token) for r in assignment.replies]
+
+
+def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordinator, temp_dir: str,
+                 final_dir: str, layout: Optional[Mapping[str, Any]], t0: float, fsync: bool,
+                 is_async: bool = False) -> None:
+    """Gather every rank's records on rank 0, which writes the index and commits; every
+    rank learns the outcome."""
+    def commit(results: List[Dict[str, Any]]) -> List[Any]:
+        doc = build_doc(results, keep.tensors, comm.world_size, layout)
+        write_index(temp_dir, doc)
+        storage.commit_dir(temp_dir, final_dir)
+        try:  # leftovers of saves that crashed long ago (never a save in progress: age check)
+            storage.cleanup_stale_temps(os.path.dirname(final_dir), os.path.basename(final_dir))
+        except OSError as e:
+            log.warning("%scould not remove stale temporary directories: %s", rank_prefix(comm), e)
+        total = sum(f["bytes"] for r in results for f in r["files"].values())
+        return [total] * len(results)
+
+    total = comm.coordinate("save", err, result, commit)
+    log_summary(log, comm, "saved", final_dir, total, time.perf_counter() - t0,
+                f"{'async, ' if is_async else ''}{comm.world_size} rank(s), fsync={fsync}")
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    process_group: Any = None,
+    file_stems: Optional[Mapping[str, str]] = None,
+    layout: Optional[Mapping[str, Any]] = None,
+    align: int = 4096,
+    fsync: bool = True,
+    threads: Optional[int] = None,
+    timeout: Optional[float] = None,
+    async_save: bool = False,
+) -> Optional["async_save_mod.AsyncSaveHandle"]:
+    """Save a (sharded) state dict to ``checkpoint_dir``; collective over ``process_group``.
+
+    Leaves: ``ShardedTensor`` (megashard's or megatron-core's), ``ShardedObject``,
+    plain tensors (rank-local), JSON-representable values and bytes. The directory
+    appears atomically once every rank's files are durable. ``timeout`` (s) bounds
+    every collective; default: the process group's.
+
+    ``async_save=True`` returns an :class:`~megashard.async_save.AsyncSaveHandle` as
+    soon as every rank holds a snapshot of its tensors (the caller may change them at
+    once); files are written in the background and the checkpoint is committed by the
+    collective ``handle.result()``. A save started while another is in flight first
+    finalizes that one, raising its error if it failed (see :mod:`megashard.async_save`).
+    """
+    previous = async_save_mod.in_flight()
+    if previous is not None:
+        previous.result()  # at most one save in flight (collective, like this save)
+    comm = Comm(process_group, timeout)
+    final_dir = os.path.abspath(os.fspath(checkpoint_dir))
+    t0 = time.perf_counter()
+    st = _SaveState(comm.rank)
+
+    def prepare() -> Dict[str, Any]:
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        st.tree = jsonstate.encode(dict(state_dict), hook=_make_save_hook(st, file_stems))
+        st.tree_parts = _tree_parts(st, comm.rank)
+        return announce(st, comm.rank)
+
+    msg, err = comm.run("save/prepare", prepare)
+    keep = _Coordinator()
+    token = secrets.token_hex(6) if comm.rank == 0 else ""
+    reply = comm.coordinate("save", err, msg, partial(coordinate, token=token, keep=keep))  # collective 1
+    temp_dir = storage.temp_dir_name(final_dir, reply["token"])
+    finish = partial(_finish_save, keep=keep, temp_dir=temp_dir, final_dir=final_dir, layout=layout,
+                     t0=t0, fsync=fsync, is_async=async_save)
+    if not async_save:
+        result, err = comm.run("save/write", lambda: _write_job(_select(st, reply), final_dir, reply["token"],
+                                                                comm.rank, align, fsync, threads))
+        finish(comm, err, result)
+        return None
+
+    def snapshot() -> _WriteJob:
+        job = _select(st, reply)
+        async_save_mod.wait_idle()
+        keys = job.tensors()
+        copies = async_save_mod.staging().snapshot([job.groups[s][n] for s, n in keys], threads)
+        for (s, n), c in zip(keys, copies):
+            job.groups[s][n] = c
+        return job
+
+    t_plan = time.perf_counter()
+    job, err = comm.run("save/snapshot", snapshot)
+    t_copy = time.perf_counter()
+    st = _SaveState(comm.rank)  # drop every reference to the caller's tensors
+    comm.agree(err, "save")  # every rank holds its snapshot
+    t_snap = time.perf_counter()
+    log.debug("%sasync save %s: snapshot in %.3f s", rank_prefix(comm), final_dir, t_snap - t0)
+    handle = async_save_mod.start(
+        async_save_mod._Commit(comm, final_dir, temp_dir, finish),
+        lambda: _write_job(job, final_dir, reply["token"], comm.rank, align, fsync, threads))
+    handle.timings = {"plan_s": t_plan - t0, "copy_s": t_copy - t_plan, "agree_s": t_snap - t_copy}
+    return handle
+
+
+def build_doc(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
+              layout: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The logical index document from every rank's write records (rank 0)."""
+    out: Dict[str, Dict[str, Any]] = {k: {"dtype": dt, "shape": list(gs), "shards": []}
+                                      for k, (dt, gs) in sorted(tensors.items())}
+    files: Dict[str, Dict[str, Any]] = {}
+    objects: Dict[str, Any] = {}
+    parts: Dict[str, Any] = {}
+    for r in results:
+        files.update(r["files"])
+        objects.update(r["objects"])
+        parts.update(r["parts"])
+        for s in r["shards"]:
+            out[s["key"]]["shards"].append(s)
+    for t in out.values():
+        t["shards"].sort(key=lambda s: (s["offset"], s["flat"] or [0, 0]))
+    trees: Dict[str, Any] = {}
+    rank_trees: List[str] = []
+    for r in results:
+        pairs = r["tree"]
+        tid = hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()[:16]
+        if tid not in trees:
+            trees[tid] = (parts[pairs[0][1]] if len(pairs) == 1 and pairs[0][0] == TREE_WHOLE
+                          else {k: parts[pid] for k, pid in pairs})
+        rank_trees.append(tid)
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
+            "layout": dict(layout or {}), "files": files, "tensors": out, "objects": objects, "trees": trees,
+            "rank_trees": rank_trees, "extra": {}}
+
+
+@dataclass
+class _WriteJob:
+    """What this rank writes, selected on the calling thread; tensors may be replaced by snapshots."""
+
+    groups: Dict[str, Dict[str, torch.Tensor]]  # stem -> {name in file: tensor}
+    shard_records: List[Tuple[str, str, Dict[str, Any]]]  # (stem, name, record without file offsets)
+    zero_records: List[Dict[str, Any]]
+    objects: Dict[str, Any]
+    local_refs: List[Tuple[str, str, Dict[str, Any]]]  # (stem, name, JSON ref to patch)
+    tree: List[Tuple[str, str]]  # (top-level key, part id) of this rank's state tree
+    parts: Dict[str, Any]  # the parts this rank uploads (their refs are patched by the write)
+
+    def tensors(self) -> List[Tuple[str, str]]:
+        return [(stem, name) for stem, ts in sorted(self.groups.items()) for name in ts]
+
+
+def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
+    """Everything this rank writes: the shards and objects the coordinator assigned to it,
+    its own tensors, and the state-tree parts it uploads."""
+    groups: Dict[str, Dict[str, torch.Tensor]] = {}
+    shard_records: List[Tuple[str, str, Dict[str, Any]]] = []
+    zero_records: List[Dict[str, Any]] = []
+    for j in reply["write"]:
+        _path, sh, stem = st.shards[st.order[j]]
+        name = _shard_name(sh)
+        if sh.data.numel() == 0:
+            zero_records.append(_shard_record_json(sh, None, name, 0, 0, 0))
+            continue
+        if groups.setdefault(stem, {}).setdefault(name, sh.data) is not sh.data:
+            continue  # the same shard listed twice on this rank (tied weights)
+        shard_records.append((stem, name, _shard_record_json(sh, None, name, 0, 0, 0)))
+    objects: Dict[str, Any] = {}
+    for i in reply["objects"]:
+        _path, obj, stem = st.objects[i]
+        ukey = object_unique_key(obj)
+        if ukey in objects:
+            continue
+        objects[ukey] = {"key": obj.key, "offset": list(obj.global_offset), "shape": list(obj.global_shape),
+                         "value": _encode_object_value(st, ukey, obj.data, stem)}
+    local_refs: List[Tuple[str, str, Dict[str, Any]]] = []
+    for lt in st.local + [lt for items in st.obj_local.values() for lt in items]:
+        if lt.tensor.numel() == 0:
+            lt.ref.update(file=None, name=lt.name, data_offset=0, nbytes=0, crc32=0)
+        else:
+            groups.setdefault(lt.stem, {})[lt.name] = lt.tensor
+            local_refs.append((lt.stem, lt.name, lt.ref))
+    upload = set(reply["blobs"])
+    parts = {pid: st.parts[pid] for _k, pid in st.tree_parts if pid in upload}
+    return _WriteJob(groups, shard_records, zero_records, objects, local_refs, st.tree_parts, parts)
+
+
+def _write_job(job: _WriteJob, final_dir: str, token: str, rank: int, align: int, fsync: bool,
+               threads: Optional[int]) -> Dict[str, Any]:
+    """Write this rank's files into the save's temporary directory; the records the index needs."""
+    temp_dir = storage.make_temp_dir(final_dir, token)
+    files: Dict[str, Dict[str, Any]] = {}
+    placed: Dict[Tuple[str, str], Any] = {}
+    for stem, tensors in sorted(job.groups.items()):
+        fname = f"{stem}-r{rank:05d}.tensors"
+        infos = write_file(tensors, os.path.join(temp_dir, fname), align=align, fsync=fsync, threads=threads)
+        size = os.path.getsize(os.path.join(temp_dir, fname))
+        files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos)}
+        for inf in infos:
+            placed[(stem, inf.name)] = (fname, inf)
+    records = list(job.zero_records)
+    for stem, name, rec in job.shard_records:
+        fname, inf = placed[(stem, name)]
+        records.append(dict(rec, file=fname, header_offset=inf.header_offset, data_offset=inf.data_offset,
+                            crc32=inf.crc32))
+    for stem, name, ref in job.local_refs:
+        fname, inf = placed[(stem, name)]
+        ref.update(file=fname, name=name, data_offset=inf.data_offset, nbytes=inf.nbytes, crc32=inf.crc32)
+    return {"files": files, "shards": records, "objects": job.objects, "tree": job.tree, "parts": job.parts}
+
+
+def _shard_record_json(sh: ShardedTensor, file: Optional[str], name: str, header_offset: int, data_offset: int,
+                       crc32: int) -> Dict[str, Any]:
+    n = sh.data.numel() * itemsize(sh.dtype)
+    return {"key": sh.key, "offset": list(sh.global_offset), "shape": list(sh.chunk_shape),
+            "flat": list(sh.flat_range) if sh.flat_range is not None else None, "file": file, "name": name,
+            "header_offset": header_offset, "data_offset": data_offset, "nbytes": n, "crc32": crc32}
+
+
