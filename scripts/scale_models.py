@@ -55,7 +55,15 @@ TE's parameter registration order (``layer_norm_weight`` before ``weight``) for 
 DistributedOptimizer ranges. ``spec="local"`` is megatron-core's local spec (what runs on
 CPU): no ``_extra_state``, local parameter order.
 
-Approximations: DeepSeek-V3's multi-token-prediction layer is left out; ``args`` is a
+With TP > 1 the duplicated MLA down projections are main replicas on every TP rank
+(megatron-core passes no TP group to ``TELinear(parallel_mode='duplicated')``), as there.
+
+Approximations: DeepSeek-V3's multi-token-prediction layer is left out; whether TE's
+``RMSNorm`` modules (TENorm: MLA ``input_layernorm``, MoE ``pre_mlp_layernorm``,
+``final_layernorm``) carry an ``_extra_state`` depends on the TE version and is not modelled;
+uneven pipeline splits (61 layers over PP=16) put the remainder on a smaller last stage
+(Megatron needs ``--decoder-last-pipeline-num-layers`` for that); MoE without the
+DistributedOptimizer raises; ``args`` is a
 small Namespace and ``opt_param_scheduler`` / ``param_groups`` hold representative
 values (their exact contents do not affect planning); CP = 1, ETP = TP.
 """
@@ -341,7 +349,13 @@ class _Builder:
             self.tensor(prefix + "weight", (out_f, in_f // tps), offs, 1, tp_size=tp_size, tp_rank=tp_rank,
                         expert=expert)
         else:
+            # TELinear(parallel_mode='duplicated') has no TP group: megatron-core gives it
+            # replica (0, 0, dp) on every TP rank (get_pg_rank(None) == 0), so each TP rank
+            # holds a main replica of the same full tensor
             self.tensor(prefix + "weight", (out_f, in_f), offs, None)
+            self.params[-1].shards[0].tp_repl = False
+            self.extra_state(prefix + "_extra_state", offs, "dup")
+            return
         self.extra_state(prefix + "_extra_state", offs)
 
     def norm(self, key: str, width: int, offs: Sequence[Tuple[int, int, int]]) -> None:
@@ -555,7 +569,8 @@ def _model_sd(chunk: Chunk, c: Coords) -> Dict[str, Any]:
                                      rid, sh.prepend, sh.local_shape, sh.dtype))
         sd[p.path] = sts[0] if len(sts) == 1 else sts
     for key, shape, off, kind, path in chunk.objects:
-        sd[path] = ShardedObject(key, None, shape, off, (0, c.tp, c.edp if kind == "expert" else c.dp))
+        sd[path] = ShardedObject(key, None, shape, off,
+                                 (0, 0 if kind == "dup" else c.tp, c.edp if kind == "expert" else c.dp))
     return sd
 
 
