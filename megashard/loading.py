@@ -138,34 +138,33 @@ def _plan_rows(rr: plan.RowReads, mv: memoryview, work: _LoadWork) -> None:
         work.view_ops.extend((rr.file, o, v) for o, v in zip(src.tolist(), views))
 
 
-def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -> Optional[torch.Tensor]:
-    """Plan reads for one requested shard; returns the tensor that will hold it.
+@dataclass
+class BoxPlan:
+    """The reads of one box of a requested shard (see :func:`plan_shard`)."""
+
+    box: Box  # global coordinates
+    flat: Optional[Tuple[int, int]]  # the request's flat range when it was saved exactly so
+    pos: int  # element position of the box in the request
+    wp: plan.WantPlan
+    records: List[Any]  # the saved shards the index returned for the box
+
+
+def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool) -> Tuple[List[BoxPlan], List[str]]:
+    """Pure: which saved bytes fill the requested shard ``sh`` (no buffers; the scale
+    simulator runs exactly this). Returns the box plans and any problems.
 
     A flattened request (DistributedOptimizer state) is cut into the boxes its flat range
-    covers, so a resharding load reads only the bytes it needs, straight into place."""
+    covers, so a resharding load reads only the bytes it needs."""
     rec = index.tensor(sh.key)
     if rec is None:
-        work.problems.append(f"missing: tensor {sh.key!r} (at {path}) is not in the checkpoint")
-        return sh.data
+        return [], [f"missing: tensor {sh.key!r} is not in the checkpoint"]
     if rec.dtype != sh.dtype:
-        work.problems.append(f"dtype mismatch: {sh.key!r} saved as {dtype_name(rec.dtype)}, requested {dtype_name(sh.dtype)}")
-        return sh.data
+        return [], [f"dtype mismatch: {sh.key!r} saved as {dtype_name(rec.dtype)}, requested {dtype_name(sh.dtype)}"]
     if tuple(rec.global_shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
-        work.problems.append(
-            f"shape mismatch: {sh.key!r} saved with global shape {tuple(rec.global_shape)}, requested {tuple(sh.global_shape)}")
-        return sh.data
-    dest = sh.data
-    n_el = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else plan.numel(sh.local_shape)
-    if dest is None:
-        dest = torch.empty(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
-    if dest.numel() != n_el:
-        work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
-        return dest
+        return [], [f"shape mismatch: {sh.key!r} saved with global shape {tuple(rec.global_shape)}, "
+                    f"requested {tuple(sh.global_shape)}"]
     want = Box(tuple(sh.global_offset), tuple(sh.chunk_shape))
     isz = itemsize(sh.dtype)
-    staged = not (dest.is_contiguous() and dest.device.type == "cpu")
-    buf = torch.empty(dest.shape, dtype=dest.dtype) if staged else dest
-    flat_buf = buf.detach().reshape(-1)
     boxes: List[Tuple[Box, int]] = [(want, 0)]
     exact_flat = None  # a flattened request saved exactly so: one direct read
     if sh.flat_range is not None:
@@ -176,36 +175,57 @@ def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -
         else:
             boxes = [(Box(tuple(g + o for g, o in zip(want.offset, box.offset)), box.shape), pos)
                      for box, pos in plan.flat_boxes(want.shape, a, b)]
+    out = []
     covered = 0
     for box, pos in boxes:
-        flat = exact_flat
-        n = (flat[1] - flat[0]) if flat is not None else box.numel
-        view = flat_buf[pos:pos + n] if flat is not None else flat_buf[pos:pos + n].view(box.shape)
-        covered += _plan_box(sh.key, index, box, flat, view, sh.dtype, isz, work)
-    total = n_el if sh.flat_range is not None else want.numel
+        records = index.pieces(sh.key, box)
+        wp = plan.plan_want(box, exact_flat, [r.piece() for r in records], isz, rows_ok=rows_ok)
+        covered += (exact_flat[1] - exact_flat[0]) if wp.direct and exact_flat else wp.covered
+        out.append(BoxPlan(box, exact_flat, pos, wp, records))
+    total = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else want.numel
     if covered < total and not (sh.allow_shape_mismatch and covered > 0):
-        work.problems.append(f"missing data: {sh.key!r} at offset {tuple(sh.global_offset)}: checkpoint covers "
-                             f"{covered} of {total} elements")
+        return out, [f"missing data: {sh.key!r} at offset {tuple(sh.global_offset)}: checkpoint covers "
+                     f"{covered} of {total} elements"]
+    return out, []
+
+
+def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -> Optional[torch.Tensor]:
+    """Plan reads for one requested shard; returns the tensor that will hold it."""
+    n_el = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else plan.numel(sh.local_shape)
+    dest = sh.data
+    if dest is None and index.tensor(sh.key) is not None:
+        dest = torch.empty(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
+    if dest is not None and dest.numel() != n_el:
+        work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
         return dest
+    boxes, problems = plan_shard(sh, index, work.rows_ok)
+    if problems:
+        work.problems += [p.replace(" is not in the checkpoint", f" (at {path}) is not in the checkpoint")
+                          for p in problems]
+        return dest
+    staged = not (dest.is_contiguous() and dest.device.type == "cpu")
+    buf = torch.empty(dest.shape, dtype=dest.dtype) if staged else dest
+    flat_buf = buf.detach().reshape(-1)
+    for bp in boxes:
+        n = (bp.flat[1] - bp.flat[0]) if bp.flat is not None else bp.box.numel
+        view = flat_buf[bp.pos:bp.pos + n]
+        _emit(bp, view if bp.flat is not None else view.view(bp.box.shape), sh.dtype, work)
     if staged:
         work.finish.append(lambda d=dest, t=buf: d.copy_(t.view(d.shape)))
     return dest
 
 
-def _plan_box(key: str, index: Index, want: Box, flat: Optional[Tuple[int, int]], view: torch.Tensor,
-              dtype: torch.dtype, isz: int, work: _LoadWork) -> int:
-    """Plan the reads that fill ``view`` (contiguous CPU, the C-ordered ``want`` box, or
-    its ``flat`` range when that is saved exactly); returns the elements covered."""
-    records = index.pieces(key, want)
-    wp = plan.plan_want(want, flat, [s.piece() for s in records], isz, rows_ok=work.rows_ok)
-    used = {(r.file, r.file_offset) for r in wp.reads} | {(r.file, None) for r in wp.rows}
-    for s in records:
-        if s.file and ((s.file, None) in used or any(f == s.file for f, _ in used)):
+def _emit(bp: BoxPlan, view: torch.Tensor, dtype: torch.dtype, work: _LoadWork) -> None:
+    """Turn one box plan into reads into ``view`` (contiguous CPU) and placements."""
+    wp = bp.wp
+    files = {r.file for r in wp.reads} | {r.file for r in wp.rows}
+    for s in bp.records:
+        if s.file in files:
             work.touched.setdefault(s.file, {})[s.name] = [s.data_offset, s.nbytes]
     if wp.direct:
         for r in wp.reads:
             work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(view)[r.buffer_offset:r.buffer_offset + r.nbytes]))
-        return wp.covered if flat is None else flat[1] - flat[0]
+        return
     chunk = view
     temps = _Temps(wp.buffers, dtype, wp, chunk)
     if wp.rows:
@@ -226,7 +246,6 @@ def _plan_box(key: str, index: Index, want: Box, flat: Optional[Tuple[int, int]]
                 temps.place(i)
 
         work.finish.append(place)
-    return wp.covered
 
 
 class _Sharded:

@@ -298,10 +298,11 @@ def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
             groups.setdefault(_dumps([s.get("offset"), s.get("shape")]), []).append(
                 [s.get("flat"), s.get("file"), s.get("name", ""), s.get("header_offset", 0), s.get("data_offset"),
                  s.get("nbytes"), s.get("crc32", 0)])
-        chunks = []
+        chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
         for g, recs in groups.items():
             off, shp = json.loads(g)
-            chunks.append([off, shp] + sec.add(_dumps(recs).encode()))
+            chunks += (off if isinstance(off, list) else [off]) + (shp if isinstance(shp, list) else [shp])
+            chunks += sec.add(_dumps(recs).encode())
         tensors[key] = {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": chunks}
     objects = {u: sec.add(_dumps(v).encode()) for u, v in doc.get("objects", {}).items()}
     memo: Dict[int, List[int]] = {}
@@ -399,19 +400,23 @@ class LazyIndex:
         p, w = self._p, f"tensors[{key!r}]"
         p.dict(t, w)
         rec = TensorRecord(key, dtype_from_name(t.get("dtype"), f"{self.where}: {w}: "), p.shape(t.get("shape"), f"{w}.shape"))
-        chunks = p.list(t.get("chunks"), f"{w}.chunks")
+        flat = p.list(t.get("chunks"), f"{w}.chunks")
         nd = len(rec.global_shape)
-        offs = np.zeros((len(chunks), nd), dtype=np.int64)
-        shps = np.zeros((len(chunks), nd), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            wc = f"{w}.chunks[{i}]"
-            p.require(isinstance(c, list) and len(c) == 5, f"{wc} must be [offset, shape, start, length, crc32]")
-            off, shp = p.shape(c[0], f"{wc}.offset"), p.shape(c[1], f"{wc}.shape")
-            p.require(len(off) == len(shp) == nd, f"{wc}: offset/shape rank differs from the tensor's")
-            p.require(all(o + n <= g for o, n, g in zip(off, shp, rec.global_shape)),
-                      f"{wc}: chunk {list(off)}+{list(shp)} lies outside the global shape {list(rec.global_shape)}")
-            offs[i], shps[i] = off, shp
-        got = (rec, offs, shps, chunks)
+        width = 2 * nd + 3
+        p.require(len(flat) % width == 0 and all(type(v) is int for v in flat),
+                  f"{w}.chunks must hold {width} integers per chunk (offset, shape, section start, length, crc32)")
+        try:
+            arr = np.asarray(flat, dtype=np.int64).reshape(-1, width)
+        except OverflowError:
+            p.fail(f"{w}.chunks: integer out of range")
+        offs, shps, secs = arr[:, :nd], arr[:, nd:2 * nd], arr[:, 2 * nd:]
+        g = np.asarray(rec.global_shape, dtype=np.int64)
+        bad = (offs < 0).any(axis=1) | (shps < 0).any(axis=1) | (offs + shps > g).any(axis=1) | (secs < 0).any(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            p.fail(f"{w}.chunks[{i}]: chunk {offs[i].tolist()}+{shps[i].tolist()} lies outside the global shape "
+                   f"{list(rec.global_shape)} or has a negative field")
+        got = (rec, offs, shps, secs)
         self._tensors[key] = got
         return got
 
@@ -421,7 +426,7 @@ class LazyIndex:
             return []
         import numpy as np
 
-        rec, offs, shps, chunks = got
+        rec, offs, shps, secs = got
         bo, bs = np.asarray(box.offset, dtype=np.int64), np.asarray(box.shape, dtype=np.int64)
         if box.numel == 0:
             hit = np.all(offs == bo, axis=1) & np.all(shps == bs, axis=1)
@@ -431,17 +436,17 @@ class LazyIndex:
             hit &= ~empty
         out: List[ShardRecord] = []
         for i in np.flatnonzero(hit).tolist():
-            out += self._chunk(key, i, rec, chunks[i])
+            out += self._chunk(key, i, rec, offs, shps, secs)
         return out
 
-    def _chunk(self, key: str, i: int, rec: TensorRecord, c: List[Any]) -> List[ShardRecord]:
+    def _chunk(self, key: str, i: int, rec: TensorRecord, offs: Any, shps: Any, secs: Any) -> List[ShardRecord]:
         got = self._chunks.get((key, i))
         if got is None:
             p, w = self._p, f"tensors[{key!r}].chunks[{i}]"
-            off, shp = tuple(c[0]), tuple(c[1])
+            off, shp = tuple(offs[i].tolist()), tuple(shps[i].tolist())
             isz = itemsize(rec.dtype)
             got = []
-            for j, r in enumerate(p.list(self._section(c[2:], w), w)):
+            for j, r in enumerate(p.list(self._section(secs[i].tolist(), w), w)):
                 ws = f"{w}.shards[{j}]"
                 p.require(isinstance(r, list) and len(r) == 7, f"{ws} must have 7 fields")
                 got.append(_parse_shard(p, ws, off, shp, rec.global_shape, isz, self.files, *r))
@@ -486,10 +491,10 @@ class LazyIndex:
         """Everything, as a :class:`Manifest` (reads every section)."""
         tensors: Dict[str, TensorRecord] = {}
         for key in self._tensors_doc:
-            rec, _, _, chunks = self._tensor(key)
+            rec, offs, shps, secs = self._tensor(key)
             full = TensorRecord(key, rec.dtype, rec.global_shape)
-            for i, c in enumerate(chunks):
-                full.shards += self._chunk(key, i, rec, c)
+            for i in range(len(offs)):
+                full.shards += self._chunk(key, i, rec, offs, shps, secs)
             full.shards.sort(key=lambda s: (s.offset, s.flat or (0, 0)))
             tensors[key] = full
         objects = {u: self.object(u) for u in self._objects_doc}

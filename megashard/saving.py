@@ -258,8 +258,8 @@ def save(
     finish = partial(_finish_save, keep=keep, temp_dir=temp_dir, final_dir=final_dir, layout=layout,
                      t0=t0, fsync=fsync, is_async=async_save)
     if not async_save:
-        result, err = comm.run("save/write", lambda: _write_job(_select(st, reply), final_dir, reply["token"],
-                                                                comm.rank, align, fsync, threads))
+        result, err = comm.run("save/write", lambda: _write_job(_select(st, reply), storage.make_temp_dir(
+            final_dir, reply["token"]), comm.rank, align, fsync, threads))
         finish(comm, err, result)
         return None
 
@@ -281,7 +281,7 @@ def save(
     log.debug("%sasync save %s: snapshot in %.3f s", rank_prefix(comm), final_dir, t_snap - t0)
     handle = async_save_mod.start(
         async_save_mod._Commit(comm, final_dir, temp_dir, finish),
-        lambda: _write_job(job, final_dir, reply["token"], comm.rank, align, fsync, threads))
+        lambda: _write_job(job, storage.make_temp_dir(final_dir, reply["token"]), comm.rank, align, fsync, threads))
     handle.timings = {"plan_s": t_plan - t0, "copy_s": t_copy - t_plan, "agree_s": t_snap - t_copy}
     return handle
 
@@ -367,16 +367,21 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
     return _WriteJob(groups, shard_records, zero_records, objects, local_refs, st.tree_parts, parts)
 
 
-def _write_job(job: _WriteJob, final_dir: str, token: str, rank: int, align: int, fsync: bool,
-               threads: Optional[int]) -> Dict[str, Any]:
-    """Write this rank's files into the save's temporary directory; the records the index needs."""
-    temp_dir = storage.make_temp_dir(final_dir, token)
+def _write_tensors(tensors: Mapping[str, torch.Tensor], path: str, align: int, fsync: bool,
+                   threads: Optional[int]) -> Tuple[List[Any], int]:
+    infos = write_file(tensors, path, align=align, fsync=fsync, threads=threads)
+    return infos, os.path.getsize(path)
+
+
+def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool, threads: Optional[int],
+               write: Callable[..., Tuple[List[Any], int]] = _write_tensors) -> Dict[str, Any]:
+    """Write this rank's files into the save's temporary directory; the records the index
+    needs. ``write(tensors, path, align, fsync, threads) -> (infos, file size)``."""
     files: Dict[str, Dict[str, Any]] = {}
     placed: Dict[Tuple[str, str], Any] = {}
     for stem, tensors in sorted(job.groups.items()):
         fname = f"{stem}-r{rank:05d}.tensors"
-        infos = write_file(tensors, os.path.join(temp_dir, fname), align=align, fsync=fsync, threads=threads)
-        size = os.path.getsize(os.path.join(temp_dir, fname))
+        infos, size = write(tensors, os.path.join(temp_dir, fname), align, fsync, threads)
         files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos)}
         for inf in infos:
             placed[(stem, inf.name)] = (fname, inf)

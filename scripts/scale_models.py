@@ -567,6 +567,8 @@ def _model_sd(chunk: Chunk, c: Coords) -> Dict[str, Any]:
             rid = (0, c.tp if sh.tp_repl else 0, c.edp if sh.expert else c.dp)
             sts.append(ShardedTensor(sh.key, _meta(sh.local_shape, sh.dtype), sh.global_shape, sh.global_offset,
                                      rid, sh.prepend, sh.local_shape, sh.dtype))
+        for st in sts:
+            st.allow_shape_mismatch = _vocab_padded(st.key)
         sd[p.path] = sts[0] if len(sts) == 1 else sts
     for key, shape, off, kind, path in chunk.objects:
         sd[path] = ShardedObject(key, None, shape, off,
@@ -604,7 +606,17 @@ def _opt_state(p: Param, c: Coords, fr: slice, quirk: bool) -> Dict[str, Any]:
                     pieces.append(ShardedTensor(key, _meta((e - s,), FP32), sh.global_shape, sh.global_offset,
                                                 rid, sh.prepend, sh.local_shape, FP32, slice(s, e)))
             out[state] = pieces
+    for v in out.values():
+        for st in (v if isinstance(v, list) else [v]):
+            st.allow_shape_mismatch = _vocab_padded(st.key)
     return out
+
+
+def _vocab_padded(key: str) -> bool:
+    """Vocab-parallel tensors: their padded vocab size depends on TP, so megatron-core marks
+    them ``allow_shape_mismatch`` (VocabParallelEmbedding; the output layer through the
+    shared-embedding path) and a TP change still loads them."""
+    return key.endswith("word_embeddings.weight") or key.endswith("output_layer.weight")
 
 
 def _param_groups(expert: bool) -> Dict[str, Any]:

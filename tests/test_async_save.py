@@ -91,7 +91,7 @@ def _scenarios(rank, world, base):
     out["sync_after_async"] = h4.finalized and all(storage.is_checkpoint(os.path.join(base, n)) for n in "de")
 
     # 4. rank 1's background write fails: result() raises on every rank, nothing committed
-    import megashard.api as api
+    import megashard.saving as api
 
     real = api.write_file
     if rank == 1:
@@ -235,7 +235,7 @@ def test_sigkill_at_random_moments_of_async_saves(tmp_path):
 
 
 def _killed_during_background_write(rank, world, ckpt):
-    import megashard.api as api
+    import megashard.saving as api
 
     sd = {"w": torch.full((1 << 16,), float(rank)), "iteration": 1}
     megashard.save(sd, ckpt)  # the previous checkpoint
