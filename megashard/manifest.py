@@ -293,8 +293,13 @@ def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
     sec = _Sections()
     tensors: Dict[str, Any] = {}
     for key, t in doc.get("tensors", {}).items():
+        shards = t.get("shards") if isinstance(t, dict) else None
+        if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+            tensors[key] = {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": shards} \
+                if isinstance(t, dict) else t  # malformed: kept as is for the reader to refuse
+            continue
         groups: Dict[str, List[Any]] = {}
-        for s in t.get("shards", []):
+        for s in shards:
             groups.setdefault(_dumps([s.get("offset"), s.get("shape")]), []).append(
                 [s.get("flat"), s.get("file"), s.get("name", ""), s.get("header_offset", 0), s.get("data_offset"),
                  s.get("nbytes"), s.get("crc32", 0)])

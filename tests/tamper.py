@@ -1,7 +1,10 @@
 """Editing a saved checkpoint the way a hostile (or careless) author would.
 
 ``manifest.sha256`` guards ``manifest.json`` against corruption; an author who edits the
-manifest on purpose rewrites the digest too, which these helpers do.
+manifest on purpose rewrites the digest too, which these helpers do. A version-2 index is
+edited as its logical document (version-1 shape: every shard listed under its tensor) and
+written back through ``megashard.manifest.encode``, so every attack reaches the reader of
+the head *and* of the sections.
 """
 from __future__ import annotations
 
@@ -9,16 +12,48 @@ import json
 import os
 from typing import Any
 
-from megashard import storage
+from megashard import manifest, storage
+
+
+def _section(sections: bytes, entry: Any) -> Any:
+    start, length, _crc = entry
+    return json.loads(sections[start:start + length])
 
 
 def read_manifest_doc(ckpt: str) -> Any:
     with open(os.path.join(ckpt, storage.MANIFEST_NAME)) as f:
-        return json.load(f)
+        doc = json.load(f)
+    if doc.get("version") == 1:
+        return doc
+    with open(os.path.join(ckpt, manifest.INDEX_NAME), "rb") as f:
+        sections = f.read()
+    tensors = {}
+    for key, t in doc["tensors"].items():
+        nd = len(t["shape"])
+        width = 2 * nd + 3
+        flat = t["chunks"]
+        shards = []
+        for i in range(0, len(flat), width):
+            c = flat[i:i + width]
+            off, shp = c[:nd], c[nd:2 * nd]
+            for flat_r, file, name, hoff, doff, nbytes, crc in _section(sections, c[2 * nd:]):
+                shards.append({"offset": off, "shape": shp, "flat": flat_r, "file": file, "name": name,
+                               "header_offset": hoff, "data_offset": doff, "nbytes": nbytes, "crc32": crc})
+        tensors[key] = {"dtype": t["dtype"], "shape": t["shape"], "shards": shards}
+    objects = {u: _section(sections, e) for u, e in doc["objects"].items()}
+    trees = {}
+    for tid, parts in doc["trees"].items():
+        if len(parts) == 1 and parts[0][0] == manifest.TREE_WHOLE:
+            trees[tid] = _section(sections, parts[0][1:])
+        else:
+            trees[tid] = {p[0]: _section(sections, p[1:]) for p in parts}
+    out = {k: v for k, v in doc.items() if k not in ("index", "tensors", "objects", "trees")}
+    out.update(tensors=tensors, objects=objects, trees=trees)
+    return out
 
 
 def write_manifest_text(ckpt: str, text: str | bytes) -> None:
-    """Replace manifest.json and keep its digest consistent."""
+    """Replace manifest.json (the head) and keep its digest consistent."""
     data = text.encode() if isinstance(text, str) else text
     with open(os.path.join(ckpt, storage.MANIFEST_NAME), "wb") as f:
         f.write(data)
@@ -27,4 +62,8 @@ def write_manifest_text(ckpt: str, text: str | bytes) -> None:
 
 
 def write_manifest_doc(ckpt: str, doc: Any) -> None:
-    write_manifest_text(ckpt, json.dumps(doc))
+    """Write a (possibly damaged) logical document as a version-2 index."""
+    head, sections = manifest.encode(doc)
+    with open(os.path.join(ckpt, manifest.INDEX_NAME), "wb") as f:
+        f.write(sections)
+    write_manifest_text(ckpt, head)
