@@ -32,6 +32,7 @@ class _IndexFile:
     """A checked descriptor of ``manifest.index`` for positional reads of sections."""
 
     def __init__(self, base: str, size: int) -> None:
+        self.fd = -1
         self.path = os.path.join(base, INDEX_NAME)
         with storage.CheckpointFiles(base) as cf:
             self.fd = os.dup(cf.open(INDEX_NAME, size))

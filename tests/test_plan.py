@@ -180,3 +180,63 @@ def test_plan_want_row_reads_for_last_dim_split():
         for src, dst in rr.runs():
             ob[dst:dst + rr.run_bytes] = torch.frombuffer(bytearray(blob[src:src + rr.run_bytes]), dtype=torch.uint8)
     assert torch.equal(out.reshape(2, 8, 256), g[:, :, 256:])
+
+
+def _msg(entries, main=None, objects=(), objects_main=()):
+    return plan.announcement(entries, main or [True] * len(entries), list(objects),
+                             list(objects_main) or [False] * len(objects), [])[0]
+
+
+def test_coordinator_dedups_replicas_and_assigns_each_shard_once():
+    fixed = [["w", "float32", [8, 4], [0, 0], [4, 4], None, 64], ["w", "float32", [8, 4], [4, 0], [4, 4], None, 64]]
+    flat = [["o", "float32", [8], [0], [8], [0, 4], 16]]
+    flat2 = [["o", "float32", [8], [0], [8], [4, 8], 16]]
+    msgs = [_msg(fixed + flat, [True, True, True]), _msg(fixed + flat2, [False, False, True])]
+    a = plan.coordinate_save(msgs)
+    writes = [sorted(r["write"]) for r in a.replies]
+    assert writes[0].count(2) == 1 and writes[1].count(2) == 1  # each flat piece by its holder
+    assert sorted(writes[0] + writes[1]) == [0, 1, 2, 2]  # each replicated chunk written once
+    assert a.tensors == {"w": ("float32", (8, 4)), "o": ("float32", (8,))}
+
+
+def test_coordinator_reports_inconsistencies():
+    import pytest
+
+    a = [["w", "float32", [8], [0], [4], None, 16]]
+    with pytest.raises(ValueError, match="global shape"):
+        plan.coordinate_save([_msg(a), _msg([["w", "float32", [9], [4], [4], None, 16]])])
+    with pytest.raises(ValueError, match="overlap"):
+        plan.coordinate_save([_msg(a), _msg([["w", "float32", [8], [2], [6], None, 24]])])
+    with pytest.raises(ValueError, match="main replica on ranks 0 and 1"):
+        plan.coordinate_save([_msg(a, objects=["o"], objects_main=[True]),
+                              _msg([["w", "float32", [8], [4], [4], None, 16]], objects=["o"], objects_main=[True])])
+
+
+def test_grid_overlap_check_scales_and_finds_overlaps():
+    import time
+
+    boxes = [(Box((layer, e, 0), (1, 1, 16)), None) for layer in range(61) for e in range(256)]
+    t0 = time.perf_counter()
+    assert plan.coverage_problems("experts", (61, 256, 16), boxes) == []
+    assert time.perf_counter() - t0 < 30  # pairwise would be 1.2e8 intersections; this is ~1.6e4 slice updates
+    bad = boxes + [(Box((3, 7, 8), (1, 2, 8)), None)]
+    probs = plan.coverage_problems("experts", (61, 256, 16), bad)
+    assert any("overlap" in p for p in probs)
+
+
+def test_flat_boxes_partition_any_range():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        shape = tuple(int(x) for x in rng.integers(1, 5, int(rng.integers(1, 4))))
+        n = int(np.prod(shape))
+        a = int(rng.integers(0, n + 1))
+        b = int(rng.integers(a, n + 1))
+        arr = np.arange(n).reshape(shape)
+        got = []
+        for box, pos in plan.flat_boxes(shape, a, b):
+            vals = arr[tuple(slice(o, o + s) for o, s in zip(box.offset, box.shape))].reshape(-1)
+            assert list(vals) == list(range(a + pos, a + pos + len(vals)))
+            got += list(vals)
+        assert got == list(range(a, b)) and len(plan.flat_boxes(shape, a, b)) <= max(1, 2 * len(shape) - 1)

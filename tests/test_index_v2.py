@@ -1,0 +1,115 @@
+"""Index version 2: a small head plus CRC-guarded sections, read lazily; version 1 still loads."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import megashard
+from megashard import manifest, storage
+from megashard.errors import CheckpointError, MegashardError
+from megashard.index import open_index
+from megashard.plan import Box
+from megashard.sharded import ShardedTensor
+from tamper import read_manifest_doc, write_manifest_text
+
+N_KEYS = 40
+
+
+def _save(path: str) -> None:
+    # one process holding both row halves of every key (two "ranks" worth of chunks)
+    sd = {f"a{i}": ShardedTensor(f"k{i}", torch.full((4, 8), float(i)), (8, 8), (0, 0)) for i in range(N_KEYS)}
+    sd.update({f"b{i}": ShardedTensor(f"k{i}", torch.full((4, 8), float(-i)), (8, 8), (4, 0)) for i in range(N_KEYS)})
+    sd.update(args={"lr": 0.5, "note": "x" * 1000}, iteration=3, local=torch.arange(7))
+    megashard.save(sd, path)
+
+
+def test_written_as_version_2_and_read_lazily(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    head = json.loads(open(os.path.join(path, storage.MANIFEST_NAME)).read())
+    assert head["version"] == 2 and head["index"]["file"] == manifest.INDEX_NAME
+    assert os.path.getsize(os.path.join(path, manifest.INDEX_NAME)) == head["index"]["bytes"]
+    index = open_index(path)
+    head_bytes = index.bytes_read
+    recs = index.pieces("k3", Box((4, 0), (4, 8)))  # one chunk of one key: one section
+    assert [(r.offset, r.shape) for r in recs] == [((4, 0), (4, 8))]
+    assert index.bytes_read - head_bytes < 400  # that section only, not the index
+    index.close()
+    # loading a subset reads a small part of the index
+    t = {"x": ShardedTensor("k5", torch.zeros(2, 8), (8, 8), (3, 0))}
+    out, stats = megashard.load(t, path, strict=False, return_stats=True)
+    assert torch.equal(out["x"], torch.tensor([[5.0] * 8, [-5.0] * 8]))
+    index = open_index(path)
+    index.tree_for_rank(0)
+    index.pieces("k5", Box((3, 0), (2, 8)))  # the two chunks the request overlaps
+    expected = index.bytes_read  # head + this rank's state tree + those two chunks' sections
+    index.close()
+    nsections = os.path.getsize(os.path.join(path, manifest.INDEX_NAME))
+    assert stats.index_bytes_read == expected
+    assert expected - head_bytes < nsections  # the other 78 chunks' sections were not read
+
+
+def test_full_manifest_equals_what_was_saved(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    m = megashard.read_manifest(path)
+    assert m.version == 2 and len(m.tensors) == N_KEYS
+    assert all([s.offset for s in t.shards] == [(0, 0), (4, 0)] for t in m.tensors.values())
+    tree = m.tree_for_rank(0)
+    assert tree["args"] == {"lr": 0.5, "note": "x" * 1000} and tree["iteration"] == 3
+    assert megashard.load_common(path, ["args"]) == {"args": {"lr": 0.5, "note": "x" * 1000}}
+
+
+def test_version_1_checkpoint_still_loads(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    doc = read_manifest_doc(path)
+    doc["version"] = 1
+    os.unlink(os.path.join(path, manifest.INDEX_NAME))
+    write_manifest_text(path, json.dumps(doc))
+    t = {f"k{i}": ShardedTensor(f"k{i}", torch.zeros(8, 8), (8, 8), (0, 0)) for i in range(N_KEYS)}
+    t["local"] = torch.zeros(7, dtype=torch.int64)
+    out = megashard.load(t, path, verify=True)
+    for i in range(N_KEYS):
+        assert torch.equal(out[f"k{i}"], torch.cat([torch.full((4, 8), float(i)), torch.full((4, 8), float(-i))]))
+    assert torch.equal(out["local"], torch.arange(7)) and out["iteration"] == 3
+    assert megashard.read_manifest(path).version == 1
+
+
+def _template() -> dict:
+    return {f"k{i}": ShardedTensor(f"k{i}", torch.zeros(8, 8), (8, 8), (0, 0)) for i in range(N_KEYS)}
+
+
+@pytest.mark.parametrize("damage", ["flip_section_byte", "truncate_index", "symlink_index", "missing_index",
+                                    "section_past_end", "chunk_ints_garbage"])
+def test_damaged_index_is_a_clear_error(tmp_path, damage):
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    ipath = os.path.join(path, manifest.INDEX_NAME)
+    head = json.loads(open(os.path.join(path, storage.MANIFEST_NAME)).read())
+    if damage == "flip_section_byte":
+        data = bytearray(open(ipath, "rb").read())
+        data[len(data) // 3] ^= 0x20
+        open(ipath, "wb").write(bytes(data))
+    elif damage == "truncate_index":
+        os.truncate(ipath, os.path.getsize(ipath) - 1)
+    elif damage == "symlink_index":
+        os.replace(ipath, str(tmp_path / "elsewhere"))
+        os.symlink(str(tmp_path / "elsewhere"), ipath)
+    elif damage == "missing_index":
+        os.unlink(ipath)
+    elif damage == "section_past_end":
+        head["tensors"]["k1"]["chunks"][-3] = head["index"]["bytes"] - 2
+        write_manifest_text(path, json.dumps(head))
+    elif damage == "chunk_ints_garbage":
+        head["tensors"]["k1"]["chunks"][0] = -1
+        write_manifest_text(path, json.dumps(head))
+    with pytest.raises(MegashardError) as e:
+        megashard.load(_template(), path)
+    assert isinstance(e.value, CheckpointError), e.value
+    assert manifest.INDEX_NAME in str(e.value) or "manifest.json" in str(e.value), e.value
+    with pytest.raises(CheckpointError):
+        megashard.read_manifest(path)
