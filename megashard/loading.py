@@ -644,11 +644,11 @@ def load_common(
         index = open_index(storage.checkpoint_location(base))
         try:
             tree = index.tree_for_rank(0, keys)
+            if isinstance(tree, dict) and jsonstate.TAG not in tree and keys is not None:
+                tree = {k: v for k, v in tree.items() if k in keys}  # decode only what was asked for
+            value = _decode_saved_tree(tree, index, _LoadWork(), lazy=True)
         finally:
             index.close()
-        if isinstance(tree, dict) and jsonstate.TAG not in tree and keys is not None:
-            tree = {k: v for k, v in tree.items() if k in keys}  # decode only what was asked for
-        value = _decode_saved_tree(tree, index, _LoadWork(), lazy=True)
         if not isinstance(value, dict):
             raise CheckpointError(f"{base}: saved state is not a dict")
         out = {}

@@ -9,15 +9,18 @@ naming the manifest path and the offending field. It is never pickled.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .errors import CheckpointError
+from .format.dtypes import dtypes_by_name
 from .jsonstate import TAG
 from .plan import Box, SavedPiece, numel
 
@@ -26,14 +29,7 @@ MANIFEST_VERSION = 2  # written; version 1 (one JSON document) is still read
 READ_VERSIONS = (1, 2)
 INDEX_NAME = "manifest.index"  # version 2: the sections the head points into
 
-_DTYPES: Dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.int8, torch.int16,
-        torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-    )
-}
+_DTYPES: Dict[str, torch.dtype] = dtypes_by_name()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -48,7 +44,7 @@ def dtype_from_name(name: str, where: str = "") -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass
@@ -324,14 +320,83 @@ def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
             trees[tid] = [[k] + part(v) for k, v in tree.items()]
         else:
             trees[tid] = [[TREE_WHOLE] + part(tree)]
-    head = {k: doc[k] for k in ("format", "version", "created", "world_size", "layout", "extra", "files",
+    head = {k: doc[k] for k in ("format", "version", "created", "world_size", "layout", "extra",
                                 "rank_trees") if k in doc}
-    head.update(version=MANIFEST_VERSION, index={"file": INDEX_NAME, "bytes": sec.size}, tensors=tensors,
-                objects=objects, trees=trees)
+    head.update(version=MANIFEST_VERSION, tensors=_buckets(sec, tensors, TENSOR_BUCKET),
+                objects=_buckets(sec, objects, OBJECT_BUCKET), files=_buckets(sec, doc.get("files", {}), FILE_BUCKET),
+                trees=trees)
+    head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
     return _dumps(head).encode(), b"".join(sec.parts)
 
 
+# Tables of the head are split into buckets of consecutive names (sorted): the head lists
+# each bucket's first name and section; a lookup bisects and reads one bucket. Keys of one
+# layer sort together, so a rank's keys fall into few buckets.
+TENSOR_BUCKET = 16
+OBJECT_BUCKET = 64
+FILE_BUCKET = 256
+
+
+def _buckets(sec: _Sections, table: Any, size: int) -> Any:
+    if not isinstance(table, dict):
+        return table  # malformed: kept as is for the reader to refuse
+    names = sorted(table)
+    return [[names[i]] + sec.add(_dumps({k: table[k] for k in names[i:i + size]}).encode())
+            for i in range(0, len(names), size)]
+
+
 TREE_WHOLE = "__whole__"  # a tree stored as one part (not a plain string-keyed dict)
+
+
+class _Table(Mapping):
+    """A bucketed head table (see :func:`_buckets`): a bucket is read, checked and cached on
+    the first lookup that needs it; iterating reads them all (tools only)."""
+
+    def __init__(self, index: "LazyIndex", entries: Any, what: str,
+                 check: Optional[Callable[[str, Any], Any]] = None) -> None:
+        p = index._p
+        p.list(entries, what)
+        for i, e in enumerate(entries):
+            p.require(isinstance(e, list) and len(e) == 4 and isinstance(e[0], str), f"{what}[{i}] is malformed")
+            p.require(i == 0 or entries[i - 1][0] < e[0], f"{what}: bucket names are not sorted")
+        self.index, self.entries, self.what, self.check = index, entries, what, check
+        self.firsts = [e[0] for e in entries]
+        self.loaded: Dict[int, Dict[str, Any]] = {}
+
+    def _bucket(self, i: int) -> Dict[str, Any]:
+        got = self.loaded.get(i)
+        if got is None:
+            p = self.index._p
+            w = f"{self.what}[{i}]"
+            got = p.dict(self.index._section(self.entries[i][1:], w), w)
+            hi = self.firsts[i + 1] if i + 1 < len(self.firsts) else None
+            p.require(all(self.firsts[i] <= k and (hi is None or k < hi) for k in got), f"{w}: names out of order")
+            if self.check is not None:
+                got = {k: self.check(k, v) for k, v in got.items()}
+            self.loaded[i] = got
+        return got
+
+    def __getitem__(self, name: str) -> Any:
+        if not isinstance(name, str):
+            raise KeyError(name)
+        i = bisect.bisect_right(self.firsts, name) - 1
+        if i < 0:
+            raise KeyError(name)
+        return self._bucket(i)[name]
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        for i in range(len(self.entries)):
+            yield from self._bucket(i)
+
+    def __len__(self) -> int:
+        return sum(len(self._bucket(i)) for i in range(len(self.entries)))
 
 
 class LazyIndex:
@@ -352,12 +417,12 @@ class LazyIndex:
         self.extra = p.dict(doc.get("extra", {}), "extra")
         self.created = _created(doc)
         self.version = 2
-        self.files = _parse_files(p, doc.get("files"))
         idx = p.dict(doc.get("index"), "index")
         p.require(idx.get("file") == INDEX_NAME, f"index.file must be {INDEX_NAME!r}")
         self.index_bytes = p.int(idx.get("bytes"), "index.bytes")
-        self._tensors_doc = p.dict(doc.get("tensors"), "tensors")
-        self._objects_doc = p.dict(doc.get("objects", {}), "objects")
+        self.files = _Table(self, doc.get("files"), "files", self._check_file)
+        self._tensors_doc = _Table(self, doc.get("tensors"), "tensors")
+        self._objects_doc = _Table(self, doc.get("objects", []), "objects")
         self._trees_doc = p.dict(doc.get("trees"), "trees")
         self.rank_trees = p.list(doc.get("rank_trees"), "rank_trees")
         p.require(len(self.rank_trees) >= 1 and all(isinstance(r, str) and r in self._trees_doc
@@ -372,6 +437,13 @@ class LazyIndex:
         if self._closer is not None:
             self._closer()
             self._closer = None
+
+    def _check_file(self, name: str, info: Any) -> Dict[str, Any]:
+        p = self._p
+        p.require(is_plain_file_name(name), f"file name {str(name)[:100]!r} is not a plain file name")
+        p.dict(info, f"files[{name!r}]")
+        p.int(info.get("bytes", 0), f"files[{name!r}].bytes")
+        return info
 
     # -- sections ----------------------------------------------------------------
     def _section(self, entry: Any, what: str) -> Any:
@@ -504,7 +576,7 @@ class LazyIndex:
             tensors[key] = full
         objects = {u: self.object(u) for u in self._objects_doc}
         trees = {tid: self._tree(tid) for tid in self._trees_doc}
-        return Manifest(world_size=self.world_size, layout=self.layout, files=self.files, tensors=tensors,
+        return Manifest(world_size=self.world_size, layout=self.layout, files=dict(self.files), tensors=tensors,
                         objects=objects, trees=trees, rank_trees=list(self.rank_trees), created=self.created,
                         extra=self.extra, version=2, bytes_read=self.bytes_read)
 

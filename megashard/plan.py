@@ -217,11 +217,14 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             entries = parsed[m["fixed"]] + parsed[m["flat"]]
             for j in m["main"]:
                 preferred.setdefault(entries[j][0], rank)
-    by_key: Dict[str, List[Tuple[Box, Optional[Tuple[int, int]]]]] = {}
+    by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {}
     for sid in holders:
-        by_key.setdefault(sid[0], []).append((Box(sid[1], sid[2]), sid[3]))
+        got = by_key.get(sid[0])
+        if got is None:
+            got = by_key[sid[0]] = []
+        got.append(sid[1:])
     for key, pieces in by_key.items():
-        problems += coverage_problems(key, tensors[key][1], pieces)
+        problems += chunk_coverage_problems(key, tensors[key][1], pieces)
     writers = assign_writers(holders, nbytes, preferred)
     # objects: the main replica writes; without one, the first holder
     obj_parsed: Dict[str, List[str]] = {}
@@ -269,33 +272,49 @@ def coverage_problems(
     Returns human-readable problems (empty when fine). Overlaps between distinct
     chunks and holes are both reported.
     """
+    return chunk_coverage_problems(key, global_shape, ((b.offset, b.shape, f) for b, f in pieces))
+
+
+def chunk_coverage_problems(
+    key: str, global_shape: Shape, pieces: Iterable[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]
+) -> List[str]:
+    """:func:`coverage_problems` on plain ``(offset, shape, flat)`` tuples (the coordinator's
+    form: no objects per piece). Flat ranges are checked per chunk by sorting; overlaps
+    between chunks by :func:`_overlaps`."""
     problems: List[str] = []
-    chunks: Dict[Box, List[Tuple[int, int]]] = {}
-    gbox = Box((0,) * len(global_shape), tuple(global_shape))
-    for box, flat in pieces:
-        if len(box.shape) != len(global_shape):
-            problems.append(f"{key}: shard at {box.offset} has rank {len(box.shape)}, tensor has {len(global_shape)}")
+    chunks: Dict[Tuple[Shape, Shape], List[Tuple[int, int]]] = {}
+    g = tuple(global_shape)
+    nd = len(g)
+    for off, shp, flat in pieces:
+        n = math.prod(shp)
+        if len(shp) != nd or len(off) != nd:
+            problems.append(f"{key}: shard at {off} has rank {len(shp)}, tensor has {nd}")
             continue
-        inter = box.intersect(gbox) if box.numel else box
-        if box.numel and (inter is None or inter != box):
-            problems.append(f"{key}: shard at offset {box.offset} shape {box.shape} lies outside global shape {tuple(global_shape)}")
+        if n and not all(0 <= o and o + k <= d for o, k, d in zip(off, shp, g)):
+            problems.append(f"{key}: shard at offset {off} shape {shp} lies outside global shape {g}")
             continue
-        chunks.setdefault(box, []).append(flat or (0, box.numel))
+        ranges = chunks.get((off, shp))
+        if ranges is None:
+            ranges = chunks[(off, shp)] = []
+        ranges.append(flat or (0, n))
     total = 0
-    for box, ranges in chunks.items():
-        ranges.sort()
+    for (off, shp), ranges in chunks.items():
+        n = math.prod(shp)
+        if len(ranges) > 1:
+            ranges.sort()
         pos = 0
         for a, b in ranges:
             if a < pos:
-                problems.append(f"{key}: chunk at {box.offset} has overlapping flat ranges")
+                problems.append(f"{key}: chunk at {off} has overlapping flat ranges")
                 break
             if a > pos:
-                problems.append(f"{key}: chunk at {box.offset} misses elements {pos}..{a}")
+                problems.append(f"{key}: chunk at {off} misses elements {pos}..{a}")
             pos = b
-        if pos != box.numel:
-            problems.append(f"{key}: chunk at {box.offset} covers {pos} of {box.numel} elements")
-        total += box.numel
-    problems += _overlaps(key, [b for b in chunks if b.numel])
+        if pos != n:
+            problems.append(f"{key}: chunk at {off} covers {pos} of {n} elements")
+        total += n
+    if len(chunks) > 1:
+        problems += _overlaps(key, [Box(o, s) for o, s in chunks if math.prod(s)])
     if total != numel(global_shape) and not problems:
         problems.append(f"{key}: shards cover {total} of {numel(global_shape)} elements")
     return problems

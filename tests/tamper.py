@@ -20,6 +20,13 @@ def _section(sections: bytes, entry: Any) -> Any:
     return json.loads(sections[start:start + length])
 
 
+def _table(sections: bytes, buckets: Any) -> dict:
+    out: dict = {}
+    for _first, *entry in buckets:
+        out.update(_section(sections, entry))
+    return out
+
+
 def read_manifest_doc(ckpt: str) -> Any:
     with open(os.path.join(ckpt, storage.MANIFEST_NAME)) as f:
         doc = json.load(f)
@@ -28,7 +35,7 @@ def read_manifest_doc(ckpt: str) -> Any:
     with open(os.path.join(ckpt, manifest.INDEX_NAME), "rb") as f:
         sections = f.read()
     tensors = {}
-    for key, t in doc["tensors"].items():
+    for key, t in _table(sections, doc["tensors"]).items():
         nd = len(t["shape"])
         width = 2 * nd + 3
         flat = t["chunks"]
@@ -40,15 +47,15 @@ def read_manifest_doc(ckpt: str) -> Any:
                 shards.append({"offset": off, "shape": shp, "flat": flat_r, "file": file, "name": name,
                                "header_offset": hoff, "data_offset": doff, "nbytes": nbytes, "crc32": crc})
         tensors[key] = {"dtype": t["dtype"], "shape": t["shape"], "shards": shards}
-    objects = {u: _section(sections, e) for u, e in doc["objects"].items()}
+    objects = {u: _section(sections, e) for u, e in _table(sections, doc["objects"]).items()}
     trees = {}
     for tid, parts in doc["trees"].items():
         if len(parts) == 1 and parts[0][0] == manifest.TREE_WHOLE:
             trees[tid] = _section(sections, parts[0][1:])
         else:
             trees[tid] = {p[0]: _section(sections, p[1:]) for p in parts}
-    out = {k: v for k, v in doc.items() if k not in ("index", "tensors", "objects", "trees")}
-    out.update(tensors=tensors, objects=objects, trees=trees)
+    out = {k: v for k, v in doc.items() if k not in ("index", "tensors", "objects", "trees", "files")}
+    out.update(tensors=tensors, objects=objects, trees=trees, files=_table(sections, doc["files"]))
     return out
 
 

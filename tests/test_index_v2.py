@@ -13,7 +13,7 @@ from megashard.errors import CheckpointError, MegashardError
 from megashard.index import open_index
 from megashard.plan import Box
 from megashard.sharded import ShardedTensor
-from tamper import read_manifest_doc, write_manifest_text
+from tamper import read_manifest_doc, write_manifest_doc, write_manifest_text
 
 N_KEYS = 40
 
@@ -36,7 +36,8 @@ def test_written_as_version_2_and_read_lazily(tmp_path):
     head_bytes = index.bytes_read
     recs = index.pieces("k3", Box((4, 0), (4, 8)))  # one chunk of one key: one section
     assert [(r.offset, r.shape) for r in recs] == [((4, 0), (4, 8))]
-    assert index.bytes_read - head_bytes < 400  # that section only, not the index
+    nsections = os.path.getsize(os.path.join(path, manifest.INDEX_NAME))
+    assert index.bytes_read - head_bytes < nsections / 3  # its key's bucket and that section, not the index
     index.close()
     # loading a subset reads a small part of the index
     t = {"x": ShardedTensor("k5", torch.zeros(2, 8), (8, 8), (3, 0))}
@@ -102,11 +103,12 @@ def test_damaged_index_is_a_clear_error(tmp_path, damage):
     elif damage == "missing_index":
         os.unlink(ipath)
     elif damage == "section_past_end":
-        head["tensors"]["k1"]["chunks"][-3] = head["index"]["bytes"] - 2
+        head["tensors"][0][1] = head["index"]["bytes"] - 2
         write_manifest_text(path, json.dumps(head))
     elif damage == "chunk_ints_garbage":
-        head["tensors"]["k1"]["chunks"][0] = -1
-        write_manifest_text(path, json.dumps(head))
+        doc = read_manifest_doc(path)
+        doc["tensors"]["k1"]["shards"][0]["offset"] = [-1, 0]
+        write_manifest_doc(path, doc)
     with pytest.raises(MegashardError) as e:
         megashard.load(_template(), path)
     assert isinstance(e.value, CheckpointError), e.value

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import FormatError, UnsupportedFormatError
 
-__all__ = ["DtypeCodec", "encode_dtype", "decode_dtype"]
+__all__ = ["DtypeCodec", "encode_dtype", "decode_dtype", "dtypes_by_name"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,17 @@ _OPAQUE_NAMES: tuple[str, ...] = (
     "float8_e5m2fnuz",
     "float8_e8m0fnu",
 )
+
+
+def dtypes_by_name() -> dict[str, torch.dtype]:
+    """Every dtype a `.tensors` file can hold (in this torch), by its name without ``torch.``:
+    the one table the index's dtype names come from too."""
+    out = {}
+    for name in list(_NUMPY_STRINGS) + list(_OPAQUE_NAMES):
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype):
+            out[name] = dt
+    return out
 
 
 def _opaque_string(dtype: torch.dtype) -> str:

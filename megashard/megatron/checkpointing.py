@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from megashard import storage
 from megashard.errors import CheckpointError, StateDictError
 
 from . import state as st
@@ -33,7 +34,7 @@ from .state import get_logger
 
 log = get_logger(__name__)
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+TRACKER_FILENAME = storage.TRACKER_NAME
 
 
 # --------------------------------------------------------------------------------------
@@ -45,7 +46,7 @@ def tracker_path(root: str) -> str:
 
 def checkpoint_dir(root: str, iteration: int, release: bool = False) -> str:
     """``<root>/iter_{:07d}`` (or ``<root>/release``), as Megatron-LM names it."""
-    return os.path.join(root, "release" if release else "iter_{:07d}".format(int(iteration)))
+    return os.path.join(root, storage.iteration_dir_name("release" if release else int(iteration)))
 
 
 def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
@@ -53,7 +54,7 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
 
     Like Megatron, the maximum over ranks is used when torch.distributed is up.
     """
-    from megashard import storage
+
     from megashard.transport import Comm
 
     found = storage.read_tracker(root) if root else None
@@ -69,7 +70,7 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
 
 def write_tracker(root: str, iteration: int, release: bool = False) -> None:
     """Atomically (write + fsync + rename) record the latest complete checkpoint."""
-    from megashard import storage
+
 
     storage.write_tracker(root, "release" if release else int(iteration))
 
