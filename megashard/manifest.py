@@ -187,6 +187,18 @@ class Manifest:
         )
 
 
+def shard_name(key: str, global_shape: Tuple[int, ...], offset: Tuple[int, ...], shape: Tuple[int, ...],
+               flat: Optional[Tuple[int, int]]) -> str:
+    """The tensor name of a saved shard inside its file. A version-2 index stores a shard's
+    name only when it differs from this."""
+    if tuple(shape) == tuple(global_shape) and flat is None:
+        return key
+    name = f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+    if flat is not None:
+        name += f"_flat{flat[0]}-{flat[1]}"
+    return name
+
+
 def _created(doc: Dict[str, Any]) -> float:
     c = doc.get("created", 0.0)
     return float(c) if isinstance(c, (int, float)) and not isinstance(c, bool) else 0.0
@@ -294,15 +306,32 @@ def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
             tensors[key] = {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": shards} \
                 if isinstance(t, dict) else t  # malformed: kept as is for the reader to refuse
             continue
-        groups: Dict[str, List[Any]] = {}
+        groups: Dict[Any, List[Any]] = {}
         for s in shards:
-            groups.setdefault(_dumps([s.get("offset"), s.get("shape")]), []).append(
-                [s.get("flat"), s.get("file"), s.get("name", ""), s.get("header_offset", 0), s.get("data_offset"),
-                 s.get("nbytes"), s.get("crc32", 0)])
+            off, shp = s.get("offset"), s.get("shape")
+            try:
+                g: Any = (tuple(off), tuple(shp))
+                hash(g)
+            except TypeError:  # malformed: grouped by its text, refused by the reader
+                g = _dumps([off, shp])
+            got = groups.get(g)
+            if got is None:
+                got = groups[g] = []
+            name = s.get("name", "")
+            if isinstance(g, tuple) and isinstance(t.get("shape"), list):
+                fl = s.get("flat")
+                try:
+                    if name == shard_name(key, tuple(t["shape"]), g[0], g[1], tuple(fl) if fl else None):
+                        name = None  # derived by the reader
+                except TypeError:
+                    pass
+            got.append([s.get("flat"), s.get("file"), name, s.get("header_offset", 0),
+                        s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0)])
         chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
         for g, recs in groups.items():
-            off, shp = json.loads(g)
-            chunks += (off if isinstance(off, list) else [off]) + (shp if isinstance(shp, list) else [shp])
+            off, shp = json.loads(g) if isinstance(g, str) else g
+            chunks += (list(off) if isinstance(off, (list, tuple)) else [off])
+            chunks += (list(shp) if isinstance(shp, (list, tuple)) else [shp])
             chunks += sec.add(_dumps(recs).encode())
         tensors[key] = {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": chunks}
     objects = {u: sec.add(_dumps(v).encode()) for u, v in doc.get("objects", {}).items()}
@@ -526,6 +555,10 @@ class LazyIndex:
             for j, r in enumerate(p.list(self._section(secs[i].tolist(), w), w)):
                 ws = f"{w}.shards[{j}]"
                 p.require(isinstance(r, list) and len(r) == 7, f"{ws} must have 7 fields")
+                if r[2] is None:  # the name the writer derives (see shard_name)
+                    fl = r[0]
+                    p.require(fl is None or (isinstance(fl, list) and len(fl) == 2), f"{ws}.flat invalid")
+                    r[2] = shard_name(key, rec.global_shape, off, shp, tuple(fl) if fl is not None else None)
                 got.append(_parse_shard(p, ws, off, shp, rec.global_shape, isz, self.files, *r))
             self._chunks[(key, i)] = got
         return got

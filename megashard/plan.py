@@ -184,27 +184,29 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
 
     problems: List[str] = []
     parsed: Dict[str, List[Tuple[Tuple, int]]] = {}
-    by_text: Dict[Tuple[str, str], List[int]] = {}
     tensors: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
+    by_fixed: Dict[str, List[int]] = {}
+    by_flat: Dict[str, List[int]] = {}
     for rank, m in enumerate(messages):
-        by_text.setdefault((m["fixed"], m["flat"]), []).append(rank)
+        by_fixed.setdefault(m["fixed"], []).append(rank)
+        by_flat.setdefault(m["flat"], []).append(rank)
     holders: Dict[Tuple, List[int]] = {}
     nbytes: Dict[Tuple, int] = {}
-    for (fixed, flat), ranks in by_text.items():
-        for text in (fixed, flat):
-            if text in parsed:
-                continue
-            entries = []
-            for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
-                gshape = tuple(gshape)
-                known = tensors.setdefault(key, (dt, gshape))
-                if known != (dt, gshape):
-                    problems.append(f"tensor {key!r}: rank {ranks[0]} has dtype {dt} global shape {gshape}, another "
-                                    f"rank has {known[0]} {known[1]}")
-                entries.append(((key, tuple(off), tuple(cshape), tuple(fl) if fl else None), nb))
-            parsed[text] = entries
-        for text in (fixed, flat):
-            for sid, nb in parsed[text]:
+    for groups in (by_fixed, by_flat):
+        for text, ranks in groups.items():
+            entries = parsed.get(text)
+            if entries is None:
+                entries = parsed[text] = []
+                for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
+                    gshape = tuple(gshape)
+                    known = tensors.get(key)
+                    if known is None:
+                        tensors[key] = (dt, gshape)
+                    elif known != (dt, gshape):
+                        problems.append(f"tensor {key!r}: rank {ranks[0]} has dtype {dt} global shape {gshape}, "
+                                        f"another rank has {known[0]} {known[1]}")
+                    entries.append(((key, tuple(off), tuple(cshape), tuple(fl) if fl else None), nb))
+            for sid, nb in entries:
                 h = holders.get(sid)
                 if h is None:
                     holders[sid] = list(ranks)
@@ -214,9 +216,9 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     preferred: Dict[Tuple, int] = {}
     for rank, m in enumerate(messages):
         if m["main"]:
-            entries = parsed[m["fixed"]] + parsed[m["flat"]]
+            fixed, flat = parsed[m["fixed"]], parsed[m["flat"]]
             for j in m["main"]:
-                preferred.setdefault(entries[j][0], rank)
+                preferred.setdefault((fixed[j] if j < len(fixed) else flat[j - len(fixed)])[0], rank)
     by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {}
     for sid in holders:
         got = by_key.get(sid[0])
@@ -228,13 +230,13 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     writers = assign_writers(holders, nbytes, preferred)
     # objects: the main replica writes; without one, the first holder
     obj_parsed: Dict[str, List[str]] = {}
-    obj_first: Dict[str, int] = {}  # announcement text -> first rank that sent it
+    obj_ranks: Dict[str, List[int]] = {}
     obj_writer: Dict[str, int] = {}
     for rank, m in enumerate(messages):
         ukeys = obj_parsed.get(m["objects"])
         if ukeys is None:
             ukeys = obj_parsed[m["objects"]] = json.loads(m["objects"])
-            obj_first[m["objects"]] = rank
+        obj_ranks.setdefault(m["objects"], []).append(rank)
         for i in m["objects_main"]:
             u = ukeys[i]
             if u in obj_writer:
@@ -242,25 +244,37 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             obj_writer[u] = rank
     for text, ukeys in obj_parsed.items():
         for u in ukeys:
-            obj_writer.setdefault(u, obj_first[text])
+            obj_writer.setdefault(u, obj_ranks[text][0])
     if problems:
         head = "\n  ".join(problems[:50])
         more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
         raise ValueError(f"sharded state dict is inconsistent across ranks:\n  {head}{more}")
+    # each rank's reply, computed per distinct announcement text (not per rank and record)
+    world = len(messages)
+    writes: List[List[int]] = [[] for _ in range(world)]
+    nfixed = [len(parsed[m["fixed"]]) for m in messages]
+    for groups, flat_part in ((by_fixed, False), (by_flat, True)):
+        for text, ranks in groups.items():
+            rset = set(ranks)
+            for j, (sid, _) in enumerate(parsed[text]):
+                w = writers[sid]
+                if w in rset:
+                    writes[w].append(nfixed[w] + j if flat_part else j)
+    obj_writes: List[List[int]] = [[] for _ in range(world)]
+    for text, ukeys in obj_parsed.items():
+        rset = set(obj_ranks[text])
+        for i, u in enumerate(ukeys):
+            w = obj_writer[u]
+            if w in rset:
+                obj_writes[w].append(i)
     blob_owner: Dict[str, int] = {}
     replies: List[Dict[str, Any]] = []
     for rank, m in enumerate(messages):
-        entries = parsed[m["fixed"]] + parsed[m["flat"]]
-        ukeys = obj_parsed[m["objects"]]
         upload = []
         for _key, sha, *_ in m["blobs"]:
             if blob_owner.setdefault(sha, rank) == rank and sha not in upload:
                 upload.append(sha)
-        replies.append({
-            "write": [j for j, (sid, _) in enumerate(entries) if writers[sid] == rank],
-            "objects": [i for i, u in enumerate(ukeys) if obj_writer[u] == rank],
-            "blobs": upload,
-        })
+        replies.append({"write": sorted(writes[rank]), "objects": obj_writes[rank], "blobs": upload})
     return SaveAssignment(replies, tensors, blob_owner)
 
 

@@ -29,7 +29,7 @@ from .errors import StateDictError
 from .format import write_file
 from .index import write_index
 from .logs import log_summary, rank_prefix
-from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, dtype_name, itemsize
+from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, dtype_name, itemsize, shard_name
 from .sharded import (ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor,
                       object_unique_key, reject_unapplied)
 from .transport import Comm
@@ -73,12 +73,7 @@ def _stem_for(path: str, file_stems: Optional[Mapping[str, str]]) -> str:
 
 
 def _shard_name(sh: ShardedTensor) -> str:
-    if sh.chunk_shape == sh.global_shape and sh.flattened_range is None:
-        return sh.key
-    name = f"{sh.key}/shard_{'.'.join(map(str, sh.global_offset))}_{'.'.join(map(str, sh.chunk_shape))}"
-    if sh.flat_range is not None:
-        name += f"_flat{sh.flat_range[0]}-{sh.flat_range[1]}"
-    return name
+    return shard_name(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), tuple(sh.chunk_shape), sh.flat_range)
 
 
 def _tensor_ref(t: torch.Tensor) -> Dict[str, Any]:

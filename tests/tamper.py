@@ -44,6 +44,9 @@ def read_manifest_doc(ckpt: str) -> Any:
             c = flat[i:i + width]
             off, shp = c[:nd], c[nd:2 * nd]
             for flat_r, file, name, hoff, doff, nbytes, crc in _section(sections, c[2 * nd:]):
+                if name is None:  # elided: the name the writer derives
+                    name = manifest.shard_name(key, tuple(t["shape"]), tuple(off), tuple(shp),
+                                               tuple(flat_r) if flat_r else None)
                 shards.append({"offset": off, "shape": shp, "flat": flat_r, "file": file, "name": name,
                                "header_offset": hoff, "data_offset": doff, "nbytes": nbytes, "crc32": crc})
         tensors[key] = {"dtype": t["dtype"], "shape": t["shape"], "shards": shards}
