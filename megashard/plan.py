@@ -352,24 +352,39 @@ def _overlaps(key: str, boxes: List[Box]) -> List[str]:
     nd = len(boxes[0].shape)
     if nd == 0:
         return [f"{key}: {len(boxes)} scalar shards overlap"]
-    cuts = [sorted({b.offset[d] for b in boxes} | {b.offset[d] + b.shape[d] for b in boxes}) for d in range(nd)]
-    cells = 1
-    for c in cuts:
-        cells *= max(len(c) - 1, 1)
-    if cells > MAX_GRID_CELLS:
-        return _overlaps_sweep(key, boxes)
-    index = [{v: i for i, v in enumerate(c)} for c in cuts]
-    count = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
-    spans = []
-    for b in boxes:
-        sl = tuple(slice(index[d][b.offset[d]], index[d][b.offset[d] + b.shape[d]]) for d in range(nd))
-        count[sl] += 1
-        spans.append(sl)
-    if int(count.max()) <= 1:
-        return []
+    offs = np.array([b.offset for b in boxes], dtype=np.int64)
+    ends = offs + np.array([b.shape for b in boxes], dtype=np.int64)
+    cuts = [np.unique(np.concatenate([offs[:, d], ends[:, d]])) for d in range(nd)]
+    lo = np.stack([np.searchsorted(cuts[d], offs[:, d]) for d in range(nd)], axis=1)
+    hi = np.stack([np.searchsorted(cuts[d], ends[:, d]) for d in range(nd)], axis=1)
+    if bool(np.all(hi - lo == 1)):  # every chunk is one grid cell (TP/PP/EP grids): overlap = same cell
+        _, inv, cnt = np.unique(lo, axis=0, return_inverse=True, return_counts=True)
+        if len(cnt) == len(boxes):
+            return []
+        first: Dict[int, int] = {}
+        out: List[str] = []
+        for i in np.flatnonzero(cnt[inv.reshape(-1)] > 1).tolist():
+            j = first.setdefault(int(inv.reshape(-1)[i]), i)
+            if j != i:
+                out.append(f"{key}: shards at {boxes[j].offset} and {boxes[i].offset} overlap")
+                if len(out) >= 20:
+                    break
+        return out
+    else:
+        cells = 1
+        for c in cuts:
+            cells *= max(len(c) - 1, 1)
+        if cells > MAX_GRID_CELLS:
+            return _overlaps_sweep(key, boxes)
+        count = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
+        spans = [tuple(slice(int(a), int(b)) for a, b in zip(lo[i], hi[i])) for i in range(len(boxes))]
+        for sl in spans:
+            count[sl] += 1
+        if int(count.max()) <= 1:
+            return []
     out = []
-    for i, sl in enumerate(spans):  # name the pairs (only when something is wrong)
-        if int(count[sl].max()) > 1:
+    for i in range(len(boxes)):  # name the pairs (only when something is wrong)
+        if int(count[spans[i]].max()) > 1:
             for j in range(i + 1, len(boxes)):
                 if boxes[i].intersect(boxes[j]) is not None:
                     out.append(f"{key}: shards at {boxes[i].offset} and {boxes[j].offset} overlap")
