@@ -353,7 +353,7 @@ def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
                                 "rank_trees") if k in doc}
     head.update(version=MANIFEST_VERSION, tensors=_buckets(sec, tensors, TENSOR_BUCKET),
                 objects=_buckets(sec, objects, OBJECT_BUCKET), files=_buckets(sec, doc.get("files", {}), FILE_BUCKET),
-                trees=trees)
+                trees=_buckets(sec, trees, TREE_BUCKET))
     head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
     return _dumps(head).encode(), b"".join(sec.parts)
 
@@ -364,6 +364,7 @@ def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
 TENSOR_BUCKET = 16
 OBJECT_BUCKET = 64
 FILE_BUCKET = 256
+TREE_BUCKET = 64
 
 
 def _buckets(sec: _Sections, table: Any, size: int) -> Any:
@@ -452,10 +453,10 @@ class LazyIndex:
         self.files = _Table(self, doc.get("files"), "files", self._check_file)
         self._tensors_doc = _Table(self, doc.get("tensors"), "tensors")
         self._objects_doc = _Table(self, doc.get("objects", []), "objects")
-        self._trees_doc = p.dict(doc.get("trees"), "trees")
+        self._trees_doc = _Table(self, doc.get("trees"), "trees")
         self.rank_trees = p.list(doc.get("rank_trees"), "rank_trees")
-        p.require(len(self.rank_trees) >= 1 and all(isinstance(r, str) and r in self._trees_doc
-                                                    for r in self.rank_trees), "rank_trees refer to unknown trees")
+        p.require(len(self.rank_trees) >= 1 and all(isinstance(r, str) for r in self.rank_trees),
+                  "rank_trees must be tree ids")
         self._tensors: Dict[str, Optional[Tuple[TensorRecord, Any, Any, List[Any]]]] = {}
         self._chunks: Dict[Tuple[str, int], List[ShardRecord]] = {}
         self._objects: Dict[str, Any] = {}
@@ -580,6 +581,7 @@ class LazyIndex:
 
     def _tree(self, tid: str, keys: Optional[Any] = None) -> Any:
         p, w = self._p, f"trees[{tid!r}]"
+        p.require(tid in self._trees_doc, f"rank_trees refer to unknown tree {tid[:40]!r}")
         parts = p.list(self._trees_doc[tid], w)
         out: Dict[str, Any] = {}
         for i, part in enumerate(parts):

@@ -52,7 +52,7 @@ def read_manifest_doc(ckpt: str) -> Any:
         tensors[key] = {"dtype": t["dtype"], "shape": t["shape"], "shards": shards}
     objects = {u: _section(sections, e) for u, e in _table(sections, doc["objects"]).items()}
     trees = {}
-    for tid, parts in doc["trees"].items():
+    for tid, parts in _table(sections, doc["trees"]).items():
         if len(parts) == 1 and parts[0][0] == manifest.TREE_WHOLE:
             trees[tid] = _section(sections, parts[0][1:])
         else:
