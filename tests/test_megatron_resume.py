@@ -7,7 +7,8 @@ model/optimizer tensors of a checkpoint against the state another layout loaded 
 """
 from __future__ import annotations
 
-import json
+
+import megashard
 import os
 
 import pytest
@@ -57,8 +58,7 @@ def test_tp2_layout_on_disk(tp2):
             "model_tp00_pp000_vp0-r00000.tensors", "model_tp01_pp000_vp0-r00001.tensors"]
         assert len([f for f in files if f.startswith("state_")]) == 2
         assert not [f for f in files if f.endswith((".pt", ".pth", ".pkl", ".distcp"))], files
-    manifest = json.load(open(os.path.join(ckpt(root, 3), "manifest.json")))
-    keys = set(manifest["tensors"])
+    keys = set(megashard.read_manifest(ckpt(root, 3)).tensors)
     assert "embedding.word_embeddings.weight" in keys and "optimizer.state.exp_avg.embedding.word_embeddings.weight" in keys
 
 
