@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from types import SimpleNamespace
@@ -36,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scale_models as sm  # noqa: E402
+from _bench_worker import _status_kib, reset_peak_rss  # noqa: E402
 
 from megashard import jsonstate, loading, manifest as mf, saving  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
@@ -45,23 +45,6 @@ SIZE_EXCHANGE = 8  # the int64 each rank sends/receives before a gather/scatter 
 
 def _wire(obj: Any) -> int:
     return len(json.dumps(obj, separators=(",", ":")).encode())
-
-
-def _status() -> Dict[str, int]:
-    try:
-        text = open("/proc/self/status").read()
-    except OSError:
-        return {"VmRSS": 0, "VmHWM": 0}
-    return {k: int(re.search(k + r":\s+(\d+)", text).group(1)) * 1024 for k in ("VmRSS", "VmHWM")}
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _fake_write(tensors: Dict[str, Any], path: str, align: int, fsync: bool, threads: Optional[int]) -> Tuple[List[Any], int]:
@@ -101,8 +84,8 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
         messages.append(json.loads(json.dumps(msg)))  # what arrives: parsed JSON
     t_announce = time.perf_counter() - t0
 
-    before = _status()
-    peak_ok = _reset_peak()
+    rss_before = _status_kib("VmRSS") * 1024
+    peak_ok = reset_peak_rss()
     t0 = time.perf_counter()
     keep = saving._Coordinator()
     replies = saving.coordinate(messages, "simulated", keep)
@@ -126,7 +109,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     doc = saving.build_doc(results, keep.tensors, world, {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})
     head, sections = mf.encode(doc)
     t_index = time.perf_counter() - t0
-    after = _status()
+    peak_after = _status_kib("VmHWM") * 1024
     del results, doc
     return {
         "world": world,
@@ -134,7 +117,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
         "coordinator_plan_s": round(t_plan, 3),
         "coordinator_index_s": round(t_index, 3),
         "coordinator_s": round(t_plan + t_index, 3),
-        "coordinator_peak_mb": round(max(0, after["VmHWM"] - before["VmRSS"]) / 2**20, 1) if peak_ok else None,
+        "coordinator_peak_mb": round(max(0, peak_after - rss_before) / 2**20, 1) if peak_ok else None,
         "coordinator_recv_bytes": sum(send) + sum(commit_send),
         "max_rank_send_bytes": {"save/plan": max(send) + SIZE_EXCHANGE, "save/commit": max(commit_send) + SIZE_EXCHANGE},
         "max_rank_recv_bytes": {"save/plan": max(recv[1:] or recv) + SIZE_EXCHANGE, "save/commit": 16 + SIZE_EXCHANGE},

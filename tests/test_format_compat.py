@@ -10,18 +10,7 @@ tensorizer = pytest.importorskip("tensorizer")
 from tensorizer import TensorDeserializer, TensorSerializer  # noqa: E402
 
 from megashard.format import load_file, open_file, save_file  # noqa: E402
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bytes of a tensor, for bit-exact comparison (NaNs included)."""
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype
-    assert tuple(a.shape) == tuple(b.shape)
-    assert torch.equal(bits(a), bits(b))
+from bitexact import assert_same
 
 
 def mixed_dict() -> dict[str, torch.Tensor]:

@@ -15,16 +15,7 @@ from tensorizer import TensorSerializer
 from megashard.errors import ChecksumError, FormatError
 from megashard.format import fastio, load_file, open_file, save_file
 from megashard.format.reader import MissingTensorError
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape))
-    assert torch.equal(bits(a), bits(b))
+from bitexact import assert_same
 
 
 def mixed() -> dict[str, torch.Tensor]:

@@ -25,16 +25,7 @@ from megashard.format import layout as L
 from megashard.format import writer as W
 from megashard.format.fastio import tensor_memoryview
 from megashard.format.dtypes import SUPPORTED_DTYPES, decode_dtype, encode_dtype
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
-    assert torch.equal(bits(a), bits(b))
+from bitexact import assert_same
 
 
 MEGATRON_DTYPES = [torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.float8_e4m3fn,
