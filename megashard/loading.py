@@ -149,7 +149,7 @@ class BoxPlan:
     records: List[Any]  # the saved shards the index returned for the box
 
 
-def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool) -> Tuple[List[BoxPlan], List[str]]:
+def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool, path: str = "") -> Tuple[List[BoxPlan], List[str]]:
     """Pure: which saved bytes fill the requested shard ``sh`` (no buffers; the scale
     simulator runs exactly this). Returns the box plans and any problems.
 
@@ -157,7 +157,8 @@ def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool) -> Tuple[List[Box
     covers, so a resharding load reads only the bytes it needs."""
     rec = index.tensor(sh.key)
     if rec is None:
-        return [], [f"missing: tensor {sh.key!r} is not in the checkpoint"]
+        at = f" (at {path})" if path else ""
+        return [], [f"missing: tensor {sh.key!r}{at} is not in the checkpoint"]
     if rec.dtype != sh.dtype:
         return [], [f"dtype mismatch: {sh.key!r} saved as {dtype_name(rec.dtype)}, requested {dtype_name(sh.dtype)}"]
     if tuple(rec.global_shape) != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
@@ -198,10 +199,9 @@ def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -
     if dest is not None and dest.numel() != n_el:
         work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
         return dest
-    boxes, problems = plan_shard(sh, index, work.rows_ok)
+    boxes, problems = plan_shard(sh, index, work.rows_ok, path)
     if problems:
-        work.problems += [p.replace(" is not in the checkpoint", f" (at {path}) is not in the checkpoint")
-                          for p in problems]
+        work.problems += problems
         return dest
     staged = not (dest.is_contiguous() and dest.device.type == "cpu")
     buf = torch.empty(dest.shape, dtype=dest.dtype) if staged else dest

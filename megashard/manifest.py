@@ -142,17 +142,6 @@ class Manifest:
         return sum(int(f.get("bytes", 0)) for f in self.files.values())
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str = "manifest.json") -> "Manifest":
-        """A version-1 manifest (one JSON document), or a version-2 head without sections."""
-        doc = parse_head(text, where)
-        if doc.get("version") != 1:
-            raise CheckpointError(f"{where}: a version-{doc.get('version')} manifest needs its {INDEX_NAME}; "
-                                  "open it with megashard.index.read_manifest")
-        m = cls.from_doc(doc, where)
-        m.bytes_read = len(text)
-        return m
-
-    @classmethod
     def from_doc(cls, doc: Dict[str, Any], where: str = "manifest.json") -> "Manifest":
         """Validate a logical document (version-1 shape) into a Manifest."""
         p = _Parser(where)

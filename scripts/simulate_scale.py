@@ -97,8 +97,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     results, commit_send = [], []
     for r in range(world):
         st = _save_state(model, layout, r, quirk)
-        st.order = saving.plan.announcement(  # the same order announce() used
-            [saving._shard_meta(sh) for _, sh, _ in st.shards], [False] * len(st.shards), [], [], [])[1]
+        saving.announce(st, r)  # sets the shard order the reply indexes
         job = saving._select(st, replies[r])
         res = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write)
         commit_send.append(_wire({"error": None, "payload": res}))
