@@ -4,18 +4,31 @@ Protocol (collective over the load's process group; every rank takes every step,
 so a failure anywhere surfaces in the same agreement on every rank):
 
 1. each non-reader sends its node's reader one JSON request: its byte ranges
-   ``(file, offset, nbytes)``, the shards it touches (for ``verify``), its pid;
-2. the reader plans the node's transfer and sends each of its ranks a schedule:
-   either ``shm`` (ring segment name, and per extent where this rank's ranges lie in
-   it) or ``group`` (chunks come as point-to-point messages in a fixed order);
-3. agreement "setup" (reader: files present and ranges valid, ring created);
-   the ranks open the ring; agreement "open"; every rank unlinks the ring's name;
-4. transfer. ``shm``: the reader fills ring slots (:mod:`megashard.shm`) and reads
-   its own ranges that no other rank needs straight into its tensors while the ring
-   is full; the other ranks copy out of the mapping into their tensors.
-   ``group``: as before, double-buffered staging and async sends.
+   ``(file, offset, nbytes)``, the shards it touches (for ``verify``), its pid and,
+   unless the transport is ``group``, the name of a socket it listens on
+   (:mod:`megashard.fdpass`);
+2. the reader checks the ranges (opening every file), splits the node's bytes into
+   those only one rank needs and those several ranks need, and plans the transfer:
+   ``shm`` (within one kernel and PID namespace) or ``group``. With ``shm`` it hands
+   each rank, over that rank's socket, its own descriptors of the files holding bytes
+   only that rank needs (a rank whose socket fails gets those bytes through the
+   ring instead, logged once); then it sends each rank a schedule: which byte
+   ranges it reads itself through the passed descriptors, and the ring segment's
+   name and where this rank's shared ranges lie in it; or, for ``group``, that
+   chunks come as point-to-point messages in a fixed order;
+3. agreement "setup" (reader: files present and ranges valid, ring created; the
+   others: descriptors received and of the index's size); the ranks open the ring;
+   agreement "open"; every rank unlinks the ring's name;
+4. transfer. ``shm``: every rank reads the bytes only it needs straight into its
+   tensors (``preadv``, as in ``own`` mode), while the reader fills ring slots
+   (:mod:`megashard.shm`) with the bytes several ranks need and each rank copies
+   its pieces out of the mapping. ``group``: double-buffered staging and async sends.
 
-Nothing here calls ``torch.distributed`` directly (see :class:`~megashard.transport.Comm`).
+So the node reads each byte from storage exactly once (a rank's reads through a
+passed descriptor count as its own ``bytes_read``), no non-reader ever opens a path
+in the checkpoint directory, and on a warm page cache the node's ranks copy in
+parallel as in ``own`` mode. Nothing here calls ``torch.distributed`` directly (see
+:class:`~megashard.transport.Comm`).
 """
 from __future__ import annotations
 
@@ -30,7 +43,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from . import plan, shm
+from . import fdpass, plan, shm
 from .errors import CheckpointError, MegashardError
 from .format import empty_buffer
 from .format.fastio import default_read_threads, read_requests, tensor_memoryview
@@ -41,6 +54,8 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "shm", "group")
 
 Range = Tuple[str, int, int]  # file, offset, nbytes
+Direct = Tuple[str, int, int, int, int]  # file, offset, nbytes, op index, offset in op
+DIRECT_BATCH_MIN = 64 << 20  # bytes per direct-read batch, at least (fewer hand-offs between threads)
 
 
 def _send_json(comm: Comm, obj: Any, dst: int) -> None:
@@ -90,67 +105,137 @@ def scatter(comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: D
     chunk = max(1, int(chunk))
     if readers[comm.rank] == comm.rank:
         return _Reader(comm, base, manifest, ops, touched, readers, chunk, threads, transport, open_files).run()
-    return _consume(comm, ops, touched, readers[comm.rank])
+    return _Consumer(comm, base, manifest, ops, touched, readers[comm.rank], chunk, transport, threads).run()
 
 
 # ---------------------------------------------------------------------------
 # non-readers
 
 
-def _consume(comm: Comm, ops: Sequence[Any], touched: Mapping[str, Dict[str, Any]],
-             reader: int) -> Tuple[Tuple[int, int, str], Optional[str]]:
-    err: Optional[str] = None
-    sched: Dict[str, Any] = {}
-    req = {"ops": [[op.file, op.offset, op.nbytes] for op in ops], "pid": os.getpid(), "host": shm.host_identity(),
-           "touched": touched}
-    try:
-        _send_json(comm, req, reader)
-        sched = _recv_json(comm, reader)
-    except MegashardError as e:
-        err = _err(e, f"exchanging the scatter schedule with reader rank {reader}")
-    ring: Optional[shm.Ring] = None
-    name = sched.get("name")
-    try:
-        comm.agree(err, "scatter load (setup)")
-        if sched["transport"] == "shm":
+class _Consumer:
+    """A non-reader's side: request, (descriptors,) schedule, transfer."""
+
+    def __init__(self, comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: Mapping[str, Dict[str, Any]],
+                 reader: int, chunk: int, transport: str, threads: Optional[int]) -> None:
+        self.comm, self.base, self.manifest, self.ops, self.touched = comm, base, manifest, ops, touched
+        self.reader, self.chunk, self.transport = reader, chunk, transport
+        self.threads = threads or default_read_threads()
+        self.fds: Dict[str, int] = {}
+        self.lock = threading.Lock()  # ops' lazy temporaries, shared by the ring and direct-read threads
+
+    def run(self) -> Tuple[Tuple[int, int, str], Optional[str]]:
+        err: Optional[str] = None
+        sched: Dict[str, Any] = {}
+        listener: Optional[fdpass.Listener] = None
+        req = {"ops": [[op.file, op.offset, op.nbytes] for op in self.ops], "pid": os.getpid(),
+               "host": shm.host_identity(), "touched": self.touched}
+        if self.transport != "group" and any(op.nbytes for op in self.ops):
             try:
-                ring = shm.Ring.attach(name, sched["consumers"], sched["slots"], sched["slot_bytes"], sched["index"])
-                needed = [k for k, _ in sched["extents"]]
-                ring.set_done(sched["index"], needed[0] if needed else sched["n_extents"])
-                if not shm.pid_alive(sched["reader_pid"]):
-                    raise shm.ShmError(f"reader pid {sched['reader_pid']} is not visible from this rank")
+                listener = fdpass.Listener()
+                req["fd_socket"] = listener.name
             except MegashardError as e:
-                err = _err(e, f"opening the node's shared memory from reader rank {reader}")
-        comm.agree(err, "scatter load (open)")
-        if name:
-            shm.unlink(name)
-        nbytes = sum(op.nbytes for op in ops)
-        if ring is not None:
-            return (0, nbytes, "shm"), _consume_shm(ring, sched, ops)
-        return (0, nbytes, "group"), _consume_group(comm, ops, reader, sched["chunk"])
-    finally:
-        if name:
-            shm.unlink(name)
-        if ring is not None:
-            ring.close()
+                req["fd_error"] = str(e)
+        ring: Optional[shm.Ring] = None
+        name: Optional[str] = None
+        try:
+            try:
+                _send_json(self.comm, req, self.reader)
+                sched = _recv_json(self.comm, self.reader)
+                name = sched.get("name")
+                if sched.get("fd_files"):
+                    self.receive_fds(listener, sched)
+            except MegashardError as e:
+                err = _err(e, f"exchanging the scatter schedule with reader rank {self.reader}")
+            finally:
+                if listener is not None:  # descriptors not accepted by now are dropped with the socket
+                    listener.close()
+            self.comm.agree(err, "scatter load (setup)")
+            if sched["transport"] == "shm":
+                try:
+                    ring = shm.Ring.attach(name, sched["consumers"], sched["slots"], sched["slot_bytes"], sched["index"])
+                    needed = [k for k, _ in sched["extents"]]
+                    ring.set_done(sched["index"], needed[0] if needed else sched["n_extents"])
+                    if not shm.pid_alive(sched["reader_pid"]):
+                        raise shm.ShmError(f"reader pid {sched['reader_pid']} is not visible from this rank")
+                except MegashardError as e:
+                    err = _err(e, f"opening the node's shared memory from reader rank {self.reader}")
+            self.comm.agree(err, "scatter load (open)")
+            if name:
+                shm.unlink(name)
+            if ring is not None:
+                return self.transfer_shm(ring, sched)
+            nbytes = sum(op.nbytes for op in self.ops)
+            return (0, nbytes, "group"), _consume_group(self.comm, self.ops, self.reader, sched["chunk"])
+        finally:
+            fdpass.close_all(list(self.fds.values()))
+            self.fds.clear()
+            if name:
+                shm.unlink(name)
+            if ring is not None:
+                ring.close()
 
+    def receive_fds(self, listener: Optional[fdpass.Listener], sched: Dict[str, Any]) -> None:
+        """Take the reader's descriptors of ``sched["fd_files"]`` and check each against the index."""
+        files = [str(f) for f in sched["fd_files"]]
+        if listener is None:
+            raise fdpass.FdPassError("the reader sent descriptors but this rank has no socket")
+        fds = listener.receive(int(sched["reader_pid"]), len(files))
+        self.fds = dict(zip(files, fds))
+        for f, fd in self.fds.items():
+            if f not in self.manifest.files:
+                raise CheckpointError(f"{self.base}: the reader passed {f!r}, which the index does not list")
+            fdpass.check_file(fd, int(self.manifest.files[f].get("bytes", 0)), os.path.join(self.base, f))
 
-def _consume_shm(ring: shm.Ring, sched: Dict[str, Any], ops: Sequence[Any]) -> Optional[str]:
-    me, total, reader_pid = sched["index"], sched["n_extents"], sched["reader_pid"]
-    extents = sched["extents"]
-    try:
-        for j, (k, pieces) in enumerate(extents):
-            ring.wait_produced(k, reader_pid)
-            src = ring.slot(k, ring.slot_bytes)
-            for i, pos, n, off in pieces:
-                _copy(ops[i].target()[pos:pos + n], src[off:off + n])
-                ops[i].arrived(n)
-            del src
-            ring.set_done(me, extents[j + 1][0] if j + 1 < len(extents) else total)
-    except Exception as e:  # noqa: BLE001 - reported in the final agreement
-        ring.fail_consumer(me)
-        return _err(e, "copying from the node's shared memory")
-    return None
+    def direct_batches(self, sched: Dict[str, Any]) -> List[List[Direct]]:
+        """This rank's own reads from the schedule, each checked against its own request."""
+        files = [str(f) for f in sched.get("fd_files", [])]
+        out: List[Direct] = []
+        for fi, a, n, i, pos in sched.get("direct", []):
+            op = self.ops[i]
+            if not (0 <= pos and n > 0 and pos + n <= op.nbytes and files[fi] == op.file and a == op.offset + pos):
+                raise CheckpointError(f"scatter schedule from reader rank {self.reader} names bytes outside "
+                                      f"this rank's request (op {i}: {files[fi]} {a}+{n})")
+            out.append((files[fi], a, n, i, pos))
+        return _batches(out, _direct_batch_bytes(self.chunk))
+
+    def transfer_shm(self, ring: shm.Ring, sched: Dict[str, Any]) -> Tuple[Tuple[int, int, str], Optional[str]]:
+        """Read this rank's own bytes through the passed descriptors (a second thread) while
+        copying the shared ones out of the ring."""
+        me, total, reader_pid = sched["index"], sched["n_extents"], sched["reader_pid"]
+        extents = sched["extents"]
+        direct: Optional[_DirectReads] = None
+        received = 0
+        err: Optional[str] = None
+        try:
+            direct = _DirectReads(self.ops, self.lock, self.fds.__getitem__, self.base, self.direct_batches(sched),
+                                  self.threads)
+            direct.start()
+            for j, (k, pieces) in enumerate(extents):
+                ring.wait_produced(k, reader_pid)
+                src = ring.slot(k, ring.slot_bytes)
+                for i, pos, n, off in pieces:
+                    with self.lock:
+                        dst = self.ops[i].target()[pos:pos + n]
+                    _copy(dst, src[off:off + n])
+                    del dst
+                    with self.lock:
+                        self.ops[i].arrived(n)
+                    received += n
+                del src
+                ring.set_done(me, extents[j + 1][0] if j + 1 < len(extents) else total)
+                if direct.error is not None:
+                    break
+        except Exception as e:  # noqa: BLE001 - reported in the final agreement
+            ring.fail_consumer(me)
+            err = _err(e, "copying from the node's shared memory")
+        nread = 0
+        if direct is not None:
+            direct.finish(err is not None)
+            nread = direct.nread
+            if direct.error is not None:
+                ring.fail_consumer(me)
+                err = err or _err(direct.error, "reading this rank's ranges through the reader's descriptors")
+        return (nread, received, "shm"), err
 
 
 def _subops(ops: Sequence[Any], chunk: int) -> List[Tuple[str, int, int, int, int]]:
@@ -202,6 +287,8 @@ class _Reader:
         self.consumers = sorted(r for r, rd in readers.items() if rd == comm.rank and r != comm.rank)
         self.requests: Dict[int, List[Range]] = {}
         self.pids: List[int] = []
+        self.sockets: List[Optional[str]] = []  # per consumer: its fd socket's name
+        self.no_socket: Dict[int, str] = {}  # consumer rank -> why it has no socket
         self.err: Optional[str] = None
         self.nread = 0
         self.files: Any = None
@@ -221,6 +308,10 @@ class _Reader:
                 req = {"ops": [], "touched": {}, "pid": 0, "host": ""}
             self.requests[r] = [(str(f), int(a), int(n)) for f, a, n in req["ops"]]
             self.pids.append(int(req["pid"]))
+            sock = req.get("fd_socket")
+            self.sockets.append(sock if isinstance(sock, str) else None)
+            if req.get("fd_error"):
+                self.no_socket[r] = str(req["fd_error"])[:300]
             same_host = same_host and bool(req["host"]) and req["host"] == shm.host_identity()
             for f, names in req.get("touched", {}).items():
                 if isinstance(names, dict):
@@ -230,8 +321,14 @@ class _Reader:
         try:
             self.check_ranges()
             if self.wants_ring():
-                sched = self.plan_shm()
-                mode = self.choose(same_host, shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"]))
+                candidates = {c for c, s in enumerate(self.sockets) if s}
+                sched = self.plan_shm(candidates)
+                mode = self.choose(same_host, self.ring_bytes(sched))
+                if mode == "shm":
+                    passed = self.pass_fds(sched, candidates)
+                    if passed != candidates:  # those ranks take their bytes from the ring instead
+                        sched = self.plan_shm(passed)
+                        mode = self.choose(same_host, self.ring_bytes(sched))
         except Exception as e:  # noqa: BLE001 - still send schedules: the ranks must reach the agreement
             self.fail(f"{type(e).__name__}: planning the scatter load: {e}")
             mode = "group"
@@ -310,20 +407,11 @@ class _Reader:
                     "(scatter_transport='group' selects that without this check)", self.comm.rank, problem)
         return "group"
 
-    def consumer_subops(self) -> Tuple[List[Range], List[Tuple[int, int, int]]]:
-        subops: List[Range] = []
-        owners: List[Tuple[int, int, int]] = []  # (consumer index, op index, offset in op)
-        for c, r in enumerate(self.consumers):
-            for i, op in enumerate(self.requests[r]):
-                for f, a, n, pos in plan.split_op(op, self.chunk):
-                    subops.append((f, a, n))
-                    owners.append((c, i, pos))
-        return subops, owners
-
-    def plan_shm(self) -> Dict[str, Any]:
-        """Disjoint extents over every range of the node (each byte read once). Those another
-        rank needs go through the ring (the reader copies its own pieces out of the slot);
-        the rest the reader reads straight into its tensors, in batches of ≤ ``chunk`` bytes."""
+    def plan_shm(self, fd_ok: Set[int]) -> Dict[str, Any]:
+        """Split the node's bytes: those only one rank needs are read by that rank itself
+        (the reader's, and those of consumers in ``fd_ok``, which get descriptors); the rest
+        (bytes several ranks need, and everything for consumers without descriptors) goes
+        through the ring in disjoint extents of ≤ ``chunk`` bytes. Each byte is read once."""
         ranges: List[Range] = []
         owners: List[Tuple[int, int]] = []  # (consumer index or -1 for the reader, op index)
         for c, r in enumerate(self.consumers):
@@ -333,46 +421,66 @@ class _Reader:
         for i, op in enumerate(self.ops):
             ranges.append((op.file, op.offset, op.nbytes))
             owners.append((-1, i))
-        extents, pieces = partition(ranges, self.chunk)
-        users: List[Set[int]] = [set() for _ in extents]
-        for j, ps in enumerate(pieces):
-            for k, _, _, _ in ps:
-                users[k].add(owners[j][0])
-        ring_index: Dict[int, int] = {}
-        for k in range(len(extents)):
-            if any(c >= 0 for c in users[k]):
-                ring_index[k] = len(ring_index)
+        ring_ranges: List[Range] = []
+        ring_owners: List[Tuple[int, int, int]] = []  # (consumer or -1, op index, offset in op)
+        direct: List[List[Direct]] = [[] for _ in self.consumers]
+        mine_direct: List[Direct] = []
+        for (f, a, _), (c, i), pieces in zip(ranges, owners, split_shared(ranges)):
+            for pos, n, shared in pieces:
+                if shared or (c >= 0 and c not in fd_ok):
+                    ring_ranges.append((f, a + pos, n))
+                    ring_owners.append((c, i, pos))
+                else:
+                    (mine_direct if c < 0 else direct[c]).append((f, a + pos, n, i, pos))
+        extents, pieces = partition(ring_ranges, self.chunk)
         mine: Dict[int, List[Tuple[int, int, int, int]]] = {}  # ring extent -> (op, pos, n, offset in slot)
         per_consumer: List[Dict[int, List[List[int]]]] = [{} for _ in self.consumers]
-        direct: List[Tuple[str, int, int, int, int]] = []  # file, offset, n, op, pos
-        for j, ps in enumerate(pieces):
-            c, i = owners[j]
+        for (c, i, base), ps in zip(ring_owners, pieces):
             for k, off, pos, n in ps:
-                if k not in ring_index:
-                    e = extents[k]
-                    direct.append((e.file, e.start + off, n, i, pos))
-                elif c < 0:
-                    mine.setdefault(ring_index[k], []).append((i, pos, n, off))
+                if c < 0:
+                    mine.setdefault(k, []).append((i, base + pos, n, off))
                 else:
-                    per_consumer[c].setdefault(ring_index[k], []).append([i, pos, n, off])
-        batches: List[List[Tuple[str, int, int, int, int]]] = []
-        size = 0
-        for d in sorted(direct):
-            if not batches or batches[-1][0][0] != d[0] or size + d[2] > self.chunk:
-                batches.append([])
-                size = 0
-            batches[-1].append(d)
-            size += d[2]
-        ring = [extents[k] for k in sorted(ring_index)]
-        slot_bytes = max((e.stop - e.start for e in ring), default=1)
-        return {"extents": ring, "mine": mine, "batches": batches, "per_consumer": per_consumer,
-                "slots": max(1, min(shm.RING_SLOTS, len(ring))), "slot_bytes": slot_bytes}
+                    per_consumer[c].setdefault(k, []).append([i, base + pos, n, off])
+        slot_bytes = max((e.stop - e.start for e in extents), default=1)
+        return {"extents": extents, "mine": mine, "direct": direct, "mine_direct": mine_direct,
+                "per_consumer": per_consumer, "slots": max(1, min(shm.RING_SLOTS, len(extents))),
+                "slot_bytes": slot_bytes}
+
+    def ring_bytes(self, sched: Dict[str, Any]) -> int:
+        return shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"])
+
+    def pass_fds(self, sched: Dict[str, Any], candidates: Set[int]) -> Set[int]:
+        """Hand each candidate consumer the descriptors of the files it reads itself; returns
+        those that got them. Any other rank's bytes go through the ring (one log line)."""
+        passed: Set[int] = set()
+        problems = dict(self.no_socket)
+        for c in sorted(candidates):
+            files = sorted({d[0] for d in sched["direct"][c]})
+            if not files:
+                passed.add(c)
+                continue
+            try:
+                fdpass.send(self.sockets[c], self.pids[c], [self.fd(f) for f in files])
+                passed.add(c)
+            except fdpass.FdPassError as e:
+                problems[self.consumers[c]] = str(e)
+        if problems:
+            first = min(problems)
+            log.warning("[rank %d] scatter load: cannot hand file descriptors to rank(s) %s (rank %d: %s); their "
+                        "bytes go through the shared-memory ring instead", self.comm.rank, sorted(problems), first,
+                        problems[first])
+        return passed
 
     def shm_schedules(self, sched: Dict[str, Any], name: str) -> Dict[int, Dict[str, Any]]:
-        return {r: {"transport": "shm", "name": name, "consumers": len(self.consumers), "index": c,
-                    "slots": sched["slots"], "slot_bytes": sched["slot_bytes"], "reader_pid": os.getpid(),
-                    "n_extents": len(sched["extents"]), "extents": sorted(sched["per_consumer"][c].items())}
-                for c, r in enumerate(self.consumers)}
+        out = {}
+        for c, r in enumerate(self.consumers):
+            files = sorted({d[0] for d in sched["direct"][c]})
+            where = {f: j for j, f in enumerate(files)}
+            out[r] = {"transport": "shm", "name": name, "consumers": len(self.consumers), "index": c,
+                      "slots": sched["slots"], "slot_bytes": sched["slot_bytes"], "reader_pid": os.getpid(),
+                      "n_extents": len(sched["extents"]), "extents": sorted(sched["per_consumer"][c].items()),
+                      "fd_files": files, "direct": [[where[f], a, n, i, pos] for f, a, n, i, pos in sched["direct"][c]]}
+        return out
 
     # -- transfer ---------------------------------------------------------------
     def fd(self, f: str) -> int:
@@ -384,9 +492,14 @@ class _Reader:
     def transfer_shm(self, ring: shm.Ring, sched: Dict[str, Any]) -> None:
         """Fill the ring in extent order while a second thread reads this rank's own ranges
         straight into place (the two streams keep two cores busy without per-call hand-offs)."""
-        extents, mine, batches = sched["extents"], sched["mine"], sched["batches"]
-        ring_threads = max(1, self.threads // 2)
-        direct = _DirectReads(self, batches, max(1, self.threads - ring_threads))
+        extents, mine = sched["extents"], sched["mine"]
+        ring_total = sum(e.stop - e.start for e in extents)
+        direct_total = sum(d[2] for d in sched["mine_direct"])
+        # the bigger stream gets the threads (with descriptors passed, the ring holds only shared bytes)
+        ring_threads = max(1, self.threads // 2) if ring_total >= direct_total else 1
+        direct = _DirectReads(self.ops, self.lock, self.fd, self.base,
+                              _batches(sched["mine_direct"], _direct_batch_bytes(self.chunk)),
+                              self.threads if ring_threads == 1 else max(1, self.threads - ring_threads))
         direct.start()
         try:
             if self.err is not None:
@@ -414,7 +527,7 @@ class _Reader:
             ring.fail_reader()
             self.fail(_err(e, "filling the node's shared memory ring"))
         finally:
-            direct.finish()
+            direct.finish(self.err is not None)
         self.nread += direct.nread
         if direct.error is not None:
             ring.fail_reader()
@@ -473,40 +586,103 @@ class _Reader:
 
 
 class _DirectReads(threading.Thread):
-    """The reader's own ranges that no other rank needs, read straight into its tensors in
-    batches of at most ``chunk`` bytes, concurrently with filling the ring."""
+    """A rank's ranges that no other rank of the node needs, read straight into its tensors
+    in batches (:func:`_batches`), concurrently with the ring. ``fd_of(file)`` gives the
+    descriptor: the reader's own, or the one the reader passed to this rank."""
 
-    def __init__(self, reader: "_Reader", batches: List[List[Tuple[str, int, int, int, int]]], threads: int) -> None:
+    def __init__(self, ops: Sequence[Any], lock: threading.Lock, fd_of: Callable[[str], int], base: str,
+                 batches: List[List[Direct]], threads: int) -> None:
         super().__init__(name="megashard-scatter-direct", daemon=True)
-        self.reader, self.batches, self.threads = reader, batches, threads
+        self.ops, self.lock, self.fd_of, self.base = ops, lock, fd_of, base
+        self.batches, self.threads = batches, threads
         self.nread = 0
         self.error: Optional[BaseException] = None
         self.stop = threading.Event()
 
     def run(self) -> None:
-        r = self.reader
         try:
             for batch in self.batches:
                 if self.stop.is_set():
                     return
                 f = batch[0][0]
-                with r.lock:
-                    dsts = [r.ops[i].target()[pos:pos + n] for _, _, n, i, pos in batch]
+                with self.lock:
+                    dsts = [self.ops[i].target()[pos:pos + n] for _, _, n, i, pos in batch]
                 reqs = [(a, tensor_memoryview(d)) for (_, a, _, _, _), d in zip(batch, dsts)]
-                read_requests(r.fd(f), reqs, os.path.join(r.base, f), self.threads)
+                read_requests(self.fd_of(f), reqs, os.path.join(self.base, f), self.threads)
                 del reqs, dsts
-                with r.lock:
+                with self.lock:
                     for _, _, n, i, _ in batch:
-                        r.ops[i].arrived(n)
+                        self.ops[i].arrived(n)
                 self.nread += sum(n for _, _, n, _, _ in batch)
-        except BaseException as e:  # noqa: BLE001 - reported by the reader after join
+        except BaseException as e:  # noqa: BLE001 - reported by the owner after join
             self.error = e
 
-    def finish(self) -> None:
-        """Wait for the reads (stopping early if the ring side failed)."""
-        if self.reader.err is not None:
+    def finish(self, failed: bool) -> None:
+        """Wait for the reads (stopping after the current batch if the ring side ``failed``)."""
+        if failed:
             self.stop.set()
         self.join()
+
+
+def _direct_batch_bytes(chunk: int) -> int:
+    return max(int(chunk), DIRECT_BATCH_MIN)
+
+
+def _batches(direct: Sequence[Direct], cap: int) -> List[List[Direct]]:
+    """Direct reads in (file, offset) order, cut into per-file batches of about ``cap`` bytes
+    (so resharding temporaries, allocated when their batch starts, stay few)."""
+    batches: List[List[Direct]] = []
+    size = 0
+    for d in sorted(direct):
+        if not batches or batches[-1][0][0] != d[0] or size + d[2] > cap:
+            batches.append([])
+            size = 0
+        batches[-1].append(d)
+        size += d[2]
+    return batches
+
+
+def split_shared(ranges: Sequence[Range]) -> List[List[Tuple[int, int, bool]]]:
+    """Per range, its pieces ``(offset in range, nbytes, shared)`` in order, where ``shared``
+    bytes are covered by at least one other range too (those must be read once for all)."""
+    events: Dict[str, List[Tuple[int, int]]] = {}
+    for f, a, n in ranges:
+        if n > 0:
+            events.setdefault(f, []).extend(((a, 1), (a + n, -1)))
+    spans: Dict[str, Tuple[List[int], List[int]]] = {}  # file -> (starts, stops) of spans covered ≥ 2 times
+    for f, ev in events.items():
+        ev.sort()  # at equal offsets ends (-1) come first: touching ranges do not overlap
+        starts: List[int] = []
+        stops: List[int] = []
+        depth = 0
+        for x, d in ev:
+            depth += d
+            if d > 0 and depth == 2:
+                if stops and stops[-1] == x:  # continue the previous span
+                    stops.pop()
+                else:
+                    starts.append(x)
+            elif d < 0 and depth == 1:
+                stops.append(x)
+        spans[f] = (starts, stops)
+    out: List[List[Tuple[int, int, bool]]] = []
+    for f, a, n in ranges:
+        pieces: List[Tuple[int, int, bool]] = []
+        if n > 0:
+            starts, stops = spans[f]
+            k = max(0, bisect.bisect_right(stops, a))
+            pos = a
+            while pos < a + n:
+                if k < len(starts) and starts[k] <= pos:  # inside span k
+                    end = min(a + n, stops[k])
+                    pieces.append((pos - a, end - pos, True))
+                    k += 1
+                else:
+                    end = min(a + n, starts[k]) if k < len(starts) else a + n
+                    pieces.append((pos - a, end - pos, False))
+                pos = end
+        out.append(pieces)
+    return out
 
 
 def partition(ranges: Sequence[Range], chunk: int) -> Tuple[List[plan.Extent], List[List[Tuple[int, int, int, int]]]]:

@@ -1,14 +1,18 @@
-"""Scatter loads within one node: shared-memory ring vs process group, failures, cleanup.
+"""Scatter loads within one node: descriptors + shared-memory ring vs process group, failures, cleanup.
 
-All ranks share one ``MEGASHARD_NODE_ID``, so rank 0 is the node's reader. One
-spawned job runs many scenarios to keep the suite fast.
+All ranks share one ``MEGASHARD_NODE_ID``, so rank 0 is the node's reader. With
+``shm`` the reader passes its open files to the other ranks (bytes only they need,
+they read themselves) and bytes several ranks need go through the ring; ``ring``
+below is ``shm`` with descriptor passing made to fail (everything through the ring).
+One spawned job runs many scenarios to keep the suite fast.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -26,6 +30,41 @@ def _segments(pids: List[int]) -> List[str]:
     """megashard segments in /dev/shm created by these processes (names carry the creator's pid)."""
     prefixes = tuple(f"megashard-{p}-" for p in pids)
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefixes))
+
+
+def _sockets(pids: List[int]) -> List[str]:
+    """megashard's abstract Unix sockets still open (names carry the listener's pid)."""
+    prefixes = tuple(f"@megashard-{p}-" for p in pids)
+    with open("/proc/net/unix") as f:
+        return sorted(w for line in f for w in line.split()[7:8] if w.startswith(prefixes))
+
+
+@contextlib.contextmanager
+def _fd_passing_fails() -> Iterator[None]:
+    """On the reader: every attempt to pass descriptors fails (as with a foreign network namespace)."""
+    from megashard import fdpass
+
+    orig = fdpass.send
+
+    def refuse(name: str, pid: int, fds: Any, timeout: float = 0) -> None:
+        raise fdpass.FdPassError(f"cannot pass descriptors to pid {pid} over socket {name}: [Errno 111] refused")
+
+    fdpass.send = refuse
+    try:
+        yield
+    finally:
+        fdpass.send = orig
+
+
+def _boxes(layout: Layout, rank: int) -> Dict[Tuple[str, Tuple[int, ...]], int]:
+    return {(sh.key, tuple(sh.global_offset)): sh.data.numel() * sh.data.element_size()
+            for chunk in model_state(layout, rank).values() for sh in chunk.values()}
+
+
+def _shared_bytes(layout: Layout, rank: int, world: int) -> int:
+    """Bytes of ``rank``'s shards that another rank of the node loads too (same layout as saved)."""
+    others = [_boxes(layout, q) for q in range(world) if q != rank]
+    return sum(n for b, n in _boxes(layout, rank).items() if any(b in o for o in others))
 
 
 def _save(layout: Layout, rank: int, path: str) -> None:
@@ -61,10 +100,12 @@ def _layouts_job(rank: int, world: int, tmp: str) -> List[Dict[str, Any]]:
     for n, (saved, loaded) in enumerate(SCENARIOS[world]):
         path = os.path.join(tmp, f"ckpt{n}")
         _save(saved, rank, path)
-        for transport in ("shm", "group"):
+        for want in ("shm", "ring", "group"):
             for chunk in CHUNKS:
-                r = _load(loaded, rank, path, scatter_transport=transport, scatter_chunk_bytes=chunk)
-                r.update(scenario=n, want=transport, chunk=chunk, pid=os.getpid())
+                with _fd_passing_fails() if want == "ring" and rank == 0 else contextlib.nullcontext():
+                    r = _load(loaded, rank, path, scatter_transport="group" if want == "group" else "shm",
+                              scatter_chunk_bytes=chunk)
+                r.update(scenario=n, want=want, chunk=chunk, pid=os.getpid(), sockets=_sockets([os.getpid()]))
                 out.append(r)
         dist.barrier()
     return out
@@ -73,22 +114,32 @@ def _layouts_job(rank: int, world: int, tmp: str) -> List[Dict[str, Any]]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_scatter_transports_bit_exact(tmp_path, world: int) -> None:
     results = all_ok(run_ranks(_layouts_job, world, str(tmp_path), env=NODE_ENV, timeout=240))
-    for rank, rows in enumerate(results):
-        for r in rows:
-            where = f"rank {rank}, scenario {r['scenario']}, {r['want']}, chunk {r['chunk']}"
-            assert r["bad"] == [], f"{where}: loaded data differs: {r['bad']}"
-            assert r["transport"] == r["want"], where
-            if rank == 0:
-                assert r["received"] == 0, where
-            else:  # a reshard receives whole covering spans of saved shards
-                saved, loaded = SCENARIOS[world][r["scenario"]]
-                assert r["read"] == 0, where
-                assert r["received"] == r["needed"] if saved == loaded else r["received"] >= r["needed"], where
-    # every scenario needs the whole model on the node: the reader read each byte exactly once
     model_bytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
                       for shape, dt in GLOBALS.values())
-    for r0 in results[0]:  # (group: chunks smaller than overlapping spans re-read the overlap)
-        assert r0["read"] == model_bytes if r0["want"] == "shm" else r0["read"] >= model_bytes, r0
+    for rank, rows in enumerate(results):
+        for r in rows:
+            saved, loaded = SCENARIOS[world][r["scenario"]]
+            where = f"rank {rank}, scenario {r['scenario']}, {r['want']}, chunk {r['chunk']}"
+            assert r["bad"] == [], f"{where}: loaded data differs: {r['bad']}"
+            assert r["transport"] == ("group" if r["want"] == "group" else "shm"), where
+            assert r["sockets"] == [], where  # the descriptor socket is closed after every load
+            if rank == 0:
+                assert r["received"] == 0, where
+            elif r["want"] != "shm":  # everything arrives from the reader
+                assert r["read"] == 0, where
+                # (a reshard receives whole covering spans of saved shards)
+                assert r["received"] == r["needed"] if saved == loaded else r["received"] >= r["needed"], where
+            elif saved == loaded:  # its own shards through the reader's descriptors, replicated ones from the ring
+                shared = _shared_bytes(loaded, rank, world)
+                assert (r["read"], r["received"]) == (r["needed"] - shared, shared), where
+            else:
+                assert r["read"] + r["received"] >= r["needed"], where
+    # every scenario needs the whole model on the node: with shared memory the node read each
+    # byte exactly once (group: chunks smaller than overlapping spans re-read the overlap)
+    for i in range(len(results[0])):
+        rows = [res[i] for res in results]
+        node_read = sum(r["read"] for r in rows)
+        assert node_read == model_bytes if rows[0]["want"] != "group" else node_read >= model_bytes, rows[0]
     assert _segments([r["pid"] for rows in results for r in rows]) == []
 
 
