@@ -8,20 +8,19 @@ only the sections a rank asks for. Version 1 (one JSON document) is still read.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Union
+from typing import Union
 
 from . import storage
 from .errors import CheckpointError
-from .manifest import INDEX_NAME, LazyIndex, Manifest, encode, parse_head
+from .manifest import INDEX_NAME, LazyIndex, Manifest, parse_head
 
 Index = Union[Manifest, LazyIndex]
 
 
-def write_index(directory: str, doc: Dict[str, Any]) -> int:
-    """Write the index of logical document ``doc`` into ``directory``: sections first,
-    then the digest, then the head (a checkpoint is one once its head exists). Returns
-    the bytes written."""
-    head, sections = encode(doc)
+def write_index(directory: str, head: bytes, sections: bytes) -> int:
+    """Write an index (see :class:`~megashard.manifest.IndexBuilder`) into ``directory``:
+    sections first, then the digest, then the head (a checkpoint is one once its head
+    exists). Returns the bytes written."""
     storage.write_file_atomic(os.path.join(directory, INDEX_NAME), sections)
     storage.write_file_atomic(os.path.join(directory, storage.MANIFEST_DIGEST_NAME), storage.manifest_digest(head))
     storage.write_file_atomic(os.path.join(directory, storage.MANIFEST_NAME), head)

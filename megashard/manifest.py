@@ -15,7 +15,7 @@ import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -283,68 +283,152 @@ class _Sections:
         return got
 
 
+def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], shape: Sequence[int],
+                flat: Optional[Sequence[int]], file: Optional[str], name: str, header_offset: int, data_offset: int,
+                nbytes: int, crc32: int) -> str:
+    """One shard's record as a chunk section stores it: ``[flat, file, name, header offset,
+    data offset, bytes, crc32]`` (name ``null`` when :func:`shard_name` derives it). Writing
+    ranks build their own records' texts, so the coordinator only groups and joins them."""
+    fl = None if flat is None else (_int(flat[0]), _int(flat[1]))
+    if len(flat or ()) not in (0, 2):
+        raise ValueError("flat range must have two ends")
+    if name == shard_name(key, tuple(global_shape), tuple(offset), tuple(shape), fl):
+        name_text = "null"
+    else:
+        name_text = _dumps(name)
+    flat_text = "null" if fl is None else f"[{fl[0]},{fl[1]}]"
+    file_text = "null" if file is None else _dumps(file)
+    return (f"[{flat_text},{file_text},{name_text},{_int(header_offset)},{_int(data_offset)},{_int(nbytes)},"
+            f"{_int(crc32)}]")
+
+
+def _int(v: Any) -> int:
+    if type(v) is not int:  # noqa: E721  (bool and float are not record integers)
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
+class IndexBuilder:
+    """Lays out a version-2 index (head + sections) from pre-encoded JSON texts: chunk
+    records (:func:`record_text`), object values and state-tree parts. ``finish`` returns
+    ``(manifest.json bytes, manifest.index bytes)``. Does not validate: the reader does."""
+
+    def __init__(self) -> None:
+        self.sec = _Sections()
+        self.tensors: Dict[str, Any] = {}
+        self._chunks: Dict[str, Dict[Any, List[Tuple[Any, str]]]] = {}
+        self.objects: Dict[str, List[int]] = {}
+        self.trees: Dict[str, Any] = {}
+
+    def tensor(self, key: str, dtype: Any, shape: Any) -> None:
+        self.tensors[key] = {"dtype": dtype, "shape": shape, "chunks": None}
+        self._chunks[key] = {}
+
+    def raw_tensor(self, key: str, entry: Any) -> None:
+        """A tensor entry stored as given (hostile-input tests write malformed ones)."""
+        self.tensors[key] = entry
+
+    def record(self, key: str, chunk: Any, order: Any, text: str) -> None:
+        """Shard record ``text`` of chunk ``chunk`` (``(offset, shape)`` tuples) of ``key``;
+        records of a chunk are stored sorted by ``order`` (the flat range's start)."""
+        got = self._chunks[key].get(chunk)
+        if got is None:
+            got = self._chunks[key][chunk] = []
+        got.append((order, text))
+
+    def object(self, ukey: str, text: str) -> None:
+        self.objects[ukey] = self.sec.add(text.encode())
+
+    def tree(self, tid: str, parts: Sequence[Tuple[str, str]]) -> None:
+        """A state tree as (top-level key or TREE_WHOLE, JSON text) parts."""
+        self.trees[tid] = [[k] + self.sec.add(text.encode()) for k, text in parts]
+
+    def finish(self, head: Dict[str, Any], files: Any) -> Tuple[bytes, bytes]:
+        sec = self.sec
+        for key, groups in self._chunks.items():
+            chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
+            try:
+                order = sorted(groups, key=_chunk_order)
+            except TypeError:  # malformed chunk coordinates: kept in arrival order
+                order = list(groups)
+            for chunk in order:
+                recs = groups[chunk]
+                if len(recs) > 1:
+                    recs.sort(key=_first)
+                off, shp = json.loads(chunk) if isinstance(chunk, str) else chunk
+                chunks += (list(off) if isinstance(off, (list, tuple)) else [off])
+                chunks += (list(shp) if isinstance(shp, (list, tuple)) else [shp])
+                chunks += sec.add(("[" + ",".join(t for _, t in recs) + "]").encode())
+            self.tensors[key]["chunks"] = chunks
+        head = dict(head)
+        head.update(version=MANIFEST_VERSION, tensors=_buckets(sec, self.tensors, TENSOR_BUCKET),
+                    objects=_buckets(sec, self.objects, OBJECT_BUCKET), files=_buckets(sec, files, FILE_BUCKET),
+                    trees=_buckets(sec, self.trees, TREE_BUCKET))
+        head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
+        return _dumps(head).encode(), b"".join(sec.parts)
+
+
+def _first(pair: Tuple[Any, str]) -> Any:
+    return pair[0]
+
+
+def _chunk_order(chunk: Any) -> Any:
+    return (0, chunk, "") if isinstance(chunk, tuple) else (1, (), chunk)
+
+
 def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
-    """Split a logical document (version-1 shape) into ``manifest.json`` (head) and
-    ``manifest.index`` (sections). Does not validate: the reader does (hostile-input
-    tests write damaged documents through here on purpose)."""
-    sec = _Sections()
-    tensors: Dict[str, Any] = {}
+    """A logical document (version-1 shape) as ``manifest.json`` (head) and
+    ``manifest.index`` (sections), through :class:`IndexBuilder`. Does not validate: the
+    reader does (hostile-input tests write damaged documents through here on purpose)."""
+    b = IndexBuilder()
     for key, t in doc.get("tensors", {}).items():
         shards = t.get("shards") if isinstance(t, dict) else None
         if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
-            tensors[key] = {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": shards} \
-                if isinstance(t, dict) else t  # malformed: kept as is for the reader to refuse
+            b.raw_tensor(key, {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": shards}
+                         if isinstance(t, dict) else t)  # malformed: kept as is for the reader to refuse
             continue
-        groups: Dict[Any, List[Any]] = {}
+        b.tensor(key, t.get("dtype"), t.get("shape"))
         for s in shards:
-            off, shp = s.get("offset"), s.get("shape")
+            off, shp, fl = s.get("offset"), s.get("shape"), s.get("flat")
+            g: Any = None
             try:
-                g: Any = (tuple(off), tuple(shp))
+                g = (tuple(off), tuple(shp))
                 hash(g)
-            except TypeError:  # malformed: grouped by its text, refused by the reader
-                g = _dumps([off, shp])
-            got = groups.get(g)
-            if got is None:
-                got = groups[g] = []
-            name = s.get("name", "")
-            if isinstance(g, tuple) and isinstance(t.get("shape"), list):
-                fl = s.get("flat")
-                try:
-                    if name == shard_name(key, tuple(t["shape"]), g[0], g[1], tuple(fl) if fl else None):
-                        name = None  # derived by the reader
-                except TypeError:
-                    pass
-            got.append([s.get("flat"), s.get("file"), name, s.get("header_offset", 0),
-                        s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0)])
-        chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
-        for g, recs in groups.items():
-            off, shp = json.loads(g) if isinstance(g, str) else g
-            chunks += (list(off) if isinstance(off, (list, tuple)) else [off])
-            chunks += (list(shp) if isinstance(shp, (list, tuple)) else [shp])
-            chunks += sec.add(_dumps(recs).encode())
-        tensors[key] = {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": chunks}
-    objects = {u: sec.add(_dumps(v).encode()) for u, v in doc.get("objects", {}).items()}
-    memo: Dict[int, List[int]] = {}
-
-    def part(v: Any) -> List[int]:
-        got = memo.get(id(v))
-        if got is None:
-            got = memo[id(v)] = sec.add(_dumps(v).encode())
-        return got
-
-    trees: Dict[str, Any] = {}
+                text = record_text(key, t["shape"], g[0], g[1], fl, s.get("file"), s.get("name", ""),
+                                   s.get("header_offset", 0), s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0))
+            except (TypeError, ValueError, KeyError, IndexError):  # malformed: stored as given, refused by the reader
+                g = g if isinstance(g, tuple) and _hashable(g) else _dumps([off, shp])
+                text = _dumps([fl, s.get("file"), s.get("name", ""), s.get("header_offset", 0),
+                               s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0)])
+            b.record(key, g, _flat_start(fl), text)
+    for u, v in doc.get("objects", {}).items():
+        b.object(u, _dumps(v))
     for tid, tree in doc.get("trees", {}).items():
         if isinstance(tree, dict) and TREE_WHOLE not in tree and TAG not in tree:
-            trees[tid] = [[k] + part(v) for k, v in tree.items()]
+            b.tree(tid, [(k, _dumps(v)) for k, v in tree.items()])
         else:
-            trees[tid] = [[TREE_WHOLE] + part(tree)]
+            b.tree(tid, [(TREE_WHOLE, _dumps(tree))])
     head = {k: doc[k] for k in ("format", "version", "created", "world_size", "layout", "extra",
                                 "rank_trees") if k in doc}
-    head.update(version=MANIFEST_VERSION, tensors=_buckets(sec, tensors, TENSOR_BUCKET),
-                objects=_buckets(sec, objects, OBJECT_BUCKET), files=_buckets(sec, doc.get("files", {}), FILE_BUCKET),
-                trees=_buckets(sec, trees, TREE_BUCKET))
-    head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
-    return _dumps(head).encode(), b"".join(sec.parts)
+    return b.finish(head, doc.get("files", {}))
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _flat_start(fl: Any) -> Tuple[int, Any]:
+    """Sort key of a record within its chunk (malformed flat ranges sort last, by text)."""
+    if fl is None:
+        return (0, 0)
+    try:
+        return (0, int(fl[0]))
+    except (TypeError, ValueError, IndexError, KeyError):
+        return (1, _dumps(fl))
 
 
 # Tables of the head are split into buckets of consecutive names (sorted): the head lists

@@ -12,6 +12,7 @@ optimizer, ``flattened_range``); a regular shard holds ``[0, numel(chunk))``.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -93,45 +94,64 @@ class ShardId:
 
 
 def assign_writers(
-    holders: Mapping[ShardId, Sequence[int]],
-    nbytes: Mapping[ShardId, int],
-    preferred: Optional[Mapping[ShardId, int]] = None,
-) -> Dict[ShardId, int]:
+    holders: Mapping[Any, Sequence[int]],
+    nbytes: Mapping[Any, int],
+    preferred: Optional[Mapping[Any, int]] = None,
+) -> Dict[Any, int]:
     """Choose one writer rank per shard so that written bytes are balanced.
 
-    ``holders`` lists the ranks that hold a copy of each shard. Shards held by one
-    rank go to it; the rest are assigned largest first to the least-loaded holder
-    (ties: lowest rank), which keeps the biggest writer close to the mean. The
-    result is deterministic, so every rank computes the same plan without talking.
-    ``preferred`` (e.g. the main replica) only breaks ties.
+    ``holders`` lists the ranks that hold a copy of each shard (keys: :class:`ShardId`,
+    plain tuples or the coordinator's integer ids). Shards held by one rank go to it; the
+    rest are assigned largest first to the least-loaded holder (ties: the ``preferred``
+    rank, e.g. the main replica, then the lowest rank), which keeps the biggest writer
+    close to the mean. Deterministic. Shards whose holder lists are the same list object
+    (data-parallel replicas) share one heap of candidate loads, so a shard held by
+    thousands of ranks costs O(log ranks), not a scan.
     """
     load: Dict[int, int] = {}
-    out: Dict[ShardId, int] = {}
-    multi: List[ShardId] = []
+    out: Dict[Any, int] = {}
+    multi: List[Any] = []
     for sid, ranks in holders.items():
         if not ranks:
             continue
         first = ranks[0]
-        if all(r == first for r in ranks):
+        if len(ranks) == 1 or ranks.count(first) == len(ranks):
             out[sid] = first
             load[first] = load.get(first, 0) + nbytes[sid]
         else:
             multi.append(sid)
     multi.sort(key=lambda s: (-nbytes[s], _order(s)))
     pref_of = preferred or {}
+    heaps: Dict[int, Tuple[Sequence[int], List[Tuple[int, int]], set]] = {}
     for sid in multi:
-        ranks = sorted(set(holders[sid]))
+        ranks = holders[sid]
+        got = heaps.get(id(ranks))
+        if got is None:  # keeps ``ranks`` alive, so its id is not reused
+            members = set(ranks)
+            heap = [(load.get(r, 0), r) for r in members]
+            heapq.heapify(heap)
+            got = heaps[id(ranks)] = (ranks, heap, members)
+        _, heap, members = got
+        while True:  # entries are lower bounds (loads only grow): refresh until the top is current
+            low, best = heap[0]
+            current = load.get(best, 0)
+            if current == low:
+                break
+            heapq.heapreplace(heap, (current, best))
         pref = pref_of.get(sid)
-        best = min(ranks, key=lambda r: (load.get(r, 0), r != pref, r))
+        if pref is not None and pref != best and pref in members and load.get(pref, 0) == low:
+            best = pref
         out[sid] = best
         load[best] = load.get(best, 0) + nbytes[sid]
     return out
 
 
-def _order(sid: "ShardId | Tuple") -> Tuple:
-    """A total order on shard ids (ShardId or the coordinator's plain tuples)."""
+def _order(sid: Any) -> Any:
+    """A total order on shard ids (ShardId, the coordinator's tuples or integer ids)."""
     if isinstance(sid, ShardId):
         return (sid.key, sid.offset, sid.shape, sid.flat or (0, 0))
+    if isinstance(sid, int):
+        return sid
     return (sid[0], sid[1], sid[2], sid[3] or (0, 0))
 
 
@@ -183,51 +203,63 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     import json
 
     problems: List[str] = []
-    parsed: Dict[str, List[Tuple[Tuple, int]]] = {}
-    tensors: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
     by_fixed: Dict[str, List[int]] = {}
     by_flat: Dict[str, List[int]] = {}
     for rank, m in enumerate(messages):
         by_fixed.setdefault(m["fixed"], []).append(rank)
         by_flat.setdefault(m["flat"], []).append(rank)
-    holders: Dict[Tuple, List[int]] = {}
-    nbytes: Dict[Tuple, int] = {}
+    # every distinct shard gets an integer id; holders are kept as the rank lists of the
+    # announcement texts that name it (one list object per text, shared, never copied)
+    parsed: Dict[str, List[int]] = {}  # announcement text -> shard ids in order
+    ids: Dict[Tuple, int] = {}
+    nbytes: List[int] = []
+    held_by: List[List[List[int]]] = []
+    by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {}
+    kinds: Dict[str, Tuple[str, List[int]]] = {}  # key -> (dtype, global shape) as first announced
     for groups in (by_fixed, by_flat):
         for text, ranks in groups.items():
-            entries = parsed.get(text)
-            if entries is None:
-                entries = parsed[text] = []
+            got = parsed.get(text)
+            if got is None:
+                got = parsed[text] = []
                 for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
-                    gshape = tuple(gshape)
-                    known = tensors.get(key)
+                    sid = (key, tuple(off), tuple(cshape), tuple(fl) if fl else None)
+                    known = kinds.get(key)
                     if known is None:
-                        tensors[key] = (dt, gshape)
-                    elif known != (dt, gshape):
-                        problems.append(f"tensor {key!r}: rank {ranks[0]} has dtype {dt} global shape {gshape}, "
-                                        f"another rank has {known[0]} {known[1]}")
-                    entries.append(((key, tuple(off), tuple(cshape), tuple(fl) if fl else None), nb))
-            for sid, nb in entries:
-                h = holders.get(sid)
-                if h is None:
-                    holders[sid] = list(ranks)
-                    nbytes[sid] = nb
-                else:
-                    h.extend(ranks)
-    preferred: Dict[Tuple, int] = {}
+                        kinds[key] = (dt, gshape)
+                        by_key[key] = []
+                    elif known[0] != dt or known[1] != gshape:
+                        problems.append(f"tensor {key!r}: rank {ranks[0]} has dtype {dt} global shape "
+                                        f"{tuple(gshape)}, another rank has {known[0]} {tuple(known[1])}")
+                    i = ids.get(sid)
+                    if i is None:
+                        i = ids[sid] = len(nbytes)
+                        nbytes.append(nb)
+                        held_by.append([])
+                        by_key[key].append(sid[1:])
+                    got.append(i)
+            for i in got:
+                held_by[i].append(ranks)
+    tensors = {k: (dt, tuple(gs)) for k, (dt, gs) in kinds.items()}
+    holders: Dict[int, Sequence[int]] = {}
+    merged: Dict[Tuple[int, ...], List[int]] = {}  # one list per combination of texts (shared heaps)
+    for i, lists in enumerate(held_by):
+        if len(lists) == 1:
+            holders[i] = lists[0]
+            continue
+        combo = tuple(map(id, lists))  # the lists live in by_fixed/by_flat: ids are stable
+        got = merged.get(combo)
+        if got is None:
+            got = merged[combo] = [r for lst in lists for r in lst]
+        holders[i] = got
+    preferred: Dict[int, int] = {}
     for rank, m in enumerate(messages):
         if m["main"]:
             fixed, flat = parsed[m["fixed"]], parsed[m["flat"]]
             for j in m["main"]:
-                preferred.setdefault((fixed[j] if j < len(fixed) else flat[j - len(fixed)])[0], rank)
-    by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {}
-    for sid in holders:
-        got = by_key.get(sid[0])
-        if got is None:
-            got = by_key[sid[0]] = []
-        got.append(sid[1:])
+                preferred.setdefault(fixed[j] if j < len(fixed) else flat[j - len(fixed)], rank)
     for key, pieces in by_key.items():
         problems += chunk_coverage_problems(key, tensors[key][1], pieces)
-    writers = assign_writers(holders, nbytes, preferred)
+    writers = assign_writers(holders, dict(enumerate(nbytes)), preferred)
     # objects: the main replica writes; without one, the first holder
     obj_parsed: Dict[str, List[str]] = {}
     obj_ranks: Dict[str, List[int]] = {}
@@ -256,7 +288,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     for groups, flat_part in ((by_fixed, False), (by_flat, True)):
         for text, ranks in groups.items():
             rset = set(ranks)
-            for j, (sid, _) in enumerate(parsed[text]):
+            for j, sid in enumerate(parsed[text]):
                 w = writers[sid]
                 if w in rset:
                     writes[w].append(nfixed[w] + j if flat_part else j)
@@ -295,29 +327,35 @@ def chunk_coverage_problems(
     """:func:`coverage_problems` on plain ``(offset, shape, flat)`` tuples (the coordinator's
     form: no objects per piece). Flat ranges are checked per chunk by sorting; overlaps
     between chunks by :func:`_overlaps`."""
+    pieces = list(pieces)
+    if _tiles_exactly(tuple(global_shape), pieces):
+        return []
     problems: List[str] = []
-    chunks: Dict[Tuple[Shape, Shape], List[Tuple[int, int]]] = {}
+    chunks: Dict[Tuple[Shape, Shape], List[Optional[Tuple[int, int]]]] = {}
     g = tuple(global_shape)
     nd = len(g)
     for off, shp, flat in pieces:
-        n = math.prod(shp)
-        if len(shp) != nd or len(off) != nd:
-            problems.append(f"{key}: shard at {off} has rank {len(shp)}, tensor has {nd}")
-            continue
-        if n and not all(0 <= o and o + k <= d for o, k, d in zip(off, shp, g)):
-            problems.append(f"{key}: shard at offset {off} shape {shp} lies outside global shape {g}")
-            continue
         ranges = chunks.get((off, shp))
         if ranges is None:
             ranges = chunks[(off, shp)] = []
-        ranges.append(flat or (0, n))
+        ranges.append(flat)
     total = 0
-    for (off, shp), ranges in chunks.items():
+    for (off, shp), ranges in list(chunks.items()):
         n = math.prod(shp)
-        if len(ranges) > 1:
-            ranges.sort()
+        if len(shp) != nd or len(off) != nd:
+            problems.append(f"{key}: shard at {off} has rank {len(shp)}, tensor has {nd}")
+            del chunks[(off, shp)]
+            continue
+        if n and not all(0 <= o and o + k <= d for o, k, d in zip(off, shp, g)):
+            problems.append(f"{key}: shard at offset {off} shape {shp} lies outside global shape {g}")
+            del chunks[(off, shp)]
+            continue
+        total += n
+        if len(ranges) == 1 and ranges[0] is None:
+            continue  # the whole chunk in one piece
+        spans = sorted(r or (0, n) for r in ranges)
         pos = 0
-        for a, b in ranges:
+        for a, b in spans:
             if a < pos:
                 problems.append(f"{key}: chunk at {off} has overlapping flat ranges")
                 break
@@ -326,12 +364,58 @@ def chunk_coverage_problems(
             pos = b
         if pos != n:
             problems.append(f"{key}: chunk at {off} covers {pos} of {n} elements")
-        total += n
     if len(chunks) > 1:
         problems += _overlaps(key, [Box(o, s) for o, s in chunks if math.prod(s)])
     if total != numel(global_shape) and not problems:
         problems.append(f"{key}: shards cover {total} of {numel(global_shape)} elements")
     return problems
+
+
+def _tiles_exactly(g: Shape, pieces: List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]) -> bool:
+    """True when ``pieces`` certainly cover ``g`` exactly once (vectorised; the
+    coordinator runs this for every key of a 16,384-rank job). False means "look closer":
+    :func:`chunk_coverage_problems` then names the problems, element by element."""
+    import numpy as np
+
+    nd, n = len(g), len(pieces)
+    if n == 1:
+        off, shp, fl = pieces[0]
+        return (tuple(shp) == g and not any(off) and len(off) == nd
+                and (fl is None or tuple(fl) == (0, math.prod(g))))
+    if n == 0 or nd == 0:
+        return False
+    try:
+        offs = np.array([p[0] for p in pieces], dtype=np.int64)
+        shps = np.array([p[1] for p in pieces], dtype=np.int64)
+        flat_lo = np.array([p[2][0] if p[2] else 0 for p in pieces], dtype=np.int64)
+        flat_hi = np.array([p[2][1] if p[2] else -1 for p in pieces], dtype=np.int64)
+    except (ValueError, TypeError, OverflowError, IndexError):
+        return False  # ragged or malformed
+    if offs.shape != (n, nd) or shps.shape != (n, nd):
+        return False
+    ends = offs + shps
+    if bool((offs < 0).any()) or bool((ends > np.array(g, dtype=np.int64)).any()) or bool((shps <= 0).any()):
+        return False  # empty chunks and out-of-bounds ones take the detailed path
+    sizes = np.prod(shps, axis=1)
+    flat_hi = np.where(flat_hi < 0, sizes, flat_hi)
+    # flat ranges: sorted by (chunk, start), each chunk's ranges must run 0..size without gaps
+    _, chunk = np.unique(np.concatenate([offs, shps], axis=1), axis=0, return_inverse=True)
+    chunk = chunk.reshape(-1)
+    order = np.lexsort((flat_lo, chunk))
+    c, lo, hi, sz = chunk[order], flat_lo[order], flat_hi[order], sizes[order]
+    first = np.ones(n, dtype=bool)
+    first[1:] = c[1:] != c[:-1]
+    last = np.ones(n, dtype=bool)
+    last[:-1] = first[1:]
+    prev_hi = np.concatenate([[0], hi[:-1]])
+    if not (bool(np.all(np.where(first, lo == 0, lo == prev_hi))) and bool(np.all(hi[last] == sz[last]))
+            and bool(np.all(hi > lo))):
+        return False
+    heads = order[first]
+    if int(sizes[heads].sum()) != math.prod(g):
+        return False
+    boxes = [Box(tuple(o), tuple(s)) for o, s in zip(offs[heads].tolist(), shps[heads].tolist())]
+    return not _overlaps("", boxes)
 
 
 MAX_GRID_CELLS = 1 << 24

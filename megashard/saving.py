@@ -12,6 +12,8 @@ anywhere raises on every rank.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -29,7 +31,7 @@ from .errors import StateDictError
 from .format import write_file
 from .index import write_index
 from .logs import log_summary, rank_prefix
-from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, dtype_name, itemsize, shard_name
+from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
 from .sharded import (ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor,
                       object_unique_key, reject_unapplied)
 from .transport import Comm
@@ -172,10 +174,25 @@ class _Coordinator:
     tensors: Dict[str, Tuple[str, Tuple[int, ...]]] = field(default_factory=dict)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Any:
+    """Rank 0's planning and index building create millions of small objects that form no
+    cycles; the cyclic collector would rescan all of them again and again (a third of the
+    coordinator's time at 16,384 ranks, measured with scripts/simulate_scale.py)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def coordinate(messages: List[Dict[str, Any]], token: str, keep: Optional[_Coordinator] = None) -> List[Dict[str, Any]]:
     """Rank 0: validate and assign (a StateDictError names every inconsistency)."""
     try:
-        assignment = plan.coordinate_save(messages)
+        with _gc_paused():
+            assignment = plan.coordinate_save(messages)
     except ValueError as e:
         raise StateDictError(str(e)) from None
     if keep is not None:
@@ -189,8 +206,7 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
     """Gather every rank's records on rank 0, which writes the index and commits; every
     rank learns the outcome."""
     def commit(results: List[Dict[str, Any]]) -> List[Any]:
-        doc = build_doc(results, keep.tensors, comm.world_size, layout)
-        write_index(temp_dir, doc)
+        write_index(temp_dir, *build_index(results, keep.tensors, comm.world_size, layout))
         storage.commit_dir(temp_dir, final_dir)
         try:  # leftovers of saves that crashed long ago (never a save in progress: age check)
             storage.cleanup_stale_temps(os.path.dirname(final_dir), os.path.basename(final_dir))
@@ -281,34 +297,41 @@ def save(
     return handle
 
 
-def build_doc(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
-              layout: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """The logical index document from every rank's write records (rank 0)."""
-    out: Dict[str, Dict[str, Any]] = {k: {"dtype": dt, "shape": list(gs), "shards": []}
-                                      for k, (dt, gs) in sorted(tensors.items())}
+def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
+                layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes]:
+    """Rank 0: the index (``manifest.json``, ``manifest.index`` bytes) from every rank's
+    write records. Ranks send their records, objects and tree parts as JSON texts
+    (:func:`_write_job`), so this groups and joins; it encodes almost nothing itself."""
+    with _gc_paused():
+        return _build_index(results, tensors, world, layout)
+
+
+def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
+                 layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes]:
+    b = IndexBuilder()
+    for k, (dt, gs) in sorted(tensors.items()):
+        b.tensor(k, dt, list(gs))
     files: Dict[str, Dict[str, Any]] = {}
-    objects: Dict[str, Any] = {}
-    parts: Dict[str, Any] = {}
+    parts: Dict[str, str] = {}
     for r in results:
         files.update(r["files"])
-        objects.update(r["objects"])
         parts.update(r["parts"])
-        for s in r["shards"]:
-            out[s["key"]]["shards"].append(s)
-    for t in out.values():
-        t["shards"].sort(key=lambda s: (s["offset"], s["flat"] or [0, 0]))
-    trees: Dict[str, Any] = {}
+        for u, text in r["objects"].items():
+            b.object(u, text)
+        for key, off, shp, order, text in r["records"]:
+            b.record(key, (tuple(off), tuple(shp)), order, text)
     rank_trees: List[str] = []
+    seen = set()
     for r in results:
         pairs = r["tree"]
         tid = hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()[:16]
-        if tid not in trees:
-            trees[tid] = (parts[pairs[0][1]] if len(pairs) == 1 and pairs[0][0] == TREE_WHOLE
-                          else {k: parts[pid] for k, pid in pairs})
+        if tid not in seen:
+            seen.add(tid)
+            b.tree(tid, [(k, parts[pid]) for k, pid in pairs])
         rank_trees.append(tid)
-    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
-            "layout": dict(layout or {}), "files": files, "tensors": out, "objects": objects, "trees": trees,
-            "rank_trees": rank_trees, "extra": {}}
+    head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
+            "layout": dict(layout or {}), "rank_trees": rank_trees, "extra": {}}
+    return b.finish(head, files)
 
 
 @dataclass
@@ -316,8 +339,8 @@ class _WriteJob:
     """What this rank writes, selected on the calling thread; tensors may be replaced by snapshots."""
 
     groups: Dict[str, Dict[str, torch.Tensor]]  # stem -> {name in file: tensor}
-    shard_records: List[Tuple[str, str, Dict[str, Any]]]  # (stem, name, record without file offsets)
-    zero_records: List[Dict[str, Any]]
+    shard_records: List[Tuple[str, str, "_ShardMeta"]]  # (stem, name in file, shard)
+    zero_records: List[Tuple[str, "_ShardMeta"]]  # (name, shard) of shards without elements
     objects: Dict[str, Any]
     local_refs: List[Tuple[str, str, Dict[str, Any]]]  # (stem, name, JSON ref to patch)
     tree: List[Tuple[str, str]]  # (top-level key, part id) of this rank's state tree
@@ -331,17 +354,17 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
     """Everything this rank writes: the shards and objects the coordinator assigned to it,
     its own tensors, and the state-tree parts it uploads."""
     groups: Dict[str, Dict[str, torch.Tensor]] = {}
-    shard_records: List[Tuple[str, str, Dict[str, Any]]] = []
-    zero_records: List[Dict[str, Any]] = []
+    shard_records: List[Tuple[str, str, _ShardMeta]] = []
+    zero_records: List[Tuple[str, _ShardMeta]] = []
     for j in reply["write"]:
         _path, sh, stem = st.shards[st.order[j]]
         name = _shard_name(sh)
         if sh.data.numel() == 0:
-            zero_records.append(_shard_record_json(sh, None, name, 0, 0, 0))
+            zero_records.append((name, _ShardMeta.of(sh)))
             continue
         if groups.setdefault(stem, {}).setdefault(name, sh.data) is not sh.data:
             continue  # the same shard listed twice on this rank (tied weights)
-        shard_records.append((stem, name, _shard_record_json(sh, None, name, 0, 0, 0)))
+        shard_records.append((stem, name, _ShardMeta.of(sh)))
     objects: Dict[str, Any] = {}
     for i in reply["objects"]:
         _path, obj, stem = st.objects[i]
@@ -380,22 +403,40 @@ def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool
         files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos)}
         for inf in infos:
             placed[(stem, inf.name)] = (fname, inf)
-    records = list(job.zero_records)
-    for stem, name, rec in job.shard_records:
+    records = [m.record(name, None, 0, 0, 0) for name, m in job.zero_records]
+    for stem, name, m in job.shard_records:
         fname, inf = placed[(stem, name)]
-        records.append(dict(rec, file=fname, header_offset=inf.header_offset, data_offset=inf.data_offset,
-                            crc32=inf.crc32))
+        records.append(m.record(name, fname, inf.header_offset, inf.data_offset, inf.crc32))
     for stem, name, ref in job.local_refs:
         fname, inf = placed[(stem, name)]
         ref.update(file=fname, name=name, data_offset=inf.data_offset, nbytes=inf.nbytes, crc32=inf.crc32)
-    return {"files": files, "shards": records, "objects": job.objects, "tree": job.tree, "parts": job.parts}
+    # JSON texts as the index stores them: the coordinator only places them
+    return {"files": files, "records": records, "objects": {u: _dumps(v) for u, v in job.objects.items()},
+            "tree": job.tree, "parts": {pid: _dumps(v) for pid, v in job.parts.items()}}
 
 
-def _shard_record_json(sh: ShardedTensor, file: Optional[str], name: str, header_offset: int, data_offset: int,
-                       crc32: int) -> Dict[str, Any]:
-    n = sh.data.numel() * itemsize(sh.dtype)
-    return {"key": sh.key, "offset": list(sh.global_offset), "shape": list(sh.chunk_shape),
-            "flat": list(sh.flat_range) if sh.flat_range is not None else None, "file": file, "name": name,
-            "header_offset": header_offset, "data_offset": data_offset, "nbytes": n, "crc32": crc32}
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
+@dataclass(frozen=True)
+class _ShardMeta:
+    """What a shard's index record needs (no reference to the caller's tensor)."""
+
+    key: str
+    global_shape: Tuple[int, ...]
+    offset: Tuple[int, ...]
+    shape: Tuple[int, ...]
+    flat: Optional[Tuple[int, int]]
+    nbytes: int
+
+    @classmethod
+    def of(cls, sh: ShardedTensor) -> "_ShardMeta":
+        return cls(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), tuple(sh.chunk_shape),
+                   tuple(sh.flat_range) if sh.flat_range is not None else None,
+                   sh.data.numel() * itemsize(sh.dtype))
+
+    def record(self, name: str, file: Optional[str], header_offset: int, data_offset: int, crc32: int) -> List[Any]:
+        """``[key, offset, chunk shape, order in chunk, record text]`` for :func:`build_index`."""
+        text = record_text(self.key, self.global_shape, self.offset, self.shape, self.flat, file, name,
+                           header_offset, data_offset, self.nbytes, crc32)
+        return [self.key, list(self.offset), list(self.shape), self.flat[0] if self.flat else 0, text]

@@ -9,7 +9,7 @@ data). The functions are the ones ``megashard.save`` / ``megashard.load`` run:
   (what a rank sends the coordinator), then ``saving._select`` + ``saving._write_job`` with a
   stand-in for the file writer (offsets laid out like a ``.tensors`` file, no bytes written);
 * the coordinator (rank 0): ``saving.coordinate`` (validate + assign writers) and
-  ``saving.build_doc`` + ``manifest.encode`` (the index);
+  ``saving.build_index`` (the index);
 * per sampled rank: ``manifest.LazyIndex`` over the index bytes, ``loading._decode_saved_tree``
   of its state tree, ``loading.plan_shard`` for every ShardedTensor of its template (own mode)
   and ``index.object`` for every ShardedObject.
@@ -105,11 +105,10 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     t_write = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    doc = saving.build_doc(results, keep.tensors, world, {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})
-    head, sections = mf.encode(doc)
+    head, sections = saving.build_index(results, keep.tensors, world, {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})
     t_index = time.perf_counter() - t0
     peak_after = _status_kib("VmHWM") * 1024
-    del results, doc
+    del results
     return {
         "world": world,
         "announce_s_all_ranks": round(t_announce, 2),
