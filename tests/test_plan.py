@@ -34,6 +34,69 @@ def test_assign_writers_single_holder_and_determinism():
     assert a == b and a[ShardId("a", (0,), (4,))] == 3
 
 
+def _reference_assign(holders, nbytes, preferred):
+    """The plain definition: largest first, least-loaded holder, ties to the preferred rank, then lowest."""
+    load, out = {}, {}
+    multi = []
+    for sid, ranks in holders.items():
+        if len(set(ranks)) == 1:
+            out[sid] = ranks[0]
+            load[ranks[0]] = load.get(ranks[0], 0) + nbytes[sid]
+        else:
+            multi.append(sid)
+    multi.sort(key=lambda s: (-nbytes[s], plan._order(s)))
+    for sid in multi:
+        pref = preferred.get(sid)
+        best = min(sorted(set(holders[sid])), key=lambda r: (load.get(r, 0), r != pref, r))
+        out[sid] = best
+        load[best] = load.get(best, 0) + nbytes[sid]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_assign_writers_heaps_match_the_plain_definition(seed):
+    """Shared holder lists (one heap each), duplicates, preferred ranks and equal sizes
+    give exactly what the scan over every holder gives."""
+    rng = random.Random(seed)
+    world = rng.randint(2, 12)
+    groups = [sorted(rng.sample(range(world), rng.randint(1, world))) for _ in range(rng.randint(1, 4))]
+    holders, nbytes, preferred = {}, {}, {}
+    for i in range(rng.randint(1, 60)):
+        ranks = rng.choice(groups) if rng.random() < 0.8 else groups[0] + groups[-1]
+        holders[i] = ranks  # the same list object for many shards, as the coordinator passes them
+        nbytes[i] = rng.choice([0, 1, 16, 16, 256, 4096])
+        if rng.random() < 0.5:
+            preferred[i] = rng.choice(ranks)
+    assert plan.assign_writers(holders, nbytes, preferred) == _reference_assign(holders, nbytes, preferred)
+
+
+def test_tiling_fast_path_agrees_with_the_detailed_check():
+    """The vectorised exact-tiling test never accepts what the detailed check rejects."""
+    rng = random.Random(1)
+    accepted = 0
+    for _ in range(300):
+        g = (rng.randint(1, 6), rng.randint(1, 6))
+        pieces = []
+        for _ in range(rng.randint(1, 6)):
+            o = (rng.randint(0, g[0] - 1), rng.randint(0, g[1] - 1))
+            sh = (rng.randint(1, g[0] - o[0]), rng.randint(1, g[1] - o[1]))
+            n = sh[0] * sh[1]
+            if rng.random() < 0.3:
+                a = rng.randint(0, n)
+                pieces += [(o, sh, (0, a)), (o, sh, (a, n))] if rng.random() < 0.7 else [(o, sh, (0, a))]
+            else:
+                pieces.append((o, sh, None))
+        if rng.random() < 0.5:  # a valid tiling: row blocks
+            cut = rng.randint(1, g[0])
+            pieces = [((0, 0), (cut, g[1]), None)] + ([((cut, 0), (g[0] - cut, g[1]), None)] if cut < g[0] else [])
+        fast = plan._tiles_exactly(g, list(pieces))
+        detailed = plan.chunk_coverage_problems("k", g, pieces)
+        assert not (fast and detailed), (g, pieces, detailed)
+        accepted += fast
+    assert accepted > 100  # and it does take the fast path for the valid tilings
+
+
 def test_coverage_detects_holes_and_overlaps():
     full = [(Box((0, 0), (2, 4)), None), (Box((2, 0), (2, 4)), None)]
     assert plan.coverage_problems("k", (4, 4), full) == []
