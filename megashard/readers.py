@@ -1,10 +1,12 @@
 """How planned byte ranges reach their destinations: the storage-reading seam of ``load``.
 
 ``own``: every rank reads its own ranges (parallel ``preadv`` per file). ``scatter``: one
-reader per node reads every range its node needs once and hands it over through shared
-memory or the process group (:mod:`megashard.scatter`). Both open members only through
-:class:`megashard.storage.CheckpointFiles`; another storage (object stores) would add a
-reader here with the same inputs: the planned ops and the index's file table.
+reader per node opens the files and the node reads every range it needs once: through
+the reader's passed descriptors, shared memory or the process group
+(:mod:`megashard.scatter`). Both open members only through
+:class:`megashard.storage.CheckpointFiles` (in ``scatter`` only the reader); another
+storage (object stores) would add a reader here with the same inputs: the planned ops
+and the index's file table.
 """
 from __future__ import annotations
 
@@ -65,8 +67,9 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
 def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict[str, Dict[str, Any]],
             node: Mapping[int, int], chunk: int, threads: Optional[int],
             transport: str) -> Tuple[Tuple[int, int, str], Optional[str]]:
-    """One reader per node reads each needed byte once; its ranks take their bytes from
-    shared memory or the process group. ``node`` maps this node's ranks to their reader.
+    """One reader per node opens the files; the node reads each needed byte once (each rank
+    its own bytes through the reader's descriptors, shared ones through shared memory; or all
+    through the process group). ``node`` maps this node's ranks to their reader.
     On a reader, ``touched`` grows by what its node's other ranks touched, so ``verify``
     there covers every byte the node loaded."""
     return scatter_mod.scatter(comm, base, index, ops, touched, node, chunk, threads, transport,

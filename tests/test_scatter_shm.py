@@ -232,46 +232,177 @@ def test_scatter_verify_covers_every_rank(tmp_path) -> None:
     assert res[0]["unverified"] == [] and len(res[1]["unverified"]) == 1  # without verify the flip goes through
 
 
-def _kill_job(rank: int, world: int, tmp: str, victim: int) -> Dict[str, Any]:
+def _kill_job(rank: int, world: int, tmp: str, victim: int, path_kind: str) -> Dict[str, Any]:
     import megashard
-    from megashard import shm
+    from megashard import scatter, shm
 
     with open(os.path.join(tmp, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
     layout = Layout(tp=2)
     path = os.path.join(tmp, "ckpt")
     _save(layout, rank, path)
-    if rank == victim:  # die in the middle of the transfer, after the ring exists
-        hook = "publish" if rank == 0 else "set_done"
-        orig = getattr(shm.Ring, hook)
+    if rank == victim:  # die in the middle of the transfer, after the ring exists (and descriptors were passed)
+        if path_kind == "fd" and rank == 1:  # while reading its own bytes through the reader's descriptors
+            owner, hook, nth = scatter, "read_requests", 1
+        else:  # while filling / emptying the ring
+            owner, hook, nth = shm.Ring, "publish" if rank == 0 else "set_done", 1 if path_kind == "fd" else 3
+        orig = getattr(owner, hook)
         calls = []
 
-        def die(self: Any, *a: Any) -> None:
+        def die(*a: Any, **kw: Any) -> Any:
             calls.append(1)
-            if len(calls) == 3:
+            if len(calls) == nth:
                 os.kill(os.getpid(), signal.SIGKILL)
-            orig(self, *a)
+            return orig(*a, **kw)
 
-        setattr(shm.Ring, hook, die)
+        setattr(owner, hook, die)
     t0 = time.monotonic()
     try:
-        _load(layout, rank, path, scatter_transport="shm", scatter_chunk_bytes=512)
+        with _fd_passing_fails() if path_kind == "ring" and rank == 0 else contextlib.nullcontext():
+            _load(layout, rank, path, scatter_transport="shm", scatter_chunk_bytes=512)
         return {"error": None}
     except megashard.DistributedError as e:
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0,
+                "sockets": _sockets([os.getpid()])}
 
 
+@pytest.mark.parametrize("path_kind", ["fd", "ring"])
 @pytest.mark.parametrize("victim", [0, 1], ids=["reader", "non_reader"])
-def test_scatter_sigkill_leaves_nothing(tmp_path, victim: int) -> None:
-    # the stall timeout is far beyond the harness timeout: only the pid watch can end the survivor's wait
-    res = run_ranks(_kill_job, 2, str(tmp_path), victim, env=dict(NODE_ENV, MEGASHARD_SHM_TIMEOUT_S="3600"),
+def test_scatter_sigkill_leaves_nothing(tmp_path, victim: int, path_kind: str) -> None:
+    # the stall timeout is far beyond the harness timeout: only the pid watch (or the process
+    # group noticing the dead peer) can end the survivor's wait
+    res = run_ranks(_kill_job, 2, str(tmp_path), victim, path_kind, env=dict(NODE_ENV, MEGASHARD_SHM_TIMEOUT_S="3600"),
                     timeout=120)
     assert res[victim] == (False, f"exit code {-signal.SIGKILL}"), res[victim]
     ok, survivor = res[1 - victim]
     assert ok and survivor["error"], survivor  # the survivor raised DistributedError, did not hang
-    print(f"survivor raised after {survivor['seconds']:.2f} s: {survivor['error'].splitlines()[0]}")
+    print(f"survivor raised after {survivor['seconds']:.2f} s: {survivor['error']}")
+    assert survivor["sockets"] == []  # no descriptor socket left open
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-    assert _segments(pids) == []
+    assert _segments(pids) == [] and _sockets(pids) == []
+
+
+def _fd_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    import logging
+
+    from megashard import fdpass, scatter
+
+    path = os.path.join(tmp, "ckpt")
+    layout = Layout(tp=2)
+    _save(layout, rank, path)
+    records: List[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("megashard").addHandler(Grab())
+    out: Dict[str, Any] = {"pid": os.getpid()}
+    # the non-reader is given a path that does not exist: it opens nothing there
+    out["blind"] = _load(layout, rank, path if rank == 0 else path + "-not-here", verify=True)
+    out["blind_logs"], records[:] = list(records), []
+    with _fd_passing_fails() if rank == 0 else contextlib.nullcontext():
+        out["refused"] = _load(layout, rank, path)
+    out["refused_logs"], records[:] = list(records), []
+    if rank == 1:  # this rank cannot even listen on a socket
+        def no_listener() -> None:
+            raise fdpass.FdPassError("cannot listen on an abstract Unix socket: [Errno 97] not supported here")
+
+        scatter.fdpass.Listener = no_listener  # type: ignore[assignment]
+    out["no_socket"] = _load(layout, rank, path)
+    out["no_socket_logs"] = list(records)
+    out["sockets"] = _sockets([os.getpid()])
+    return out
+
+
+def test_scatter_fd_passing_and_fallback(tmp_path) -> None:
+    res = all_ok(run_ranks(_fd_job, 2, str(tmp_path), env=NODE_ENV))
+    layout = Layout(tp=2)
+    model_bytes = sum(_boxes(layout, 0).values()) + sum(n for b, n in _boxes(layout, 1).items()
+                                                        if b not in _boxes(layout, 0))
+    shared = _shared_bytes(layout, 1, 2)
+    assert shared > 0  # the layernorms are replicated over TP
+    for case in ("blind", "refused", "no_socket"):
+        r0, r1 = res[0][case], res[1][case]
+        assert r0["bad"] == [] and r1["bad"] == [], (case, r0["bad"], r1["bad"])
+        assert r0["transport"] == r1["transport"] == "shm", case
+        assert r0["read"] + r1["read"] == model_bytes, case  # the node reads each byte once
+        if case == "blind":  # its own bytes through the reader's descriptors, the replicated ones from the ring
+            assert (r1["read"], r1["received"]) == (r1["needed"] - shared, shared)
+        else:  # fallback: everything through the ring
+            assert (r1["read"], r1["received"]) == (0, r1["needed"]), case
+    assert res[0]["blind_logs"] == [] and res[1]["blind_logs"] == []
+    for case, why in (("refused", "[Errno 111] refused"), ("no_socket", "[Errno 97] not supported here")):
+        lines = [m for m in res[0][f"{case}_logs"] if "file descriptors" in m]
+        assert len(lines) == 1, res[0][f"{case}_logs"]  # one line: who, why, what happens instead
+        assert "rank(s) [1]" in lines[0] and why in lines[0] and "shared-memory ring instead" in lines[0], lines[0]
+        assert res[1][f"{case}_logs"] == []
+    assert res[0]["sockets"] == res[1]["sockets"] == []
+    assert _segments([r["pid"] for r in res]) == []
+
+
+def test_fdpass_checks_peer_and_counts(tmp_path) -> None:
+    """The socket layer alone: descriptors arrive (in batches), the wrong peer is refused, nothing leaks."""
+    from megashard import fdpass
+
+    f = tmp_path / "f"
+    f.write_bytes(b"x" * 100)
+    fd = os.open(f, os.O_RDONLY)
+    before = sorted(os.listdir("/proc/self/fd"))
+    me = os.getpid()
+    try:
+        lst = fdpass.Listener()
+        fdpass.send(lst.name, me, [fd] * 300)  # > one message's worth
+        got = lst.receive(me, 300)
+        assert len(set(got)) == 300 and all(os.fstat(g).st_ino == os.fstat(fd).st_ino for g in got)
+        fdpass.check_file(got[0], 100, "f")
+        with pytest.raises(fdpass.FdPassError, match="has 100 bytes, the index says 99"):
+            fdpass.check_file(got[0], 99, "f")
+        fdpass.close_all(got)
+        lst.close()
+        lst = fdpass.Listener()
+        with pytest.raises(fdpass.FdPassError, match="refusing"):  # not the requesting rank's pid
+            fdpass.send(lst.name, me + 1, [fd])
+        lst.close()
+        lst = fdpass.Listener()
+        fdpass.send(lst.name, me, [fd])
+        with pytest.raises(fdpass.FdPassError, match="refusing"):  # not the reader's pid
+            lst.receive(me + 1, 1)
+        lst.close()
+        lst = fdpass.Listener()
+        fdpass.send(lst.name, me, [fd])
+        with pytest.raises(fdpass.FdPassError, match="sent 1 of 2 descriptors"):
+            lst.receive(me, 2)
+        with pytest.raises(fdpass.FdPassError, match="no connection"):
+            lst.receive(me, 1, timeout=0.2)
+        lst.close()
+        with pytest.raises(fdpass.FdPassError, match="not a megashard socket name"):
+            fdpass.send("/tmp/elsewhere", me, [fd])
+        with pytest.raises(fdpass.FdPassError, match="cannot pass descriptors"):
+            fdpass.send(lst.name, me, [fd])  # closed: nobody listens any more
+        assert sorted(os.listdir("/proc/self/fd")) == before
+        assert _sockets([me]) == []
+    finally:
+        os.close(fd)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 300), st.integers(0, 120)), max_size=25))
+def test_split_shared_marks_bytes_of_several_ranges(ranges) -> None:
+    from megashard.scatter import split_shared
+
+    ranges = [(f"f{f}", a, n) for f, a, n in ranges]
+    cover: Dict[Tuple[str, int], int] = {}
+    for f, a, n in ranges:
+        for b in range(a, a + n):
+            cover[(f, b)] = cover.get((f, b), 0) + 1
+    for (f, a, n), pieces in zip(ranges, split_shared(ranges)):
+        pos = 0
+        for p, m, shared in pieces:
+            assert p == pos and m > 0  # in order, no gaps, nothing empty
+            assert all((cover[(f, b)] > 1) == shared for b in range(a + p, a + p + m))
+            pos += m
+        assert pos == n
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,7 +11,8 @@ model. torchrun sets ``GROUP_RANK`` to the node rank; megashard uses it as the n
 id, which makes local rank 0 of each node its reader.
 
 Cases (run one after the other on the same checkpoint):
-  ``shared``        every rank sees the checkpoint; ``mode="scatter"`` (within a node the
+  ``shared``        every rank sees the checkpoint; ``mode="scatter"`` (within a node each rank
+                    reads its own bytes through the reader's passed descriptors; replicated
                     bytes go through the reader's shared-memory ring).
   ``readers_only``  local rank 1 gets a path that does not exist (the checkpoint is
                     visible only to the node readers); ``mode="auto"`` must pick scatter.
