@@ -24,10 +24,11 @@ tree. ``encode(..., hook=h)`` calls ``h(path, value)`` for every value that is n
 None/bool/int/float/str/list/dict, before any built-in handling; ``h`` returns
 :data:`UNHANDLED` to let jsonstate encode the value, or a plain-JSON reference that is
 embedded *by reference* (the caller may still fill it in before ``json.dumps``) in a
-``ref`` tag. ``tensor_hook=t`` is the narrower form: ``t(path, tensor)`` is called for
-``torch.Tensor`` values only (after ``hook``). On load, ``resolver(ref, path)`` returns
-whatever the reference stands for; ``tensor_resolver(ref)`` is the narrower form and
-must return a tensor.
+``ref`` tag. A tensor the hook does not take is refused (tensors belong in
+``.tensors`` files). On load, ``decode(..., resolver=r)`` calls ``r(ref, path)`` for
+every ``ref`` tag and uses its result as is; a ``ref`` with no resolver is a
+CheckpointError. The output of encode is strict JSON for ``json.dumps`` (no NaN/Infinity
+literals); untrusted text is parsed with :func:`parse_json`.
 
 Key paths: dict string keys are joined with ``.``, list/tuple/set positions and
 non-string dict keys are written ``[i]`` / ``[repr(key)]``, Namespace attributes
@@ -129,8 +130,6 @@ __all__ = [
     "UnregisteredEnum",
     "encode",
     "decode",
-    "dumps",
-    "loads",
 ]
 
 #: The one reserved key that marks a tagged form.
@@ -162,9 +161,7 @@ def register_enum(cls: type) -> type:
     return cls
 _ADVICE = "convert it to a JSON type, or wrap it in a ShardedObject/LocalNonpersistentObject"
 
-TensorHook = Callable[[str, Any], Any]
 Hook = Callable[[str, Any], Any]
-TensorResolver = Callable[[Any], Any]
 Resolver = Callable[[Any, str], Any]
 
 
@@ -272,11 +269,10 @@ def _is_plain_json(x: Any) -> bool:
 
 
 class _Encoder:
-    __slots__ = ("lossy", "tensor_hook", "hook", "active")
+    __slots__ = ("lossy", "hook", "active")
 
-    def __init__(self, lossy: bool, tensor_hook: Optional[TensorHook], hook: Optional[Hook]) -> None:
+    def __init__(self, lossy: bool, hook: Optional[Hook]) -> None:
         self.lossy = lossy
-        self.tensor_hook = tensor_hook
         self.hook = hook
         self.active: set = set()  # ids of mutable containers on the current path (cycle check)
 
@@ -404,7 +400,10 @@ class _Encoder:
             if t is torch.device:
                 return {TAG: "torch.device", "type": v.type, "index": v.index}
             if isinstance(v, torch.Tensor):
-                return self.tensor(v, path)
+                return self.refuse(
+                    v, path, "tensors belong in .tensors files; the checkpoint layer moves them there "
+                    "through a save hook"
+                )
         return self.refuse(v, path)
 
     def enum_(self, v: enum.Enum, path: str) -> Any:
@@ -449,14 +448,6 @@ class _Encoder:
         data = v.tobytes() if dt.itemsize else b""
         return {TAG: "npscalar", "dtype": dt.str, "b64": _b64(data)}
 
-    def tensor(self, v: Any, path: str) -> Any:
-        if self.tensor_hook is None:
-            return self.refuse(
-                v, path, "tensors belong in .tensors files; the checkpoint layer moves them there "
-                "through a save hook"
-            )
-        return self.ref(self.tensor_hook(path, v), path)
-
     @staticmethod
     def ref(ref: Any, path: str) -> Any:
         if not _is_plain_json(ref):
@@ -498,7 +489,6 @@ def encode(
     *,
     path: str = "",
     lossy: bool = False,
-    tensor_hook: Optional[TensorHook] = None,
     hook: Optional[Hook] = None,
 ) -> Any:
     """Return a JSON-serialisable structure that :func:`decode` turns back into ``value``.
@@ -507,35 +497,20 @@ def encode(
     ``lossy=True`` stores unrepresentable values as ``repr`` placeholders instead of
     failing (meant for Megatron ``args``, which may hold functions). ``hook(path,
     value)`` sees every non-JSON-primitive value first and returns :data:`UNHANDLED` or
-    a plain-JSON reference; ``tensor_hook(path, tensor)`` does the same for tensors only.
+    a plain-JSON reference; tensors it does not take are refused.
 
     Raises StateDictError naming the key path of the first unrepresentable value.
     """
-    return _Encoder(lossy, tensor_hook, hook).enc(value, path)
-
-
-def dumps(
-    value: Any,
-    *,
-    path: str = "",
-    lossy: bool = False,
-    tensor_hook: Optional[TensorHook] = None,
-    hook: Optional[Hook] = None,
-) -> str:
-    """``encode`` then compact ``json.dumps`` (key order kept, ASCII-only, no NaN literals)."""
-    obj = encode(value, path=path, lossy=lossy, tensor_hook=tensor_hook, hook=hook)
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    return _Encoder(lossy, hook).enc(value, path)
 
 
 # --------------------------------------------------------------------------- decode
 
 
 class _Decoder:
-    __slots__ = ("tensor_resolver", "resolver", "strict", "depth")
+    __slots__ = ("resolver", "strict", "depth")
 
-    def __init__(self, tensor_resolver: Optional[TensorResolver], resolver: Optional[Resolver],
-                 strict: bool = False) -> None:
-        self.tensor_resolver = tensor_resolver
+    def __init__(self, resolver: Optional[Resolver], strict: bool = False) -> None:
         self.resolver = resolver
         self.strict = strict
         self.depth = 0
@@ -741,21 +716,12 @@ class _Decoder:
 
     def ref(self, obj: dict, path: str) -> Any:
         self.fields(obj, path, {"ref": None})
-        if self.resolver is not None:
-            return self.resolver(obj["ref"], path)
-        if self.tensor_resolver is None:
+        if self.resolver is None:
             raise CheckpointError(
                 f"cannot load {_show(path)!r}: it references a value stored outside the JSON, "
-                "and no resolver/tensor_resolver was given"
+                "and no resolver was given"
             )
-        t = self.tensor_resolver(obj["ref"])
-        import torch
-
-        if not isinstance(t, torch.Tensor):
-            raise CheckpointError(
-                f"cannot load {_show(path)!r}: tensor_resolver returned {type(t).__name__}, not a tensor"
-            )
-        return t
+        return self.resolver(obj["ref"], path)
 
     @staticmethod
     def np_dtype(s: str, path: str) -> Any:
@@ -850,33 +816,19 @@ def decode(
     obj: Any,
     *,
     path: str = "",
-    tensor_resolver: Optional[TensorResolver] = None,
     resolver: Optional[Resolver] = None,
     strict: bool = False,
 ) -> Any:
     """Inverse of :func:`encode` for the output of ``json.loads``.
 
     A ``ref`` tag's reference (passed verbatim) goes to ``resolver(ref, path)``, whose
-    result is used as is, or else to ``tensor_resolver(ref)``, which must return a tensor.
+    result is used as is; without a resolver a ``ref`` is a CheckpointError.
     Raises CheckpointError naming the key path for unknown or malformed tags, nesting
     past :data:`MAX_DEPTH` and oversized integers. Unregistered enums become
     :class:`Unrepresentable` (with a warning), or raise when ``strict``. Never unpickles,
     never imports a module named by the data.
     """
-    return _Decoder(tensor_resolver, resolver, strict).dec(obj, path)
-
-
-def loads(
-    text: "str | bytes",
-    *,
-    path: str = "",
-    tensor_resolver: Optional[TensorResolver] = None,
-    resolver: Optional[Resolver] = None,
-    strict: bool = False,
-) -> Any:
-    """``json.loads`` then :func:`decode`; invalid JSON raises CheckpointError."""
-    obj = parse_json(text, _show(path))
-    return decode(obj, path=path, tensor_resolver=tensor_resolver, resolver=resolver, strict=strict)
+    return _Decoder(resolver, strict).dec(obj, path)
 
 
 def parse_json(text: "str | bytes", where: str) -> Any:

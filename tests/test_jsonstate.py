@@ -11,6 +11,7 @@ import math
 import pickle
 import random
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from hypothesis.extra import numpy as hnp
 
 from megashard import jsonstate
 from megashard.errors import CheckpointError, MegashardError, StateDictError
-from megashard.jsonstate import TAG, UNHANDLED, Unrepresentable, decode, dumps, encode, loads
+from megashard.jsonstate import TAG, UNHANDLED, Unrepresentable, decode, encode, parse_json
 
 
 class Color(enum.Enum):
@@ -80,11 +81,21 @@ def same(a, b) -> bool:
     return a == b
 
 
+def dumps(value, **kw) -> str:
+    """encode, then strict JSON text (allow_nan=False fails on any NaN/Infinity literal)."""
+    return json.dumps(encode(value, **kw), separators=(",", ":"), allow_nan=False)
+
+
+def loads(text, **kw):
+    """Plain json.loads, then decode."""
+    return decode(json.loads(text), **kw)
+
+
 def roundtrip(value, **kw):
-    text = dumps(value, **{k: v for k, v in kw.items() if k in ("lossy", "tensor_hook")})
+    text = dumps(value, **{k: v for k, v in kw.items() if k in ("lossy", "hook")})
     # The text must be strict JSON: no NaN/Infinity literals.
     json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
-    return loads(text, **{k: v for k, v in kw.items() if k == "tensor_resolver"})
+    return loads(text, **{k: v for k, v in kw.items() if k == "resolver"})
 
 
 # --------------------------------------------------------------------------- strategies
@@ -273,27 +284,35 @@ def test_numpy_generator_state_roundtrip():
     np.testing.assert_array_equal(rng2.random(5), expected)
 
 
-def test_torch_rng_state_via_tensor_hook():
+def test_torch_rng_state_via_hook():
+    """A tensor leaves the tree through the save hook and comes back through the resolver."""
     torch.manual_seed(3)
     store = {}
 
-    def hook(path, t):
-        store[path] = t.clone()
+    def hook(path, v):
+        if not isinstance(v, torch.Tensor):
+            return UNHANDLED
+        store[path] = v.clone()
         return {"key": path}
 
     state = {"rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-    text = dumps(state, tensor_hook=hook)
+    text = dumps(state, hook=hook)
     assert list(store) == ["rng.torch"]
     assert json.loads(text)["rng"]["torch"] == {TAG: "ref", "ref": {"key": "rng.torch"}}
     expected = torch.rand(4)
-    out = loads(text, tensor_resolver=lambda ref: store[ref["key"]])
+    out = loads(text, resolver=lambda ref, path: store[ref["key"]])
+    assert same(out["rng"]["python"], state["rng"]["python"])
     torch.set_rng_state(out["rng"]["torch"])
     assert torch.equal(torch.rand(4), expected)
 
-    with pytest.raises(CheckpointError, match="rng.torch.*tensor_resolver"):
+    with pytest.raises(CheckpointError, match="'rng.torch'.*no resolver"):
         loads(text)
     with pytest.raises(StateDictError, match="'x'.*not plain JSON"):
-        encode({"x": torch.zeros(1)}, tensor_hook=lambda p, t: object())
+        encode({"x": torch.zeros(1)}, hook=lambda p, t: object())
+    # A tensor that no hook takes is refused, naming the path and where tensors belong.
+    for kw in ({}, {"hook": lambda p, v: UNHANDLED}):
+        with pytest.raises(StateDictError, match=r"'rng\.torch'.*torch\.Tensor.*tensors belong in \.tensors files"):
+            encode(state, **kw)
 
 
 class FakeShardedTensor:
@@ -532,16 +551,16 @@ def test_depth_and_size_limits():
     with pytest.raises(CheckpointError, match="nested deeper"):
         decode(deep)
     with pytest.raises(CheckpointError, match="nested too deeply|not valid JSON"):
-        loads("[" * 1_000_000 + "]" * 1_000_000)
+        parse_json("[" * 1_000_000 + "]" * 1_000_000, "x")
     with pytest.raises(CheckpointError, match="64 bits"):
         decode({"x": 2**70})
 
 
 def test_invalid_json_text():
-    with pytest.raises(CheckpointError, match="not valid JSON"):
-        loads("{not json")
-    with pytest.raises(CheckpointError, match="not valid JSON"):
-        loads("1" * 5000)  # beyond Python's int-digit limit
+    with pytest.raises(CheckpointError, match="^state 3: not valid JSON"):
+        parse_json("{not json", "state 3")
+    with pytest.raises(CheckpointError, match="^state 3: not valid JSON"):
+        parse_json("1" * 5000, "state 3")  # beyond Python's int-digit limit
 
 
 def test_decode_rejects_non_json_python_objects():
@@ -589,7 +608,7 @@ def test_decode_never_unpickles(monkeypatch):
         monkeypatch.setattr(mod, name, boom)
 
     refs = []
-    out = loads(json.dumps(doc), tensor_resolver=lambda ref: refs.append(ref) or torch.zeros(1))
+    out = loads(json.dumps(doc), resolver=lambda ref, path: refs.append(ref) or torch.zeros(1))
     assert not _PWNED
     assert out["bytes"] == payload and type(out["bytes"]) is bytes
     assert out["bytearray"] == bytearray(payload)
