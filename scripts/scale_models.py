@@ -72,7 +72,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch

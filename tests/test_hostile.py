@@ -8,7 +8,6 @@ import os
 import random
 import resource
 import sys
-import types
 
 import pytest
 import torch

