@@ -2,29 +2,30 @@
 
 The end-to-end resumes (tests/test_megatron_lm_install.py, tests/test_megatron_resume.py)
 check that the loaded optimizer state is bit-exact; these check the allocation itself:
-which optimizers get it, that page population never changes contents, and that a failed
+which optimizers get it, that reads into it pre-fault it and land exactly, and that a failed
 load leaves zeros, never uninitialised memory.
 """
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
 
+from megashard.format import fastio
 from megashard.megatron import state as st
 
 
-def _megatron_like(amsgrad: bool = False) -> SimpleNamespace:
-    params = [torch.nn.Parameter(torch.randn(300, 700)), torch.nn.Parameter(torch.randn(5))]
+def _megatron_like(amsgrad: bool = False, rows: int = 300) -> SimpleNamespace:
+    params = [torch.nn.Parameter(torch.randn(rows, 700)), torch.nn.Parameter(torch.randn(5))]
     inner = torch.optim.Adam(params, lr=1e-3, amsgrad=amsgrad)
     return SimpleNamespace(optimizer=inner, init_state_fn=lambda opt, config=None: None,
                            config=SimpleNamespace(use_precision_aware_optimizer=False))
 
 
-def test_fresh_adam_state_is_allocated_and_populated_without_changing_contents():
-    opt = _megatron_like()
+def test_fresh_adam_state_is_allocated_uninitialised_and_read_into_with_prefaulting(tmp_path):
+    opt = _megatron_like(rows=64 << 10)  # 179 MB: above the allocator's mmap threshold, so never touched
     fresh = st.preallocate_optimizer_state(opt)
-    fresh.wait()
     inner = opt.optimizer
     assert len(fresh.tensors) == 4
     for p in inner.param_groups[0]["params"]:
@@ -32,12 +33,18 @@ def test_fresh_adam_state_is_allocated_and_populated_without_changing_contents()
         assert set(s) == {"exp_avg", "exp_avg_sq"}
         assert s["exp_avg"].shape == p.shape and s["exp_avg"].dtype == p.dtype and s["exp_avg"].is_contiguous()
         assert s["exp_avg"].data_ptr() != s["exp_avg_sq"].data_ptr()
-    # population only faults pages in: what is written stays, before and after
+    # the state is not in memory yet, so a load's reads pre-fault it piece by piece; bytes land exactly
     t = inner.state[inner.param_groups[0]["params"][0]]["exp_avg"]
+    assert not fastio.resident(fastio.tensor_memoryview(t))
     pattern = torch.arange(t.numel(), dtype=t.dtype).view(t.shape)
-    t.copy_(pattern)
-    st._populate([t])
-    assert torch.equal(t, pattern)
+    path = tmp_path / "bytes"
+    path.write_bytes(b"\0" * 4096 + pattern.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fastio.read_requests(fd, [(4096, fastio.tensor_memoryview(t))], str(path), 2)
+    finally:
+        os.close(fd)
+    assert torch.equal(t, pattern) and fastio.resident(fastio.tensor_memoryview(t))
 
 
 def test_a_failed_load_leaves_zeros():

@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy
 import torch
@@ -253,20 +253,25 @@ def plan_reads(requests: Sequence[tuple[int, memoryview]], threads: int) -> list
 
 
 def read_requests(fd: int, requests: Sequence[tuple[int, memoryview]], path: str,
-                  threads: int, *, fresh: bool = False) -> None:
+                  threads: int, *, fresh: Optional[bool] = None) -> None:
     """Fill memoryviews from file offsets with parallel preadv (offsets pre-validated).
 
     ``fresh``: the destinations are new, never-touched memory; each task pre-faults
-    its pieces (:func:`prefault`) right before reading into them.
+    its pieces (:func:`prefault`) right before reading into them. ``None``: decided
+    per run of the plan by asking the kernel whether its destinations are in memory
+    (:func:`resident`): a resume into freshly allocated optimizer state gets the
+    pre-faulting, a load into existing tensors reads in large runs.
     """
     tasks = plan_reads(requests, threads)
     run_parallel([_reader_task(fd, t, path, fresh) for t in tasks], threads)
 
 
-def _reader_task(fd: int, runs: list[_Run], path: str, fresh: bool = False) -> Callable[[], None]:
+def _reader_task(fd: int, runs: list[_Run], path: str, fresh: Optional[bool] = False) -> Callable[[], None]:
     def task() -> None:
         for off, views in runs:
-            if not fresh:
+            cold = fresh if fresh is not None else any(
+                len(v) >= PREFAULT_MIN and v.obj is not _scratch.obj and not resident(v) for v in views)
+            if not cold:
                 preadv_all(fd, views, off, path)
                 continue
             for o, piece in _pieces(off, views, PREFAULT_CHUNK):
@@ -379,6 +384,39 @@ def prefault(mv: memoryview) -> None:
         if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # advice unknown here: stop trying
             log.debug("MADV_POPULATE_WRITE unavailable (%s); relying on page faults", os.strerror(err))
             _prefault_ok = False
+
+
+_libc_mincore: Callable[..., int] | None = None
+_mincore_ok = os.uname().sysname == "Linux"
+
+
+def resident(mv: memoryview) -> bool:
+    """Whether the first and last pages of ``mv`` are in memory (``mincore``). Fresh
+    allocations (``torch.empty``) are not; True when the kernel cannot tell us."""
+    global _libc_mincore, _mincore_ok
+    if not _mincore_ok or len(mv) == 0:
+        return True
+    if _libc_mincore is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).mincore
+        except (OSError, AttributeError):
+            _mincore_ok = False
+            return True
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        fn.restype = ctypes.c_int
+        _libc_mincore = fn
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv)) if not mv.readonly else None
+    if addr is None:
+        return True
+    page = mmap.PAGESIZE
+    vec = ctypes.create_string_buffer(1)
+    for a in (addr, addr + len(mv) - 1):
+        if _libc_mincore(a - a % page, page, vec) != 0:
+            _mincore_ok = False
+            return True
+        if not vec.raw[0] & 1:
+            return False
+    return True
 
 
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"

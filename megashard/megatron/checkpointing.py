@@ -415,7 +415,6 @@ def load_checkpoint(
                            mode=_flag(args, "megashard_load_mode", "auto") or "auto",
                            strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
         loaded = st.finish_load(loaded, prepared)
-        fresh.wait()
     except BaseException:
         fresh.zero()  # never leave uninitialised optimizer state behind a failed load
         raise

@@ -31,7 +31,6 @@ import argparse
 import base64
 import contextlib
 import enum
-import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -433,58 +432,14 @@ def _inner_optimizers(optimizer: Any) -> List[Tuple[Any, Any]]:
     return out
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, without writing them
-_populate_unsupported = False
-
-
-def _populate(tensors: Sequence[torch.Tensor]) -> None:
-    """Take the first-touch page faults of fresh CPU tensors now, in one syscall each.
-
-    Faulting pages in one by one while ``preadv`` copies into them costs (measured on a
-    2-core VM) about twice as much as ``MADV_POPULATE_WRITE`` beforehand. Contents are
-    untouched, so this may run while the tensors are being read into. Without kernel
-    support it does nothing (the reads take the faults).
-    """
-    global _populate_unsupported
-    import ctypes
-    import mmap
-
-    if _populate_unsupported:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        _populate_unsupported = True
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    for t in tensors:
-        a, n = t.data_ptr(), t.numel() * t.element_size()
-        if n == 0:
-            continue
-        lo, hi = a - a % page, -(-(a + n) // page) * page
-        if madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-            _populate_unsupported = True  # EINVAL: kernel without MADV_POPULATE_WRITE
-            return
-
-
 @dataclass
 class FreshOptimizerState:
     """Optimizer state allocated uninitialised for a load (see :func:`preallocate_optimizer_state`)."""
 
     tensors: List[torch.Tensor] = field(default_factory=list)
-    _thread: Any = None
-
-    def wait(self) -> None:
-        """Wait for the background page population (call before the load returns)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
 
     def zero(self) -> None:
         """After a failed load: no uninitialised memory may reach training."""
-        self.wait()
         with torch.no_grad():
             for t in self.tensors:
                 t.zero_()
@@ -496,12 +451,12 @@ def preallocate_optimizer_state(optimizer: Any) -> FreshOptimizerState:
 
     Megatron's ``init_state_fn`` (run by ``sharded_state_dict(is_loading=True)``) fills
     them with ``zeros_like``: a memset of the whole optimizer state, plus its page faults,
-    on the critical path. With the state already present it is skipped. The page faults
-    are taken in a background thread (:func:`_populate`, parallel over the CPUs), while
-    the state dicts are built and the load is planned. Only for plain (non-AMSGrad,
-    non precision-aware) Adam, whose ``init_state_fn`` creates exactly these two tensors.
-    The caller must :meth:`~FreshOptimizerState.wait` and, if the load does not complete,
-    :meth:`~FreshOptimizerState.zero`.
+    on the critical path. With the state already present it is skipped; the load's reads
+    see that these pages are not in memory yet and pre-fault them piece by piece just
+    before filling them (``format.fastio.read_requests``), so each page is touched once,
+    while still in cache. Only for plain (non-AMSGrad, non precision-aware) Adam, whose
+    ``init_state_fn`` creates exactly these two tensors. If the load does not complete,
+    the caller must :meth:`~FreshOptimizerState.zero` them.
     """
     fresh = FreshOptimizerState()
     for opt, inner in _inner_optimizers(optimizer):
@@ -517,17 +472,6 @@ def preallocate_optimizer_state(optimizer: Any) -> FreshOptimizerState:
                 s["exp_avg"] = torch.empty_like(p.data, memory_format=torch.contiguous_format)
                 s["exp_avg_sq"] = torch.empty_like(p.data, memory_format=torch.contiguous_format)
                 fresh.tensors += [s["exp_avg"], s["exp_avg_sq"]]
-    cpu = [t for t in fresh.tensors if t.device.type == "cpu"]
-    if cpu:
-        import threading
-
-        from megashard.format.fastio import default_read_threads, run_parallel
-
-        n = default_read_threads()
-        tasks = [functools.partial(_populate, cpu[i::n]) for i in range(n)]
-        fresh._thread = threading.Thread(target=run_parallel, args=(tasks, n), name="megashard-prefault",
-                                         daemon=True)
-        fresh._thread.start()
     return fresh
 
 
