@@ -77,7 +77,7 @@ class Staging:
         if kind == "pinned":
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
-            buf = empty_buffer(nbytes)
+            buf = empty_buffer(nbytes, fork_private=True)  # see empty_buffer: forks must not slow snapshots
             if nbytes:
                 prefault(tensor_memoryview(buf))  # touched now, not page by page inside the copy
         self.allocations += 1

@@ -11,7 +11,7 @@ model, ``--size-gib`` in all). In one run, rounds interleave (order rotating):
 * ``td_async``  megatron-core torch_dist: ``dist_checkpointing.save(...,
                 async_sharded_save=True)`` + ``AsyncCallsQueue`` (forked writer),
                 ``maybe_finalize_async_calls(blocking=False)`` each step;
-* ``thread`` / ``process``: the GIL question — the same bytes (the staging arena)
+* ``thread`` / ``process``: the GIL question — the same bytes (the rank's shards)
                 written by ``write_file(fsync=True)`` from a thread of the trainer or
                 from a forked child, while the trainer runs steps; ``thread_nice``: the
                 thread at megashard's writer niceness (``MEGASHARD_ASYNC_NICE``).
@@ -136,17 +136,18 @@ def _worker(a: argparse.Namespace) -> None:
         rec(tag, blocking_s=tb, total_s=time.perf_counter() - t0, steps=steps)
 
     def op_writer(tag: str, how: str) -> None:
-        arena = async_save.staging().arenas["cpu"]
+        # the rank's shards (the bytes the staging holds; the staging itself is left out of forks)
+        tensors = {f"t{i}": s.data for i, s in enumerate(shards)}
         p = os.path.join(a.workdir, f"raw-{how}-r{rank}")
         os.makedirs(p, exist_ok=True)
-        target = os.path.join(p, "arena.tensors")
+        target = os.path.join(p, "shards.tensors")
         t0 = before(os.path.join(a.workdir, "none"))
         steps = []
         if how.startswith("thread"):
             def write() -> None:
                 if how == "thread_nice":
                     async_save._set_nice(async_save.writer_nice())  # as megashard's writer thread does
-                write_file({"arena": arena}, target, fsync=True)
+                write_file(tensors, target, fsync=True)
 
             th = threading.Thread(target=write)
             th.start()
@@ -158,7 +159,7 @@ def _worker(a: argparse.Namespace) -> None:
             if pid == 0:
                 code = 1
                 try:
-                    write_file({"arena": arena}, target, fsync=True)
+                    write_file(tensors, target, fsync=True)
                     code = 0
                 finally:
                     os._exit(code)
