@@ -83,6 +83,23 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def _place(ops: Sequence[Any], lock: threading.Lock, src: torch.Tensor,
+           pieces: Sequence[Tuple[int, int, int, int]]) -> int:
+    """Copy ``(op index, position in op, bytes, offset in src)`` pieces of a ring slot
+    into their ops' targets; returns the bytes placed. The lock guards the ops, which
+    the direct-read thread completes too."""
+    placed = 0
+    for i, pos, n, off in pieces:
+        with lock:
+            dst = ops[i].target()[pos:pos + n]
+        _copy(dst, src[off:off + n])
+        del dst
+        with lock:
+            ops[i].arrived(n)
+        placed += n
+    return placed
+
+
 def _err(e: BaseException, what: str) -> str:
     return f"{type(e).__name__}: {what}: {e}"
 
@@ -213,14 +230,7 @@ class _Consumer:
             for j, (k, pieces) in enumerate(extents):
                 ring.wait_produced(k, reader_pid)
                 src = ring.slot(k, ring.slot_bytes)
-                for i, pos, n, off in pieces:
-                    with self.lock:
-                        dst = self.ops[i].target()[pos:pos + n]
-                    _copy(dst, src[off:off + n])
-                    del dst
-                    with self.lock:
-                        self.ops[i].arrived(n)
-                    received += n
+                received += _place(self.ops, self.lock, src, pieces)
                 del src
                 ring.set_done(me, extents[j + 1][0] if j + 1 < len(extents) else total)
                 if direct.error is not None:
@@ -513,13 +523,7 @@ class _Reader:
                 ring.publish(k)
                 if k in mine:
                     src = ring.slot(k, size)
-                    for i, pos, n, off in mine[k]:
-                        with self.lock:
-                            dst = self.ops[i].target()[pos:pos + n]
-                        _copy(dst, src[off:off + n])
-                        del dst
-                        with self.lock:
-                            self.ops[i].arrived(n)
+                    _place(self.ops, self.lock, src, mine[k])
                     del src
                 if direct.error is not None:
                     break

@@ -143,14 +143,10 @@ def test_scatter_transports_bit_exact(tmp_path, world: int) -> None:
     assert _segments([r["pid"] for rows in results for r in rows]) == []
 
 
-def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+def _capture_logs() -> List[str]:
+    """Every message megashard logs from now on in this process."""
     import logging
 
-    import megashard
-
-    path = os.path.join(tmp, "ckpt")
-    layout = Layout(tp=2)
-    _save(layout, rank, path)
     records: List[str] = []
 
     class Grab(logging.Handler):
@@ -158,6 +154,16 @@ def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
             records.append(record.getMessage())
 
     logging.getLogger("megashard").addHandler(Grab())
+    return records
+
+
+def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    import megashard
+
+    path = os.path.join(tmp, "ckpt")
+    layout = Layout(tp=2)
+    _save(layout, rank, path)
+    records = _capture_logs()
     os.environ["MEGASHARD_SHM_MAX_BYTES"] = "4096"  # "/dev/shm too small"
     auto = _load(layout, rank, path)  # default: scatter_transport="auto"
     try:
@@ -283,20 +289,12 @@ def test_scatter_sigkill_leaves_nothing(tmp_path, victim: int, path_kind: str) -
 
 
 def _fd_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
-    import logging
-
     from megashard import fdpass, scatter
 
     path = os.path.join(tmp, "ckpt")
     layout = Layout(tp=2)
     _save(layout, rank, path)
-    records: List[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("megashard").addHandler(Grab())
+    records = _capture_logs()
     out: Dict[str, Any] = {"pid": os.getpid()}
     # the non-reader is given a path that does not exist: it opens nothing there
     out["blind"] = _load(layout, rank, path if rank == 0 else path + "-not-here", verify=True)
