@@ -8,7 +8,7 @@ only the sections a rank asks for. Version 1 (one JSON document) is still read.
 from __future__ import annotations
 
 import os
-from typing import Union
+from typing import Callable, Optional, Tuple, Union
 
 from . import storage
 from .errors import CheckpointError
@@ -55,11 +55,9 @@ class _IndexFile:
         self.close()
 
 
-def open_index(base: str) -> Index:
-    """The index of the committed checkpoint in ``base`` (validated; read-only)."""
-    with storage.CheckpointFiles(base) as files:
-        head = files.read_manifest_bytes()
-    where = os.path.join(base, storage.MANIFEST_NAME)
+def _open(head: bytes, where: str,
+          sections: Callable[[int], Tuple[Callable[[int, int], bytes], Optional[Callable[[], None]]]]) -> Index:
+    """An index from its head; ``sections(size)`` gives the section reader (and a closer)."""
     doc = parse_head(head, where)
     if doc.get("version") == 1:
         m = Manifest.from_doc(doc, where)
@@ -69,8 +67,45 @@ def open_index(base: str) -> Index:
     size = idx.get("bytes") if isinstance(idx, dict) else None
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise CheckpointError(f"{where}: index.bytes must be an integer >= 0; the checkpoint is damaged")
-    f = _IndexFile(base, size)
-    return LazyIndex(doc, f.read, where, len(head), closer=f.close)
+    read, closer = sections(size)
+    return LazyIndex(doc, read, where, len(head), closer=closer)
+
+
+def open_index(base: str) -> Index:
+    """The index of the committed checkpoint in ``base`` (validated; read-only)."""
+    with storage.CheckpointFiles(base) as files:
+        head = files.read_manifest_bytes()
+
+    def from_file(size: int) -> Tuple[Callable[[int, int], bytes], Optional[Callable[[], None]]]:
+        f = _IndexFile(base, size)
+        return f.read, f.close
+
+    return _open(head, os.path.join(base, storage.MANIFEST_NAME), from_file)
+
+
+def read_index_bytes(base: str) -> Tuple[bytes, bytes]:
+    """``manifest.json`` and the whole ``manifest.index`` (empty for version 1), checked
+    against each other: what a node's reader sends ranks that cannot see the directory."""
+    with storage.CheckpointFiles(base) as cf:
+        head = cf.read_manifest_bytes()
+        doc = parse_head(head, cf.path(storage.MANIFEST_NAME))
+        if doc.get("version") == 1:
+            return head, b""
+        idx = doc.get("index") if isinstance(doc.get("index"), dict) else {}
+        sections = cf.read_bytes(INDEX_NAME, storage.max_manifest_bytes())
+        if len(sections) != idx.get("bytes"):
+            raise CheckpointError(f"{cf.path(INDEX_NAME)}: size differs from the manifest's")
+    return head, sections
+
+
+def index_from_bytes(head: bytes, sections: bytes, where: str) -> Index:
+    """The index :func:`read_index_bytes` read, received from another rank (validated)."""
+    def in_memory(size: int) -> Tuple[Callable[[int, int], bytes], Optional[Callable[[], None]]]:
+        if len(sections) != size:
+            raise CheckpointError(f"{where}: received {len(sections)} index bytes, the head says {size}")
+        return (lambda s, n: sections[s:s + n]), None
+
+    return _open(head, where, in_memory)
 
 
 def read_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Manifest:

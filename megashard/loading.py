@@ -24,9 +24,9 @@ from . import jsonstate, plan, readers, storage
 from .errors import CheckpointError, StateDictError
 from .format import empty_buffer
 from .format.fastio import tensor_memoryview
-from .index import Index, open_index
+from .index import Index, index_from_bytes, open_index, read_index_bytes
 from .logs import log_summary, rank_prefix
-from .manifest import INDEX_NAME, LazyIndex, Manifest, dtype_from_name, dtype_name, itemsize, parse_head
+from .manifest import dtype_from_name, dtype_name, itemsize
 from .plan import Box
 from .sharded import (ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key,
                       reject_unapplied)
@@ -501,15 +501,7 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
     (for ranks that cannot see the directory), then read lazily like any other."""
     if probe["index_to"]:
         try:
-            with storage.CheckpointFiles(base) as cf:
-                head = cf.read_manifest_bytes()
-                doc = parse_head(head, cf.path(storage.MANIFEST_NAME))
-                sections = b""
-                if doc.get("version") != 1:
-                    idx = doc.get("index") if isinstance(doc.get("index"), dict) else {}
-                    sections = cf.read_bytes(INDEX_NAME, storage.max_manifest_bytes())
-                    if len(sections) != idx.get("bytes"):
-                        raise CheckpointError(f"{cf.path(INDEX_NAME)}: size differs from the manifest's")
+            head, sections = read_index_bytes(base)
         except BaseException:
             for m in probe["index_to"]:  # never leave a waiting rank behind
                 comm.send(torch.tensor([-1, -1], dtype=torch.int64), m)
@@ -526,12 +518,7 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
         buf = torch.empty(nh + ns, dtype=torch.uint8)
         comm.recv(buf, probe["index_from"])
         data = bytes(buf.numpy())
-        where = os.path.join(base, storage.MANIFEST_NAME)
-        doc = parse_head(data[:nh], where)
-        if doc.get("version") == 1:
-            return Manifest.from_doc(doc, where)
-        sections = data[nh:]
-        return LazyIndex(doc, lambda s, n: sections[s:s + n], where, nh)
+        return index_from_bytes(data[:nh], data[nh:], os.path.join(base, storage.MANIFEST_NAME))
     return open_index(base)
 
 

@@ -21,7 +21,6 @@ import torch
 
 from .errors import CheckpointError
 from .format.dtypes import dtypes_by_name
-from .jsonstate import TAG
 from .plan import Box, SavedPiece, numel
 
 MANIFEST_FORMAT = "megashard"
@@ -289,9 +288,9 @@ def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], sh
     """One shard's record as a chunk section stores it: ``[flat, file, name, header offset,
     data offset, bytes, crc32]`` (name ``null`` when :func:`shard_name` derives it). Writing
     ranks build their own records' texts, so the coordinator only groups and joins them."""
-    fl = None if flat is None else (_int(flat[0]), _int(flat[1]))
-    if len(flat or ()) not in (0, 2):
+    if flat is not None and len(flat) != 2:
         raise ValueError("flat range must have two ends")
+    fl = None if flat is None else (_int(flat[0]), _int(flat[1]))
     if name == shard_name(key, tuple(global_shape), tuple(offset), tuple(shape), fl):
         name_text = "null"
     else:
@@ -323,10 +322,6 @@ class IndexBuilder:
     def tensor(self, key: str, dtype: Any, shape: Any) -> None:
         self.tensors[key] = {"dtype": dtype, "shape": shape, "chunks": None}
         self._chunks[key] = {}
-
-    def raw_tensor(self, key: str, entry: Any) -> None:
-        """A tensor entry stored as given (hostile-input tests write malformed ones)."""
-        self.tensors[key] = entry
 
     def record(self, key: str, chunk: Any, order: Any, text: str) -> None:
         """Shard record ``text`` of chunk ``chunk`` (``(offset, shape)`` tuples) of ``key``;
@@ -374,61 +369,6 @@ def _first(pair: Tuple[Any, str]) -> Any:
 
 def _chunk_order(chunk: Any) -> Any:
     return (0, chunk, "") if isinstance(chunk, tuple) else (1, (), chunk)
-
-
-def encode(doc: Dict[str, Any]) -> Tuple[bytes, bytes]:
-    """A logical document (version-1 shape) as ``manifest.json`` (head) and
-    ``manifest.index`` (sections), through :class:`IndexBuilder`. Does not validate: the
-    reader does (hostile-input tests write damaged documents through here on purpose)."""
-    b = IndexBuilder()
-    for key, t in doc.get("tensors", {}).items():
-        shards = t.get("shards") if isinstance(t, dict) else None
-        if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
-            b.raw_tensor(key, {"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": shards}
-                         if isinstance(t, dict) else t)  # malformed: kept as is for the reader to refuse
-            continue
-        b.tensor(key, t.get("dtype"), t.get("shape"))
-        for s in shards:
-            off, shp, fl = s.get("offset"), s.get("shape"), s.get("flat")
-            g: Any = None
-            try:
-                g = (tuple(off), tuple(shp))
-                hash(g)
-                text = record_text(key, t["shape"], g[0], g[1], fl, s.get("file"), s.get("name", ""),
-                                   s.get("header_offset", 0), s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0))
-            except (TypeError, ValueError, KeyError, IndexError):  # malformed: stored as given, refused by the reader
-                g = g if isinstance(g, tuple) and _hashable(g) else _dumps([off, shp])
-                text = _dumps([fl, s.get("file"), s.get("name", ""), s.get("header_offset", 0),
-                               s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0)])
-            b.record(key, g, _flat_start(fl), text)
-    for u, v in doc.get("objects", {}).items():
-        b.object(u, _dumps(v))
-    for tid, tree in doc.get("trees", {}).items():
-        if isinstance(tree, dict) and TREE_WHOLE not in tree and TAG not in tree:
-            b.tree(tid, [(k, _dumps(v)) for k, v in tree.items()])
-        else:
-            b.tree(tid, [(TREE_WHOLE, _dumps(tree))])
-    head = {k: doc[k] for k in ("format", "version", "created", "world_size", "layout", "extra",
-                                "rank_trees") if k in doc}
-    return b.finish(head, doc.get("files", {}))
-
-
-def _hashable(v: Any) -> bool:
-    try:
-        hash(v)
-        return True
-    except TypeError:
-        return False
-
-
-def _flat_start(fl: Any) -> Tuple[int, Any]:
-    """Sort key of a record within its chunk (malformed flat ranges sort last, by text)."""
-    if fl is None:
-        return (0, 0)
-    try:
-        return (0, int(fl[0]))
-    except (TypeError, ValueError, IndexError, KeyError):
-        return (1, _dumps(fl))
 
 
 # Tables of the head are split into buckets of consecutive names (sorted): the head lists

@@ -189,10 +189,15 @@ class Comm:
             failures = _bounded_failures({r: m for r, m in enumerate(msgs or []) if m})
             failures = self.broadcast_json({str(r): m for r, m in failures.items()}, 0)
         except DistributedError as e:  # a peer died: report our own error too, if any
-            if error:  # keep this rank's own failure first: it usually explains the rest
-                e.failures[self.rank] = f"{error}\n(then: {e.failures.get(self.rank, 'the agreement failed')})"
-            raise distributed_error(e.failures, what) from None
+            raise self._with_own(e, error, what) from None
         raise distributed_error({int(r): m for r, m in failures.items()}, what)
+
+    def _with_own(self, e: DistributedError, error: Optional[str], what: str) -> DistributedError:
+        """A failed exchange's error, with this rank's own failure (if any) first: it
+        usually explains the rest."""
+        if error:
+            e.failures[self.rank] = f"{error}\n(then: {e.failures.get(self.rank, 'the agreement failed')})"
+        return distributed_error(e.failures, what)
 
     def coordinate(self, what: str, error: Optional[str], payload: Any,
                    compute: Callable[[List[Any]], List[Any]]) -> Any:
@@ -217,9 +222,7 @@ class Comm:
                     replies = [{"failures": fail}] * self.world_size
             reply = self.scatter_json(replies, 0)
         except DistributedError as e:
-            if error:
-                e.failures[self.rank] = f"{error}\n(then: {e.failures.get(self.rank, 'the agreement failed')})"
-            raise distributed_error(e.failures, what) from None
+            raise self._with_own(e, error, what) from None
         if "failures" in reply:
             raise distributed_error({int(r): m for r, m in reply["failures"].items()}, what)
         return reply["ok"]

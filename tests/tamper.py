@@ -3,8 +3,8 @@
 ``manifest.sha256`` guards ``manifest.json`` against corruption; an author who edits the
 manifest on purpose rewrites the digest too, which these helpers do. A version-2 index is
 edited as its logical document (version-1 shape: every shard listed under its tensor) and
-written back through ``megashard.manifest.encode``, so every attack reaches the reader of
-the head *and* of the sections.
+written back through :func:`encode_doc` (megashard's ``IndexBuilder``, fed malformed entries
+as given), so every attack reaches the reader of the head *and* of the sections.
 """
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ import os
 from typing import Any
 
 from megashard import manifest, storage
+from megashard.jsonstate import TAG
+from megashard.manifest import TREE_WHOLE, IndexBuilder, record_text
+
+_dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 def _section(sections: bytes, entry: Any) -> Any:
@@ -73,7 +77,61 @@ def write_manifest_text(ckpt: str, text: str | bytes) -> None:
 
 def write_manifest_doc(ckpt: str, doc: Any) -> None:
     """Write a (possibly damaged) logical document as a version-2 index."""
-    head, sections = manifest.encode(doc)
+    head, sections = encode_doc(doc)
     with open(os.path.join(ckpt, manifest.INDEX_NAME), "wb") as f:
         f.write(sections)
     write_manifest_text(ckpt, head)
+
+
+def encode_doc(doc: Any) -> tuple:
+    """A logical document (version-1 shape) as (``manifest.json``, ``manifest.index``) bytes.
+    Does not validate: malformed entries are stored as given, for the reader to refuse."""
+    b = IndexBuilder()
+    for key, t in doc.get("tensors", {}).items():
+        shards = t.get("shards") if isinstance(t, dict) else None
+        if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+            b.tensors[key] = ({"dtype": t.get("dtype"), "shape": t.get("shape"), "chunks": shards}
+                              if isinstance(t, dict) else t)  # malformed: kept as is
+            continue
+        b.tensor(key, t.get("dtype"), t.get("shape"))
+        for s in shards:
+            off, shp, fl = s.get("offset"), s.get("shape"), s.get("flat")
+            g: Any = None
+            try:
+                g = (tuple(off), tuple(shp))
+                hash(g)
+                text = record_text(key, t["shape"], g[0], g[1], fl, s.get("file"), s.get("name", ""),
+                                   s.get("header_offset", 0), s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0))
+            except (TypeError, ValueError, KeyError, IndexError):  # malformed: stored as given
+                g = g if isinstance(g, tuple) and _hashable(g) else _dumps([off, shp])
+                text = _dumps([fl, s.get("file"), s.get("name", ""), s.get("header_offset", 0),
+                               s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0)])
+            b.record(key, g, _flat_start(fl), text)
+    for u, v in doc.get("objects", {}).items():
+        b.object(u, _dumps(v))
+    for tid, tree in doc.get("trees", {}).items():
+        if isinstance(tree, dict) and TREE_WHOLE not in tree and TAG not in tree:
+            b.tree(tid, [(k, _dumps(v)) for k, v in tree.items()])
+        else:
+            b.tree(tid, [(TREE_WHOLE, _dumps(tree))])
+    head = {k: doc[k] for k in ("format", "version", "created", "world_size", "layout", "extra",
+                                "rank_trees") if k in doc}
+    return b.finish(head, doc.get("files", {}))
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+        return True
+    except TypeError:
+        return False
+
+
+def _flat_start(fl: Any) -> tuple:
+    """Sort key of a record within its chunk (malformed flat ranges sort last, by text)."""
+    if fl is None:
+        return (0, 0)
+    try:
+        return (0, int(fl[0]))
+    except (TypeError, ValueError, IndexError, KeyError):
+        return (1, _dumps(fl))

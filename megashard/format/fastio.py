@@ -21,7 +21,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy
 import torch
@@ -266,7 +266,7 @@ def read_requests(fd: int, requests: Sequence[tuple[int, memoryview]], path: str
     run_parallel([_reader_task(fd, t, path, fresh) for t in tasks], threads)
 
 
-def _reader_task(fd: int, runs: list[_Run], path: str, fresh: Optional[bool] = False) -> Callable[[], None]:
+def _reader_task(fd: int, runs: list[_Run], path: str, fresh: Optional[bool]) -> Callable[[], None]:
     def task() -> None:
         for off, views in runs:
             cold = fresh if fresh is not None else any(
@@ -351,22 +351,21 @@ PREFAULT_MIN = 256 << 10
 # with the fresh-memory floor): 8 MiB 1.01-1.03x, 2 MiB 1.02-1.34x, 1 MiB 1.06-1.23x, 512 KiB
 # 1.09-1.11x the floor's speed; without pre-faulting 0.81-0.84x.
 PREFAULT_CHUNK = 512 << 10
-_libc_madvise: Callable[..., int] | None = None
 _prefault_ok = os.uname().sysname == "Linux"
 
 
-def _madvise() -> Callable[..., int] | None:
-    """libc ``madvise`` (None where it cannot be loaded)."""
-    global _libc_madvise
-    if _libc_madvise is None and os.uname().sysname == "Linux":
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-        except (OSError, AttributeError):
-            return None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        _libc_madvise = fn
-    return _libc_madvise
+@functools.lru_cache(maxsize=None)
+def _libc(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """A libc function returning int, with errno kept (None off Linux or where missing)."""
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def prefault(mv: memoryview) -> None:
@@ -382,7 +381,7 @@ def prefault(mv: memoryview) -> None:
     global _prefault_ok
     if not _prefault_ok or len(mv) < PREFAULT_MIN:
         return
-    madvise = _madvise()
+    madvise = _libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     if madvise is None:
         _prefault_ok = False
         return
@@ -395,32 +394,21 @@ def prefault(mv: memoryview) -> None:
             _prefault_ok = False
 
 
-_libc_mincore: Callable[..., int] | None = None
-_mincore_ok = os.uname().sysname == "Linux"
+_mincore_ok = True
 
 
 def resident(mv: memoryview) -> bool:
     """Whether the first and last pages of ``mv`` are in memory (``mincore``). Fresh
     allocations (``torch.empty``) are not; True when the kernel cannot tell us."""
-    global _libc_mincore, _mincore_ok
-    if not _mincore_ok or len(mv) == 0:
+    global _mincore_ok
+    mincore = _libc("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    if not _mincore_ok or mincore is None or len(mv) == 0 or mv.readonly:
         return True
-    if _libc_mincore is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).mincore
-        except (OSError, AttributeError):
-            _mincore_ok = False
-            return True
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        fn.restype = ctypes.c_int
-        _libc_mincore = fn
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv)) if not mv.readonly else None
-    if addr is None:
-        return True
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
     page = mmap.PAGESIZE
     vec = ctypes.create_string_buffer(1)
     for a in (addr, addr + len(mv) - 1):
-        if _libc_mincore(a - a % page, page, vec) != 0:
+        if mincore(a - a % page, page, vec) != 0:
             _mincore_ok = False
             return True
         if not vec.raw[0] & 1:

@@ -54,7 +54,6 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
 
     Like Megatron, the maximum over ranks is used when torch.distributed is up.
     """
-
     from megashard.transport import Comm
 
     found = storage.read_tracker(root) if root else None
@@ -70,8 +69,6 @@ def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
 
 def write_tracker(root: str, iteration: int, release: bool = False) -> None:
     """Atomically (write + fsync + rename) record the latest complete checkpoint."""
-
-
     storage.write_tracker(root, "release" if release else int(iteration))
 
 

@@ -487,9 +487,8 @@ def ensure_distributed_optimizer_state(optimizer: Any) -> None:
         from megatron.core.optimizer import distrib_optimizer as do
     except ImportError:  # pragma: no cover
         return
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, do.DistributedOptimizer) or inner is None:
+    for opt, inner in _inner_optimizers(optimizer):
+        if not isinstance(opt, do.DistributedOptimizer):
             continue
         if getattr(do, "HAVE_APEX_OR_TE", True) and not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
