@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import jsonstate, plan, readers, storage
+from .devicecopy import on_host
 from .errors import CheckpointError, StateDictError
 from .format import empty_buffer
 from .format.fastio import tensor_memoryview
@@ -199,11 +200,13 @@ def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -
     if dest is not None and dest.numel() != n_el:
         work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
         return dest
-    boxes, problems = plan_shard(sh, index, work.rows_ok, path)
+    # strided row reads need host memory; GPU destinations take whole pieces (read through
+    # pinned buffers, :mod:`megashard.devicecopy`) and place resharded ones from host temporaries
+    boxes, problems = plan_shard(sh, index, work.rows_ok and on_host(dest), path)
     if problems:
         work.problems += problems
         return dest
-    staged = not (dest.is_contiguous() and dest.device.type == "cpu")
+    staged = not dest.is_contiguous()
     buf = torch.empty(dest.shape, dtype=dest.dtype) if staged else dest
     flat_buf = buf.detach().reshape(-1)
     for bp in boxes:

@@ -14,7 +14,10 @@ import os
 from functools import partial
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
+
 from . import scatter as scatter_mod, storage
+from .devicecopy import DeviceCopier, device_targets, on_host
 from .errors import CheckpointError
 from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel, tensor_memoryview
 from .transport import Comm
@@ -34,23 +37,32 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
     ``files`` is the index (or its file table): names and sizes, checked on open."""
     files = getattr(files, "files", files)
     by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
+    on_device: Dict[str, List[Tuple[int, torch.Tensor]]] = {}  # GPU destinations: through pinned buffers
     for op in ops:
-        by_file.setdefault(op.file, []).append((op.offset, tensor_memoryview(op.dest)))
+        if on_host(op.dest):
+            by_file.setdefault(op.file, []).append((op.offset, tensor_memoryview(op.dest)))
+        else:
+            on_device.setdefault(op.file, []).append((op.offset, op.dest))
     for f, off, mv in view_ops:
         by_file.setdefault(f, []).append((off, mv))
-    names = sorted(set(by_file) | {j[0] for j in row_jobs})
+    names = sorted(set(by_file) | set(on_device) | {j[0] for j in row_jobs})
     nthreads = threads or default_read_threads()
     total = 0
     with storage.CheckpointFiles(base) as cf:
         fds = {f: cf.open(f, _file_size(files, f)) for f in names}
-        for f, reqs in by_file.items():
+        for f in names:
             path = os.path.join(base, f)
             size = _file_size(files, f)
-            for off, mv in reqs:
-                if off < 0 or off + len(mv) > size:
-                    raise CheckpointError(f"{path}: byte range {off}+{len(mv)} past end of file ({size} bytes)")
-            read_requests(fds[f], reqs, path, nthreads)
+            for off, n in [(o, len(mv)) for o, mv in by_file.get(f, ())] + [(o, t.numel()) for o, t in on_device.get(f, ())]:
+                if off < 0 or off + n > size:
+                    raise CheckpointError(f"{path}: byte range {off}+{n} past end of file ({size} bytes)")
+        for f, reqs in by_file.items():
+            read_requests(fds[f], reqs, os.path.join(base, f), nthreads)
             total += sum(len(mv) for _, mv in reqs)
+        if on_device:
+            with DeviceCopier(device_targets(t for reqs in on_device.values() for _, t in reqs)) as copier:
+                for f, dreqs in sorted(on_device.items()):
+                    total += copier.read(fds[f], dreqs, os.path.join(base, f), nthreads)
         tasks = []
         for f, off, run, views in row_jobs:
             path = os.path.join(base, f)

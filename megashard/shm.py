@@ -228,6 +228,11 @@ class Ring:
     def consumer_pid(self, c: int) -> int:
         return self._get(_HEAD + _PER_CONSUMER * c + 2)
 
+    @property
+    def data(self) -> torch.Tensor:
+        """Every slot, as one tensor (page-locked by ranks that copy to a GPU)."""
+        return self._data
+
     def slot(self, k: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the slot that holds extent ``k``."""
         s = (k % self.slots) * self.slot_bytes
