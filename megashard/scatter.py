@@ -171,6 +171,7 @@ class _Consumer:
                 req["fd_error"] = str(e)
         ring: Optional[shm.Ring] = None
         name: Optional[str] = None
+        direct: Optional[_DirectReads] = None
         try:
             try:
                 _send_json(self.comm, req, self.reader)
@@ -178,6 +179,11 @@ class _Consumer:
                 name = sched.get("name")
                 if sched.get("fd_files"):
                     self.receive_fds(listener, sched)
+                if sched.get("transport") == "shm":  # this rank's own bytes need nothing more: read them
+                    # while the agreements run (a failed setup stops the reads before anything returns)
+                    direct = _DirectReads(self.ops, self.lock, self.fds.__getitem__, self.base,
+                                          self.direct_batches(sched), self.threads, self.copier)
+                    direct.start()
             except MegashardError as e:
                 err = _err(e, f"exchanging the scatter schedule with reader rank {self.reader}")
             finally:
@@ -196,11 +202,13 @@ class _Consumer:
             self.comm.agree(err, "scatter load (open)")
             if name:
                 shm.unlink(name)
-            if ring is not None:
-                return self.transfer_shm(ring, sched)
+            if ring is not None and direct is not None:
+                return self.transfer_shm(ring, sched, direct)
             nbytes = sum(op.nbytes for op in self.ops)
             return (0, nbytes, "group"), _consume_group(self.comm, self.ops, self.reader, sched["chunk"])
         finally:
+            if direct is not None:
+                direct.finish(True)  # (a no-op after a transfer) before its descriptors close
             fdpass.close_all(list(self.fds.values()))
             self.fds.clear()
             if name:
@@ -230,22 +238,19 @@ class _Consumer:
                 raise CheckpointError(f"scatter schedule from reader rank {self.reader} names bytes outside "
                                       f"this rank's request (op {i}: {files[fi]} {a}+{n})")
             out.append((files[fi], a, n, i, pos))
-        return _batches(out, _direct_batch_bytes(self.chunk))
+        return _batches(out, _direct_batch_bytes(self.chunk), self.ops)
 
-    def transfer_shm(self, ring: shm.Ring, sched: Dict[str, Any]) -> Tuple[Tuple[int, int, str], Optional[str]]:
-        """Read this rank's own bytes through the passed descriptors (a second thread) while
-        copying the shared ones out of the ring."""
+    def transfer_shm(self, ring: shm.Ring, sched: Dict[str, Any],
+                     direct: "_DirectReads") -> Tuple[Tuple[int, int, str], Optional[str]]:
+        """Copy the shared bytes out of the ring while ``direct`` (a second thread, started
+        with the schedule) reads this rank's own bytes through the passed descriptors."""
         me, total, reader_pid = sched["index"], sched["n_extents"], sched["reader_pid"]
         extents = sched["extents"]
-        direct: Optional[_DirectReads] = None
         received = 0
         err: Optional[str] = None
         try:
             if self.copier is not None:
                 self.copier.register(ring.data)
-            direct = _DirectReads(self.ops, self.lock, self.fds.__getitem__, self.base, self.direct_batches(sched),
-                                  self.threads, self.copier)
-            direct.start()
             for j, (k, pieces) in enumerate(extents):
                 ring.wait_produced(k, reader_pid)
                 src = ring.slot(k, ring.slot_bytes)
@@ -257,16 +262,13 @@ class _Consumer:
         except Exception as e:  # noqa: BLE001 - reported in the final agreement
             ring.fail_consumer(me)
             err = _err(e, "copying from the node's shared memory")
-        nread = 0
-        if direct is not None:
-            direct.finish(err is not None)
-            nread = direct.nread
+        direct.finish(err is not None)
         if self.copier is not None:
             self.copier.unregister_all()  # before the ring is unmapped
-            if direct.error is not None:
-                ring.fail_consumer(me)
-                err = err or _err(direct.error, "reading this rank's ranges through the reader's descriptors")
-        return (nread, received, "shm"), err
+        if direct.error is not None:
+            ring.fail_consumer(me)
+            err = err or _err(direct.error, "reading this rank's ranges through the reader's descriptors")
+        return (direct.nread, received, "shm"), err
 
 
 def _subops(ops: Sequence[Any], chunk: int) -> List[Tuple[str, int, int, int, int]]:
@@ -370,7 +372,10 @@ class _Reader:
         else:
             scheds = {r: {"transport": "group", "chunk": self.chunk} for r in self.consumers}
         ring: Optional[shm.Ring] = None
+        direct: Optional[_DirectReads] = None
         try:
+            if mode == "shm" and self.err is None:
+                direct = self.start_direct(sched)  # this rank's own bytes: read while the others set up
             for r in self.consumers:
                 try:
                     _send_json(self.comm, scheds[r], r)
@@ -385,11 +390,13 @@ class _Reader:
             self.comm.agree(None, "scatter load (open)")
             if name:
                 shm.unlink(name)
-            if ring is not None:
-                self.transfer_shm(ring, sched)
+            if ring is not None and direct is not None:
+                self.transfer_shm(ring, sched, direct)
             else:
                 self.transfer_group()
         finally:
+            if direct is not None:
+                direct.finish(True)  # (a no-op after a transfer) before its files close
             if self.files is not None:
                 self.files.close()
             if name:
@@ -474,9 +481,11 @@ class _Reader:
                 else:
                     per_consumer[c].setdefault(k, []).append([i, base + pos, n, off])
         slot_bytes = max((e.stop - e.start for e in extents), default=1)
+        # the ring's memory is RING_SLOTS chunks at most; small extents (replicated norms, biases) get
+        # more, smaller slots, up to one each, so the reader rarely waits for a slot to be freed
+        slots = min(len(extents), max(shm.RING_SLOTS, shm.RING_SLOTS * self.chunk // slot_bytes))
         return {"extents": extents, "mine": mine, "direct": direct, "mine_direct": mine_direct,
-                "per_consumer": per_consumer, "slots": max(1, min(shm.RING_SLOTS, len(extents))),
-                "slot_bytes": slot_bytes}
+                "per_consumer": per_consumer, "slots": max(1, slots), "slot_bytes": slot_bytes}
 
     def ring_bytes(self, sched: Dict[str, Any]) -> int:
         return shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"])
@@ -521,20 +530,29 @@ class _Reader:
             raise CheckpointError(f"{self.base}: files not opened (the setup failed)")
         return self.files.open(f, int(self.manifest.files[f].get("bytes", 0)))
 
-    def transfer_shm(self, ring: shm.Ring, sched: Dict[str, Any]) -> None:
-        """Fill the ring in extent order while a second thread reads this rank's own ranges
-        straight into place (the two streams keep two cores busy without per-call hand-offs)."""
-        extents, mine = sched["extents"], sched["mine"]
-        ring_total = sum(e.stop - e.start for e in extents)
+    def ring_threads(self, sched: Dict[str, Any]) -> int:
+        """Read threads for filling the ring: the bigger of the two streams gets the threads
+        (with descriptors passed, the ring holds only shared bytes)."""
+        ring_total = sum(e.stop - e.start for e in sched["extents"])
         direct_total = sum(d[2] for d in sched["mine_direct"])
-        # the bigger stream gets the threads (with descriptors passed, the ring holds only shared bytes)
-        ring_threads = max(1, self.threads // 2) if ring_total >= direct_total else 1
-        if self.copier is not None and mine:
-            self.copier.register(ring.data)
+        return max(1, self.threads // 2) if ring_total >= direct_total else 1
+
+    def start_direct(self, sched: Dict[str, Any]) -> "_DirectReads":
+        """Start reading this rank's own ranges straight into place (a second thread)."""
+        ring_threads = self.ring_threads(sched)
         direct = _DirectReads(self.ops, self.lock, self.fd, self.base,
-                              _batches(sched["mine_direct"], _direct_batch_bytes(self.chunk)),
+                              _batches(sched["mine_direct"], _direct_batch_bytes(self.chunk), self.ops),
                               self.threads if ring_threads == 1 else max(1, self.threads - ring_threads), self.copier)
         direct.start()
+        return direct
+
+    def transfer_shm(self, ring: shm.Ring, sched: Dict[str, Any], direct: "_DirectReads") -> None:
+        """Fill the ring in extent order while ``direct`` reads this rank's own ranges
+        straight into place (the two streams keep two cores busy without per-call hand-offs)."""
+        extents, mine = sched["extents"], sched["mine"]
+        ring_threads = self.ring_threads(sched)
+        if self.copier is not None and mine:
+            self.copier.register(ring.data)
         try:
             if self.err is not None:
                 raise shm.ShmError("not transferring: the setup failed")
@@ -664,17 +682,19 @@ def _direct_batch_bytes(chunk: int) -> int:
     return max(int(chunk), DIRECT_BATCH_MIN)
 
 
-def _batches(direct: Sequence[Direct], cap: int) -> List[List[Direct]]:
-    """Direct reads in (file, offset) order, cut into per-file batches of about ``cap`` bytes
-    (so resharding temporaries, allocated when their batch starts, stay few)."""
+def _batches(direct: Sequence[Direct], cap: int, ops: Sequence[Any]) -> List[List[Direct]]:
+    """Direct reads in (file, offset) order, one batch per file, cut where the batch's resharding
+    temporaries (allocated when it starts, freed when placed) pass about ``cap`` bytes. Reads into
+    existing destinations are never cut: every cut is a wait for the batch's slowest thread."""
     batches: List[List[Direct]] = []
     size = 0
     for d in sorted(direct):
-        if not batches or batches[-1][0][0] != d[0] or size + d[2] > cap:
+        temp = d[2] if ops[d[3]].lazy is not None else 0
+        if not batches or batches[-1][0][0] != d[0] or (temp and size + temp > cap):
             batches.append([])
             size = 0
         batches[-1].append(d)
-        size += d[2]
+        size += temp
     return batches
 
 
