@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -337,6 +338,46 @@ def test_scatter_fd_passing_and_fallback(tmp_path) -> None:
         assert res[1][f"{case}_logs"] == []
     assert res[0]["sockets"] == res[1]["sockets"] == []
     assert _segments([r["pid"] for r in res]) == []
+
+
+def _direct_read_fails_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    import megashard
+    from megashard import scatter
+
+    path = os.path.join(tmp, "ckpt")
+    layout = Layout(tp=2)
+    _save(layout, rank, path)
+    out: Dict[str, Any] = {"pid": os.getpid()}
+    for victim in (1, 0):  # the non-reader's reads through passed descriptors, then the reader's own
+        real = scatter.read_requests
+
+        def broken(fd: int, reqs: Any, where: str, threads: int, **kw: Any) -> None:
+            if threading.current_thread().name == "megashard-scatter-direct":
+                raise OSError(5, "Input/output error (injected)")
+            real(fd, reqs, where, threads, **kw)
+
+        if rank == victim:
+            scatter.read_requests = broken
+        try:
+            _load(layout, rank, path, scatter_transport="shm")
+            out[f"victim{victim}"] = "no error"
+        except megashard.DistributedError as e:
+            out[f"victim{victim}"] = str(e)
+        finally:
+            scatter.read_requests = real
+    out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("megashard-scatter"))
+    return out
+
+
+def test_scatter_direct_read_failure_raises_everywhere(tmp_path) -> None:
+    """A failed read through a passed descriptor (or the reader's own) ends the load on every rank,
+    naming the failing rank; no reading thread, segment or socket is left behind."""
+    res = all_ok(run_ranks(_direct_read_fails_job, 2, str(tmp_path), env=NODE_ENV))
+    for r in res:
+        assert "rank 1" in r["victim1"] and "injected" in r["victim1"], r["victim1"]
+        assert "rank 0" in r["victim0"] and "injected" in r["victim0"], r["victim0"]
+        assert r["threads"] == []
+    assert _segments([r["pid"] for r in res]) == [] and _sockets([r["pid"] for r in res]) == []
 
 
 def test_fdpass_checks_peer_and_counts(tmp_path) -> None:
