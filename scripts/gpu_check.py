@@ -18,7 +18,7 @@ bit-for-bit against the saved shards:
   own_cpu / scatter_shm_cpu   the same loads into host tensors (the CPU ratio on this machine)
 
 Ops run interleaved (rotated order per repetition), median of ``--reps``; per repetition
-the slower rank counts; peak RSS per rank per op (VmHWM reset before each). Floors
+the slower rank counts; peak RSS per rank per op over the RSS before it (VmHWM reset before each). Floors
 measured in the same run: ``preadv`` of one rank's file into pinned memory, one H2D copy
 of 1 GiB from pinned and from pageable memory. Then a one-rank NCCL process group runs
 own and scatter loads into the GPU (collectives on the device), and shared memory is
@@ -78,12 +78,14 @@ def model(rank: int, tp: int, layers: int) -> Dict[str, Tuple[Tuple[int, ...], T
     return out
 
 
-def state(m: Dict[str, Any], device: str, empty: bool) -> Dict[str, Any]:
+def state(m: Dict[str, Any], device: str, empty: bool, fresh: bool = False) -> Dict[str, Any]:
+    """Sharded state around the saved data, or (``empty``) zero-filled; ``fresh``: uninitialised."""
     from megashard.sharded import ShardedTensor
 
     out = {}
     for k, (shape, off, data, rep) in m.items():
-        d = torch.zeros(data.shape, dtype=data.dtype, device=device) if empty else data
+        alloc = torch.empty if fresh else torch.zeros
+        d = alloc(data.shape, dtype=data.dtype, device=device) if empty else data
         out[k] = ShardedTensor(k, d, shape, off, rep if isinstance(rep, int) else 0)
     return out
 
@@ -101,10 +103,11 @@ def reset_hwm() -> None:
         pass
 
 
-def hwm_mib() -> float:
+def status_mib(field: str) -> float:
+    """``VmHWM`` (peak resident memory since the last reset) or ``VmRSS``, in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -137,7 +140,6 @@ def worker(rank: int, world: int, store: str, tmp: str, layers: int, reps: int, 
         save_s = time.perf_counter() - t0
         want_gpu = {k: v[2].to(GPU) for k, v in m.items()}
         templates = {GPU: state(m, GPU, empty=True), "cpu": state(m, "cpu", empty=True)}
-        host_tmp = state(m, "cpu", empty=True)
         times: Dict[str, List[float]] = {op: [] for op in OPS}
         rss: Dict[str, float] = {}
         stats_of: Dict[str, Any] = {}
@@ -150,12 +152,15 @@ def worker(rank: int, world: int, store: str, tmp: str, layers: int, reps: int, 
                 sh.data.zero_()
             sync()
             reset_hwm()
+            base_rss = status_mib("VmRSS")
             dist.barrier()
             t = time.perf_counter()
-            if op == "host_then_gpu":
+            if op == "host_then_gpu":  # a full host copy, allocated per load, as the staged path did
+                host_tmp = state(m, "cpu", empty=True, fresh=True)
                 _, st = megashard.load(host_tmp, path, mode="own", return_stats=True)
                 for k, sh in tpl.items():
                     sh.data.copy_(host_tmp[k].data)
+                del host_tmp
             else:
                 kw: Dict[str, Any] = {"mode": "own" if op.startswith("own") else "scatter"}
                 if op.startswith("scatter_group"):
@@ -165,7 +170,7 @@ def worker(rank: int, world: int, store: str, tmp: str, layers: int, reps: int, 
             dt = torch.tensor([time.perf_counter() - t])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             times[op].append(float(dt))
-            rss[op] = max(rss.get(op, 0.0), hwm_mib())
+            rss[op] = max(rss.get(op, 0.0), status_mib("VmHWM") - base_rss)  # peak over what was resident
             stats_of[op] = {"mode": st.mode, "transport": st.transport, "read": st.bytes_read,
                             "received": st.bytes_received}
             want = want_gpu if dev == GPU else {k: v[2] for k, v in m.items()}
