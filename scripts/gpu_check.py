@@ -21,7 +21,8 @@ Ops run interleaved (rotated order per repetition), median of ``--reps``; per re
 the slower rank counts; peak RSS per rank per op over the RSS before it (VmHWM reset before each). Floors
 measured in the same run: ``preadv`` of one rank's file into pinned memory, one H2D copy
 of 1 GiB from pinned and from pageable memory. Then a one-rank NCCL process group runs
-own and scatter loads into the GPU (collectives on the device), and shared memory is
+own and scatter loads into the GPU (collectives on the device) and an async save of GPU
+tensors (pinned staging, sources changed right after the call), and shared memory is
 page-locked and copied from in one process. Prints one JSON object.
 """
 from __future__ import annotations
@@ -256,6 +257,23 @@ def nccl_worker(store: str, tmp: str, q: Any) -> None:
             _, st = megashard.load(tpl, path, mode=mode, return_stats=True)
             ok = all(torch.equal(tpl[k].data.cpu().view(torch.uint8), m[k][2].view(torch.uint8)) for k in m)
             res[mode] = {"bit_exact": ok, "mode": st.mode, "read": st.bytes_read}
+        # async save of GPU tensors: snapshot into pinned staging on a side stream, then the
+        # sources change at once; the checkpoint must hold the values at the call
+        src = state(m, "cuda", empty=False)
+        src = {k: type(sh)(sh.key, sh.data.clone(), sh.global_shape, sh.global_offset, sh.replica_id)
+               for k, sh in src.items()}
+        apath = os.path.join(tmp, "async_ckpt")
+        t = time.perf_counter()
+        h = megashard.save(src, apath, async_save=True)
+        blocking = time.perf_counter() - t
+        for sh in src.values():
+            sh.data.add_(1)
+        h.result()
+        tpl = state(m, "cuda", empty=True)
+        megashard.load(tpl, apath, mode="own")
+        ok = all(torch.equal(tpl[k].data.cpu().view(torch.uint8), m[k][2].view(torch.uint8)) for k in m)
+        res["async_save_gpu"] = {"bit_exact": ok, "blocking_s": blocking, "timings": h.timings,
+                                 "bytes": sum(v[2].numel() * v[2].element_size() for v in m.values())}
         q.put((0, True, res))
     except BaseException as e:  # noqa: BLE001
         import traceback
