@@ -99,3 +99,50 @@ def test_scalar_tensors_restored_from_numbers():
     loaded = {"optimizer": {"state": {"common_step": 7.0}}}
     st.restore_scalar_tensors(loaded, tmpl)
     assert torch.equal(loaded["optimizer"]["state"]["common_step"], torch.tensor(7.0))
+
+
+def _swiglu_template(w: torch.Tensor) -> dict:
+    """A model template holding one SwiGLU fc1 weight as megatron-core builds it (a factory)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    sh = ShardedTensor.from_rank_offsets("decoder.layers.0.mlp.linear_fc1.weight", w, (0, 0, 1))
+    return {"model": {"decoder.layers.0.mlp.linear_fc1.weight": apply_swiglu_sharded_factory(sh, ())},
+            "other": {"n": 3}}
+
+
+def test_swiglu_merge_is_elided_when_the_load_filled_the_weight_in_place(tmp_path):
+    """The load fills the factory's own tensor through its two halves; the merge (torch.cat)
+    is left out and the weight itself is the result: same values, no second copy. A merge
+    whose parts are not in-place views still runs."""
+    import megashard
+
+    saved = torch.randn(8, 4)
+    megashard.save(st.prepare_for_save(_swiglu_template(saved)), str(tmp_path / "ckpt"))
+    key = "decoder.layers.0.mlp.linear_fc1.weight"
+
+    dest = torch.zeros(8, 4)
+    prepared = st.prepare_for_load(_swiglu_template(dest))
+    loaded = st.finish_load(megashard.load(prepared.request, str(tmp_path / "ckpt")), prepared)
+    assert loaded["model"][key] is dest  # not a concatenated copy
+    assert torch.equal(dest, saved) and loaded["other"] == {"n": 3}
+
+    prepared = st.prepare_for_load(_swiglu_template(torch.zeros(8, 4)))
+    loaded = megashard.load(prepared.request, str(tmp_path / "ckpt"))
+    halves = loaded["model"][key]
+    loaded["model"][key] = [h.clone() for h in halves]  # parts that are not views of the weight
+    merged = st.finish_load(loaded, prepared)["model"][key]
+    assert merged is not prepared.factory_template["model"][key].data and torch.equal(merged, saved)
+
+
+def test_tiles_in_order_checks_memory_order_and_shape():
+    w = torch.arange(24.0).reshape(6, 4)
+    a, b = torch.chunk(w, 2)
+    assert st._tiles_in_order([a, b], w)
+    assert not st._tiles_in_order([b, a], w)  # out of order
+    assert not st._tiles_in_order([a], w)  # does not cover it
+    assert not st._tiles_in_order([a, b.clone()], w)  # another tensor's memory
+    assert not st._tiles_in_order([a, b.double()], w)
+    assert not st._tiles_in_order(list(torch.chunk(w, 2, dim=1)), w)  # dim 1 halves are not a dim 0 cat
+    flat = torch.arange(10.0)
+    assert st._tiles_in_order(list(torch.chunk(flat, 2)), flat)  # DistributedOptimizer's flat fragments

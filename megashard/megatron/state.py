@@ -681,29 +681,72 @@ def finish_load(loaded: Dict[str, Any], prepared: PreparedLoad) -> Dict[str, Any
             del get_path(loaded, path[:-1])[path[-1]]
         except (KeyError, IndexError, TypeError):
             pass
-    loaded = apply_factory_merges(loaded, _factories_only(prepared.factory_template))
+    loaded = apply_factory_merges(loaded, _merges_to_run(prepared.factory_template, loaded))
     if "optimizer" in prepared.request and "optimizer" in loaded:
         restore_scalar_tensors(loaded["optimizer"], prepared.request["optimizer"])
     return loaded
 
 
-def _factories_only(x: Any) -> Any:
-    """The sub-structure of ``x`` that leads to ShardedTensorFactory leaves (lists become index-keyed dicts)."""
+#: merges known to be ``torch.cat(parts)`` along dim 0: (module, qualified name) of Megatron's function
+CAT0_MERGES = {("megatron.core.transformer.mlp", "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn")}
+
+
+def _merges_to_run(x: Any, loaded: Any) -> Any:
+    """The sub-structure of ``x`` leading to the ShardedTensorFactory leaves whose merge must
+    still run (lists become index-keyed dicts).
+
+    A merge that is ``torch.cat`` along dim 0 (:data:`CAT0_MERGES`, e.g. SwiGLU's fc1 halves),
+    whose loaded parts are, in order, consecutive views tiling the factory's own tensor, is
+    already done: the load filled that tensor in place. ``loaded`` gets the tensor itself and
+    the merge is left out; it would allocate and copy every such weight and optimizer state
+    once more (measured: 0.10 s of a 0.49 s resume at 8 layers, TP=2, DistributedOptimizer)."""
     if isinstance(x, dict):
-        items = x.items()
+        items = list(x.items())
     elif isinstance(x, list):
-        items = enumerate(x)
+        items = list(enumerate(x))
     else:
         return {}
     out = {}
     for k, v in items:
+        sub = _child(loaded, k)
         if type(v).__name__ == "ShardedTensorFactory":
-            out[k] = v
+            fn = getattr(v, "merge_fn", None)
+            if ((getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) in CAT0_MERGES
+                    and _tiles_in_order(sub, getattr(v, "data", None))):
+                loaded[k] = v.data
+            else:
+                out[k] = v
         elif isinstance(v, (dict, list)):
-            sub = _factories_only(v)
-            if sub:
-                out[k] = sub
+            nested = _merges_to_run(v, sub)
+            if nested:
+                out[k] = nested
     return out
+
+
+def _child(x: Any, k: Any) -> Any:
+    if isinstance(x, dict):
+        return x.get(k)
+    if isinstance(x, list) and isinstance(k, int) and 0 <= k < len(x):
+        return x[k]
+    return None
+
+
+def _tiles_in_order(parts: Any, data: Any) -> bool:
+    """Whether ``torch.cat(parts)`` (dim 0) equals ``data`` because the parts are, in order,
+    consecutive contiguous views of its memory with its trailing shape."""
+    if not (isinstance(parts, list) and parts and isinstance(data, torch.Tensor) and data.dim() >= 1
+            and data.is_contiguous()):
+        return False
+    storage = data.untyped_storage().data_ptr()
+    pos, rows = data.data_ptr(), 0
+    for p in parts:
+        if not (isinstance(p, torch.Tensor) and p.dtype == data.dtype and p.device == data.device
+                and p.dim() == data.dim() and p.shape[1:] == data.shape[1:] and p.is_contiguous()
+                and p.untyped_storage().data_ptr() == storage and p.data_ptr() == pos):
+            return False
+        pos += p.numel() * p.element_size()
+        rows += p.shape[0]
+    return rows == data.shape[0] and pos == data.data_ptr() + data.numel() * data.element_size()
 
 
 # --------------------------------------------------------------------------------------
