@@ -53,7 +53,8 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
         for f in names:
             path = os.path.join(base, f)
             size = _file_size(files, f)
-            for off, n in [(o, len(mv)) for o, mv in by_file.get(f, ())] + [(o, t.numel()) for o, t in on_device.get(f, ())]:
+            spans = [(o, len(mv)) for o, mv in by_file.get(f, ())] + [(o, t.numel()) for o, t in on_device.get(f, ())]
+            for off, n in spans:
                 if off < 0 or off + n > size:
                     raise CheckpointError(f"{path}: byte range {off}+{n} past end of file ({size} bytes)")
         for f, reqs in by_file.items():

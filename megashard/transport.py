@@ -252,14 +252,14 @@ class Comm:
         """Start sending a contiguous tensor; returns a handle with ``wait()``.
 
         The tensor must stay untouched until the handle completes."""
-        if t.device != self.device and (self.device.type == "cuda" or t.device.type != "cpu"):
+        if t.device != self.device:
             t = t.to(self.device, non_blocking=False)
         return _Pending(self, _dist().isend(t, dst=self.global_rank(dst), group=self.group), f"send to rank {dst}")
 
     def irecv(self, t: torch.Tensor, src: int) -> Any:
         """Start receiving into a contiguous tensor; returns a handle with ``wait()``."""
         what = f"receive from rank {src}"
-        if t.device != self.device and (self.device.type == "cuda" or t.device.type != "cpu"):
+        if t.device != self.device:
             # NCCL receives into device memory, gloo into host memory: stage the other kind
             tmp = torch.empty_like(t, device=self.device)
             work = _dist().irecv(tmp, src=self.global_rank(src), group=self.group)
