@@ -462,7 +462,7 @@ class LoadStats:
     bytes_read: int = 0  # from storage, by this rank
     bytes_received: int = 0
     index_bytes_read: int = 0  # of the checkpoint's index, by this rank
-    transport: str = ""  # scatter: "shm" or "group" on this rank's node
+    transport: str = ""  # scatter: "shm" or "group" on this rank's node; "none": only its reader needed bytes
     seconds: float = 0.0
 
 

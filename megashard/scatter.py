@@ -9,7 +9,8 @@ so a failure anywhere surfaces in the same agreement on every rank):
    (:mod:`megashard.fdpass`);
 2. the reader checks the ranges (opening every file), splits the node's bytes into
    those only one rank needs and those several ranks need, and plans the transfer:
-   ``shm`` (within one kernel and PID namespace) or ``group``. With ``shm`` it hands
+   ``shm`` (within one kernel and PID namespace), ``group``, or ``none`` when no other
+   rank of the node needs bytes (the reader then reads its own in place). With ``shm`` it hands
    each rank, over that rank's socket, its own descriptors of the files holding bytes
    only that rank needs (a rank whose socket fails gets those bytes through the
    ring instead, logged once); then it sends each rank a schedule: which byte
@@ -204,6 +205,8 @@ class _Consumer:
                 shm.unlink(name)
             if ring is not None and direct is not None:
                 return self.transfer_shm(ring, sched, direct)
+            if sched["transport"] == "none":  # this rank needs no bytes; its reader reads its own alone
+                return (0, 0, "none"), None
             nbytes = sum(op.nbytes for op in self.ops)
             return (0, nbytes, "group"), _consume_group(self.comm, self.ops, self.reader, sched["chunk"])
         finally:
@@ -354,7 +357,9 @@ class _Reader:
         mode, name = "group", None
         try:
             self.check_ranges()
-            if self.wants_ring():
+            if not any(n for r in self.consumers for _, _, n in self.requests[r]):
+                mode = "none"  # only this rank needs bytes: it reads them itself, nothing travels
+            elif self.wants_ring():
                 candidates = {c for c, s in enumerate(self.sockets) if s}
                 sched = self.plan_shm(candidates)
                 mode = self.choose(same_host, self.ring_bytes(sched))
@@ -370,7 +375,7 @@ class _Reader:
             name = shm.new_name()
             scheds = self.shm_schedules(sched, name)
         else:
-            scheds = {r: {"transport": "group", "chunk": self.chunk} for r in self.consumers}
+            scheds = {r: {"transport": mode, "chunk": self.chunk} for r in self.consumers}
         ring: Optional[shm.Ring] = None
         direct: Optional[_DirectReads] = None
         try:
@@ -392,6 +397,8 @@ class _Reader:
                 shm.unlink(name)
             if ring is not None and direct is not None:
                 self.transfer_shm(ring, sched, direct)
+            elif mode == "none":
+                self.read_alone()
             else:
                 self.transfer_group()
         finally:
@@ -579,6 +586,16 @@ class _Reader:
         self.nread += direct.nread
         if direct.error is not None:
             ring.fail_reader()
+            self.fail(_err(direct.error, "reading into this rank's tensors"))
+
+    def read_alone(self) -> None:
+        """No other rank of the node needs bytes: read this rank's straight into place, as ``own`` does."""
+        mine = [(op.file, op.offset, op.nbytes, i, 0) for i, op in enumerate(self.ops) if op.nbytes]
+        direct = _DirectReads(self.ops, self.lock, self.fd, self.base,
+                              _batches(mine, _direct_batch_bytes(self.chunk), self.ops), self.threads, self.copier)
+        direct.run()  # in this thread
+        self.nread += direct.nread
+        if direct.error is not None:
             self.fail(_err(direct.error, "reading into this rank's tensors"))
 
     def transfer_group(self) -> None:

@@ -380,6 +380,35 @@ def test_scatter_direct_read_failure_raises_everywhere(tmp_path) -> None:
     assert _segments([r["pid"] for r in res]) == [] and _sockets([r["pid"] for r in res]) == []
 
 
+def _alone_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    import megashard
+
+    path = os.path.join(tmp, "ckpt")
+    layout = Layout(tp=2)
+    _save(layout, rank, path)
+    os.environ["MEGASHARD_NODE_ID"] = f"node-{rank}"  # one rank per node: each is its node's reader
+    out = {"alone": _load(layout, rank, path, verify=True)}
+    os.environ["MEGASHARD_NODE_ID"] = "test-node"  # one node, but rank 1 asks for no bytes at all
+    template = model_state(layout, rank, empty=True) if rank == 0 else {}
+    _, stats = megashard.load(template, path, mode="scatter", strict=False, return_stats=True)
+    out["idle_peer"] = {"bad": check_state(template), "transport": stats.transport, "read": stats.bytes_read,
+                        "received": stats.bytes_received}
+    return out
+
+
+def test_scatter_reader_alone_reads_in_place(tmp_path) -> None:
+    """A node whose other ranks need nothing (or that has no other ranks) moves nothing: its
+    reader reads its own bytes straight into place, exactly its bytes, transport "none"."""
+    res = all_ok(run_ranks(_alone_job, 2, str(tmp_path), env=NODE_ENV))
+    for rank, r in enumerate(res):
+        a = r["alone"]
+        assert a["bad"] == [] and a["transport"] == "none", a
+        assert (a["read"], a["received"]) == (a["needed"], 0), a
+        i = r["idle_peer"]
+        assert i["bad"] == [] and i["transport"] == "none" and i["received"] == 0, i
+    assert res[0]["idle_peer"]["read"] == res[0]["alone"]["needed"] and res[1]["idle_peer"]["read"] == 0
+
+
 def test_fdpass_checks_peer_and_counts(tmp_path) -> None:
     """The socket layer alone: descriptors arrive (in batches), the wrong peer is refused, nothing leaks."""
     from megashard import fdpass
