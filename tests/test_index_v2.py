@@ -115,3 +115,33 @@ def test_damaged_index_is_a_clear_error(tmp_path, damage):
     assert manifest.INDEX_NAME in str(e.value) or "manifest.json" in str(e.value), e.value
     with pytest.raises(CheckpointError):
         megashard.read_manifest(path)
+
+
+def test_pieces_exact_chunk_lookup_agrees_with_the_scan(tmp_path):
+    """LazyIndex.pieces answers a box that is exactly one saved chunk with a lookup and any
+    other box with a scan of every chunk: both give the same shards (overlapping, touching,
+    disjoint and zero-size boxes)."""
+    import itertools
+
+    path = str(tmp_path / "ckpt")
+    sd = {f"p{r}{c}": ShardedTensor("t", torch.full((2, 4), float(4 * r + c)), (8, 8), (2 * r, 4 * c))
+          for r in range(4) for c in range(2)}
+    sd["z"] = ShardedTensor("z", torch.zeros(0, 3), (0, 3), (0, 0))
+    megashard.save(sd, path)
+    boxes = [Box((a, b), (h, w)) for a, b, h, w in itertools.product(range(0, 8, 2), range(0, 8, 4), (0, 1, 2, 3), (1, 4))
+             if a + h <= 8 and b + w <= 8]
+    boxes += [Box((0, 0), (8, 8)), Box((0, 0), (0, 3))]
+    assert sum(1 for b in boxes if b.numel and b.offset[0] % 2 == 0 and b.shape == (2, 4)) == 8  # exact chunks
+
+    def answers(lookup: bool):
+        index = open_index(path)
+        if not lookup:
+            index._exact.update(t={}, z={})  # no chunk found by lookup: every box is scanned
+        try:
+            return [[(r.offset, r.shape, r.name) for r in index.pieces(k, b)] for k in ("t", "z") for b in boxes]
+        finally:
+            index.close()
+
+    fast, scanned = answers(True), answers(False)
+    assert fast == scanned
+    assert len(fast[boxes.index(Box((0, 0), (8, 8)))]) == 8 and fast[-1] == [((0, 0), (0, 3), fast[-1][0][2])]
