@@ -67,7 +67,6 @@ class DeviceCopier:
         self._registered: List[int] = []
         self._lock = threading.Lock()
         self.bounced = 0  # bytes that went through the pinned buffers
-        self.direct = 0  # bytes copied from caller-supplied host memory (ring slots)
 
     # -- copies from host memory the caller owns ------------------------------------
     def register(self, t: torch.Tensor) -> bool:
@@ -97,10 +96,6 @@ class DeviceCopier:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst[:] = src`` (both contiguous uint8); asynchronous for a GPU ``dst``: ``src`` must
         stay unchanged until :meth:`sync`."""
-        self._issue(dst, src)
-        self.direct += src.numel()
-
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         s = self._streams.get(dst.device)
         if s is None:
             dst.copy_(src)
@@ -141,7 +136,7 @@ class DeviceCopier:
         read_requests(fd, [(off, tensor_memoryview(buf[b:b + n])) for off, n, _, b in batch], path, threads)
         used = set()
         for _, n, dst, b in batch:
-            self._issue(dst, buf[b:b + n])
+            self.copy(dst, buf[b:b + n])
             used.add(dst.device)
         self.bounced += sum(n for _, n, _, _ in batch)
         events = []
