@@ -43,6 +43,20 @@ def device_targets(tensors: Iterable[Optional[torch.Tensor]]) -> List[torch.devi
     return out
 
 
+def split_targets(requests: Iterable[Tuple[int, torch.Tensor]]
+                  ) -> Tuple[List[Tuple[int, memoryview]], List[Tuple[int, torch.Tensor]]]:
+    """``(file offset, contiguous destination)`` requests split by where the memory is: host
+    ones as memoryviews for ``preadv``, the others for :meth:`DeviceCopier.read`."""
+    host: List[Tuple[int, memoryview]] = []
+    device: List[Tuple[int, torch.Tensor]] = []
+    for off, t in requests:
+        if on_host(t):
+            host.append((off, tensor_memoryview(t)))
+        else:
+            device.append((off, t))
+    return host, device
+
+
 class DeviceCopier:
     """Host bytes to device tensors for one load; ``close()`` waits for every copy.
 

@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import scatter as scatter_mod, storage
-from .devicecopy import DeviceCopier, device_targets, on_host
+from .devicecopy import DeviceCopier, device_targets, split_targets
 from .errors import CheckpointError
-from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel, tensor_memoryview
+from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel
 from .transport import Comm
 
 SCATTER_TRANSPORTS = scatter_mod.TRANSPORTS
@@ -36,13 +36,15 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
     """Read every planned byte range straight into its destination; returns bytes read.
     ``files`` is the index (or its file table): names and sizes, checked on open."""
     files = getattr(files, "files", files)
+    targets: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+    for op in ops:
+        targets.setdefault(op.file, []).append((op.offset, op.dest))
     by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
     on_device: Dict[str, List[Tuple[int, torch.Tensor]]] = {}  # GPU destinations: through pinned buffers
-    for op in ops:
-        if on_host(op.dest):
-            by_file.setdefault(op.file, []).append((op.offset, tensor_memoryview(op.dest)))
-        else:
-            on_device.setdefault(op.file, []).append((op.offset, op.dest))
+    for f, reqs in targets.items():
+        by_file[f], dev = split_targets(reqs)
+        if dev:
+            on_device[f] = dev
     for f, off, mv in view_ops:
         by_file.setdefault(f, []).append((off, mv))
     names = sorted(set(by_file) | set(on_device) | {j[0] for j in row_jobs})

@@ -45,7 +45,7 @@ from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from . import fdpass, plan, shm
-from .devicecopy import DeviceCopier, device_targets, on_host
+from .devicecopy import DeviceCopier, device_targets, on_host, split_targets
 from .errors import CheckpointError, MegashardError
 from .format import empty_buffer
 from .format.fastio import default_read_threads, read_requests, tensor_memoryview
@@ -673,9 +673,8 @@ class _DirectReads(threading.Thread):
                 path = os.path.join(self.base, f)
                 with self.lock:
                     dsts = [self.ops[i].target()[pos:pos + n] for _, _, n, i, pos in batch]
-                reqs = [(a, tensor_memoryview(d)) for (_, a, _, _, _), d in zip(batch, dsts) if on_host(d)]
+                reqs, dev = split_targets((a, d) for (_, a, _, _, _), d in zip(batch, dsts))
                 read_requests(self.fd_of(f), reqs, path, self.threads)
-                dev = [(a, d) for (_, a, _, _, _), d in zip(batch, dsts) if not on_host(d)]
                 if dev:
                     if self.copier is None:
                         raise MegashardError(f"{path}: a GPU destination but no device copier (internal error)")

@@ -25,7 +25,7 @@ def pretend_device(tensors: List[torch.Tensor]) -> Iterator[Set[int]]:
     """Treat the storages of ``tensors`` as device memory inside megashard."""
     import megashard.devicecopy as dc
     import megashard.format.fastio as fastio
-    from megashard import loading, readers, scatter
+    from megashard import loading, scatter
 
     storages = {t.untyped_storage().data_ptr() for t in tensors}
     touched: Set[int] = set()
@@ -42,8 +42,8 @@ def pretend_device(tensors: List[torch.Tensor]) -> Iterator[Set[int]]:
             raise AssertionError("host memoryview taken of a device destination")
         return real_mv(t)
 
-    patched = [(m, "on_host", on_host) for m in (dc, loading, readers, scatter)]
-    patched += [(m, "tensor_memoryview", memoryview_of) for m in (dc, readers, scatter, loading)]
+    patched = [(m, "on_host", on_host) for m in (dc, loading, scatter)]
+    patched += [(m, "tensor_memoryview", memoryview_of) for m in (dc, scatter, loading)]
     saved = [(m, name, getattr(m, name)) for m, name, _ in patched]
     for m, name, f in patched:
         setattr(m, name, f)
