@@ -28,10 +28,19 @@ building incl. the model's and optimizer's ``sharded_state_dict``, factories,
 the breakdown below the table, medians of the slowest rank. ``--profile DIR`` writes a
 cProfile of each rank's megashard save/load calls there. Checkpoints are deleted at the
 end unless ``--keep``.
+
+The *raw floor* beside megashard's resume: after each ``tensors`` resume, one process per
+rank, started together, reads the very byte ranges that rank's load read (recorded in
+``megashard.readers.read_own``) from the same files with plain ``os.preadv`` on as many
+threads as megashard uses: into already-touched memory for the bytes that went into
+existing tensors, into freshly allocated memory for the optimizer state megashard
+allocated (``state.preallocate_optimizer_state``), as a resume must. Max over ranks, like
+Megatron's timer; the allocation is inside the timing, the touched memory is not.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import os
@@ -115,6 +124,42 @@ def _instrument(out_dir: str, profile_dir: Optional[str]) -> None:
 
     for modname, attr, phase in PHASES:
         wrap(importlib.import_module(modname), attr, phase)
+    _record_reads(out_dir, rank)
+
+
+def _record_reads(out_dir: str, rank: int) -> None:
+    """Keep what each own-mode load read (file, offset, bytes) and how many bytes of fresh
+    optimizer state it filled, for the raw floor (recorded before the reads, outside the
+    phase timings' hot path: one list per load)."""
+    from megashard import readers
+    from megashard.megatron import state
+
+    loads: List[Dict[str, Any]] = []
+    fresh = [0]
+    read_own, prealloc = readers.read_own, state.preallocate_optimizer_state
+
+    @functools.wraps(prealloc)
+    def preallocate(*a: Any, **k: Any) -> Any:
+        got = prealloc(*a, **k)
+        fresh[0] += sum(t.numel() * t.element_size() for t in got.tensors)
+        return got
+
+    @functools.wraps(read_own)
+    def recorded(base: str, files: Any, ops: Any, view_ops: Any, row_jobs: Any, threads: Any) -> int:
+        ranges = [(op.file, op.offset, op.nbytes) for op in ops] + [(f, o, len(mv)) for f, o, mv in view_ops]
+        ranges += [(f, o, run * len(views)) for f, o, run, views in row_jobs]
+        loads.append({"base": base, "ranges": ranges, "fresh_bytes": fresh[0]})
+        fresh[0] = 0
+        return read_own(base, files, ops, view_ops, row_jobs, threads)
+
+    def dump() -> None:  # at exit: outside Megatron's timers
+        if loads:
+            with open(os.path.join(out_dir, f"reads-rank{rank}.json"), "w") as f:
+                json.dump(loads, f)
+
+    atexit.register(dump)
+    state.preallocate_optimizer_state = preallocate
+    readers.read_own = recorded
 
 
 def _torch_adam_distopt_resumable() -> None:
@@ -209,12 +254,79 @@ def _run(a: argparse.Namespace, tree: str, args: List[str], timeout: int) -> Dic
     if run.returncode != 0:
         raise SystemExit(f"run failed ({run.returncode}): {' '.join(args)}\n{run.output[-6000:]}")
     timers = [(m.group(1), float(m.group(3)) / 1e3) for m in TIMER.finditer(run.output)]
-    phases = {}
+    phases, reads = {}, {}
     for f in sorted(os.listdir(out_dir)):
         with open(os.path.join(out_dir, f)) as fh:
-            phases[f[:-5]] = json.load(fh)
+            if f.startswith("reads-rank"):
+                reads[int(f[len("reads-rank"):-5])] = json.load(fh)
+            else:
+                phases[f[:-5]] = json.load(fh)
     shutil.rmtree(out_dir, ignore_errors=True)
-    return {"timers": timers, "phases": phases, "output": run.output}
+    return {"timers": timers, "phases": phases, "reads": reads, "output": run.output}
+
+
+# --------------------------------------------------------------------------------------
+# raw floor: the same bytes per rank, plain preadv, all ranks at once
+# --------------------------------------------------------------------------------------
+def _floor_rank(load: Dict[str, Any], threads: int, barrier: Any, out: Any) -> None:
+    import threading
+
+    import torch
+
+    ranges = load["ranges"]
+    total = sum(n for _, _, n in ranges)
+    fresh_bytes = min(int(load["fresh_bytes"]), total)
+    touched = torch.ones(total - fresh_bytes, dtype=torch.uint8)  # the model's tensors exist already
+    fds = {f: os.open(os.path.join(load["base"], f), os.O_RDONLY) for f in {f for f, _, _ in ranges}}
+    barrier.wait()
+    t0 = time.perf_counter()
+    fresh = torch.empty(fresh_bytes, dtype=torch.uint8)  # a resume's new optimizer state
+    views = [memoryview(touched.numpy()), memoryview(fresh.numpy())]
+    jobs: List[List[Any]] = [[] for _ in range(threads)]
+    buf, pos, share, done = 0, 0, -(-total // threads), 0
+    for f, off, n in ranges:  # consecutive destinations; each thread takes ~1/threads of the bytes
+        while n:
+            if pos == len(views[buf]):
+                buf, pos = buf + 1, 0
+            take = min(n, len(views[buf]) - pos)
+            jobs[min(done // share, threads - 1)].append((fds[f], off, views[buf][pos:pos + take]))
+            pos, off, n, done = pos + take, off + take, n - take, done + take
+
+    def run(js: List[Any]) -> None:
+        for fd, off, mv in js:
+            while len(mv):
+                got = os.preadv(fd, [mv], off)
+                mv, off = mv[got:], off + got
+
+    ts = [threading.Thread(target=run, args=(j,)) for j in jobs[1:]]
+    for t in ts:
+        t.start()
+    run(jobs[0])
+    for t in ts:
+        t.join()
+    out.put(time.perf_counter() - t0)
+    for fd in fds.values():
+        os.close(fd)
+
+
+def raw_floor(reads: Dict[int, List[Dict[str, Any]]]) -> Optional[float]:
+    """Seconds for every rank's processes to re-read its last load's bytes (max over ranks)."""
+    import multiprocessing as mp
+
+    from megashard.format.fastio import default_read_threads
+
+    loads = [evs[-1] for _, evs in sorted(reads.items()) if evs]
+    if not loads:
+        return None
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(len(loads)), ctx.Queue()
+    procs = [ctx.Process(target=_floor_rank, args=(ld, default_read_threads(), barrier, out)) for ld in loads]
+    for p in procs:
+        p.start()
+    times = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return max(times)
 
 
 def _slowest(phases: Dict[str, List[Dict[str, Any]]], op: str) -> List[Dict[str, float]]:
@@ -242,6 +354,9 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
     save_phases: List[Dict[str, float]] = []
     load_phases: List[Dict[str, float]] = []
     sizes: Dict[str, int] = {}
+    floors: List[float] = []  # raw preadv of each tensors resume's bytes (see raw_floor)
+    read_bytes: List[int] = []
+    fresh_bytes: List[int] = []
     for rep in range(a.repeats):
         order = a.formats if rep % 2 == 0 else list(reversed(a.formats))
         for fmt in order:
@@ -271,6 +386,11 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
             loads[fmt] += got
             if fmt == "tensors":
                 load_phases += _slowest(r["phases"], "load")
+                fl = raw_floor(r["reads"])
+                if fl is not None:
+                    floors.append(fl)
+                    read_bytes.append(max(sum(n for _, _, n in evs[-1]["ranges"]) for evs in r["reads"].values()))
+                    fresh_bytes.append(max(evs[-1]["fresh_bytes"] for evs in r["reads"].values()))
             print(f"[rep {rep}] {fmt}: save {saves[fmt][-a.saves:]} load {got[0]:.2f} s "
                   f"({time.time() - t0:.0f} s wall)", file=sys.stderr, flush=True)
             if not a.keep:
@@ -290,6 +410,8 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
         "load_checkpoint_s": {f: _stat(v) for f, v in loads.items()},
         "megashard_save_phases_s": phase_stats(save_phases),
         "megashard_load_phases_s": phase_stats(load_phases),
+        "load_raw_floor_s": _stat(floors),
+        "load_bytes_per_rank": {"read": max(read_bytes, default=0), "fresh_optimizer_state": max(fresh_bytes, default=0)},
         "loadavg": os.getloadavg(),
     }
     if "tensors" in a.formats and "torch_dist" in a.formats:
@@ -315,6 +437,13 @@ def table(res: Dict[str, Any]) -> str:
                          ("load-checkpoint", "load_checkpoint_s", "load")):
         lines.append(f"| {name} | {_fmt(res[key].get('tensors', {}))} | {_fmt(res[key].get('torch_dist', {}))} | "
                      f"{ratio.get(r, float('nan')):.2f}× |")
+    fl = res.get("load_raw_floor_s")
+    if fl:
+        b = res["load_bytes_per_rank"]
+        lines += ["", f"raw floor of the resume (plain preadv of the same {b['read'] / 1e6:.0f} MB per rank, "
+                      f"{b['fresh_optimizer_state'] / 1e6:.0f} MB of it into fresh memory, all ranks at once): "
+                      f"{_fmt(fl)}; megashard's load-checkpoint / floor: "
+                      f"{res['load_checkpoint_s']['tensors']['median'] / fl['median']:.2f}×"]
     for op in ("save", "load"):
         ph = res[f"megashard_{op}_phases_s"]
         if ph:
