@@ -36,6 +36,10 @@ threads as megashard uses: into already-touched memory for the bytes that went i
 existing tensors, into freshly allocated memory for the optimizer state megashard
 allocated (``state.preallocate_optimizer_state``), as a resume must. Max over ranks, like
 Megatron's timer; the allocation is inside the timing, the touched memory is not.
+And beside every save run (either format, so that the disk's history stays alike), one
+process per rank writes that format's checkpoint bytes per rank with plain ``os.pwrite``
+and ``fsync``, as many times back to back as the run saved: the disk's floor for a first
+and for a later save.
 """
 from __future__ import annotations
 
@@ -309,6 +313,59 @@ def _floor_rank(load: Dict[str, Any], threads: int, barrier: Any, out: Any) -> N
         os.close(fd)
 
 
+def _write_floor_rank(path: str, nbytes: int, saves: int, threads: int, barrier: Any, out: Any) -> None:
+    import threading
+
+    import torch
+
+    data = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())  # incompressible
+    share = -(-nbytes // threads)
+    times = []
+    for i in range(saves):
+        barrier.wait()  # every save starts together, as Megatron's timer (with barrier) does
+        t0 = time.perf_counter()
+        fd = os.open(f"{path}.{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+        def run(lo: int, hi: int) -> None:
+            while lo < hi:
+                lo += os.pwrite(fd, data[lo:min(hi, lo + (64 << 20))], lo)
+
+        ts = [threading.Thread(target=run, args=(k * share, min(nbytes, (k + 1) * share))) for k in range(1, threads)]
+        for t in ts:
+            t.start()
+        run(0, min(nbytes, share))
+        for t in ts:
+            t.join()
+        os.fsync(fd)
+        os.close(fd)
+        times.append(time.perf_counter() - t0)
+    for i in range(saves):
+        os.unlink(f"{path}.{i}")
+    out.put(times)
+
+
+def raw_write_floor(workdir: str, world: int, nbytes: int, saves: int) -> List[float]:
+    """Seconds per back-to-back save for ``world`` processes each writing ``nbytes`` (max over ranks)."""
+    import multiprocessing as mp
+
+    from megashard.format.fastio import default_threads
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(world), ctx.Queue()
+    d = tempfile.mkdtemp(prefix="floor-", dir=workdir)
+    procs = [ctx.Process(target=_write_floor_rank, args=(os.path.join(d, f"rank{r}"), nbytes, saves,
+                                                          default_threads(), barrier, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        per_rank = [out.get(timeout=900) for _ in procs]
+    finally:
+        for p in procs:
+            p.join()
+        shutil.rmtree(d, ignore_errors=True)
+    return [max(ts[i] for ts in per_rank) for i in range(saves)]
+
+
 def raw_floor(reads: Dict[int, List[Dict[str, Any]]]) -> Optional[float]:
     """Seconds for every rank's processes to re-read its last load's bytes (max over ranks)."""
     import multiprocessing as mp
@@ -355,6 +412,7 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
     load_phases: List[Dict[str, float]] = []
     sizes: Dict[str, int] = {}
     floors: List[float] = []  # raw preadv of each tensors resume's bytes (see raw_floor)
+    write_floor: Dict[str, List[float]] = {"first": [], "later": []}  # raw pwrite + fsync after each save run
     read_bytes: List[int] = []
     fresh_bytes: List[int] = []
     for rep in range(a.repeats):
@@ -373,6 +431,9 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
                 save_phases += _slowest(r["phases"], "save")
             last = os.path.join(root, f"iter_{a.saves:07d}")
             sizes[fmt] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs)
+            wf = raw_write_floor(a.workdir, a.tp * a.pp * a.dp, sizes[fmt] // (a.tp * a.pp * a.dp), a.saves)
+            write_floor["first"].append(wf[0])
+            write_floor["later"] += wf[1:]
             # keep only the checkpoint that is resumed (disk)
             for it in range(1, a.saves):
                 shutil.rmtree(os.path.join(root, f"iter_{it:07d}"), ignore_errors=True)
@@ -411,6 +472,7 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
         "megashard_save_phases_s": phase_stats(save_phases),
         "megashard_load_phases_s": phase_stats(load_phases),
         "load_raw_floor_s": _stat(floors),
+        "save_raw_floor_s": {k: _stat(v) for k, v in write_floor.items()},
         "load_bytes_per_rank": {"read": max(read_bytes, default=0), "fresh_optimizer_state": max(fresh_bytes, default=0)},
         "loadavg": os.getloadavg(),
     }
@@ -444,6 +506,10 @@ def table(res: Dict[str, Any]) -> str:
                       f"{b['fresh_optimizer_state'] / 1e6:.0f} MB of it into fresh memory, all ranks at once): "
                       f"{_fmt(fl)}; megashard's load-checkpoint / floor: "
                       f"{res['load_checkpoint_s']['tensors']['median'] / fl['median']:.2f}×"]
+    wf = res.get("save_raw_floor_s")
+    if wf and wf.get("first"):
+        lines += [f"raw floor of a save (plain pwrite + fsync of the same bytes per rank, all ranks at once, "
+                  f"back to back after each save run): first {_fmt(wf['first'])}, later {_fmt(wf.get('later', {}))}"]
     for op in ("save", "load"):
         ph = res[f"megashard_{op}_phases_s"]
         if ph:
@@ -480,7 +546,23 @@ def report(paths: List[str]) -> str:
                     f"{sv['tensors']['median']:.2f} s | {sv['torch_dist']['median']:.2f} s | **{ratio['save']:.2f}×** | "
                     f"{_later_ratio(r)} | "
                     f"{ld['tensors']['median']:.2f} s | {ld['torch_dist']['median']:.2f} s | **{ratio['load']:.2f}×** |")
-    return "\n".join(rows)
+    floors = ["", "| config | first save: tensors | torch_dist | raw write floor | later saves: tensors | torch_dist | "
+              "raw write floor | resume: tensors | raw read floor |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        wf, lf = r.get("save_raw_floor_s", {}), r.get("load_raw_floor_s", {})
+        if not wf.get("first") and not lf:
+            continue
+        fs, ls = r["save_checkpoint_first_s"], r["save_checkpoint_later_s"]
+
+        def med(x: Dict[str, Any]) -> str:
+            return f"{x['median']:.2f} s" if x else "–"
+
+        floors.append(f"| {_label(r['config'])} | {med(fs.get('tensors', {}))} | {med(fs.get('torch_dist', {}))} | "
+                      f"{med(wf.get('first', {}))} | {med(ls.get('tensors', {}))} | {med(ls.get('torch_dist', {}))} | "
+                      f"{med(wf.get('later', {}))} | {med(r['load_checkpoint_s'].get('tensors', {}))} | {med(lf)} |")
+    return "\n".join(rows + (floors if len(floors) > 3 else []))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
