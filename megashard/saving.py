@@ -232,6 +232,7 @@ def save(
     threads: Optional[int] = None,
     timeout: Optional[float] = None,
     async_save: bool = False,
+    direct_io: bool = False,
 ) -> Optional["async_save_mod.AsyncSaveHandle"]:
     """Save a (sharded) state dict to ``checkpoint_dir``; collective over ``process_group``.
 
@@ -245,6 +246,11 @@ def save(
     once); files are written in the background and the checkpoint is committed by the
     collective ``handle.result()``. A save started while another is in flight first
     finalizes that one, raising its error if it failed (see :mod:`megashard.async_save`).
+
+    ``direct_io=True`` writes the bulk of every large tensor with ``O_DIRECT``: its bytes
+    bypass the page cache, which keeps a save from allocating and dirtying as much page
+    cache as the checkpoint is large, but leaves nothing cached for a load on the same
+    node afterwards (see :mod:`megashard.format.writer`). The files are identical.
     """
     previous = async_save_mod.in_flight()
     if previous is not None:
@@ -268,9 +274,10 @@ def save(
     temp_dir = storage.temp_dir_name(final_dir, reply["token"])
     finish = partial(_finish_save, keep=keep, temp_dir=temp_dir, final_dir=final_dir, layout=layout,
                      t0=t0, fsync=fsync, is_async=async_save)
+    write = partial(_write_tensors, direct=direct_io)
     if not async_save:
         result, err = comm.run("save/write", lambda: _write_job(_select(st, reply), storage.make_temp_dir(
-            final_dir, reply["token"]), comm.rank, align, fsync, threads))
+            final_dir, reply["token"]), comm.rank, align, fsync, threads, write=write))
         finish(comm, err, result)
         return None
 
@@ -292,7 +299,8 @@ def save(
     log.debug("%sasync save %s: snapshot in %.3f s", rank_prefix(comm), final_dir, t_snap - t0)
     handle = async_save_mod.start(
         async_save_mod._Commit(comm, final_dir, temp_dir, finish),
-        lambda: _write_job(job, storage.make_temp_dir(final_dir, reply["token"]), comm.rank, align, fsync, threads))
+        lambda: _write_job(job, storage.make_temp_dir(final_dir, reply["token"]), comm.rank, align, fsync, threads,
+                           write=write))
     handle.timings = {"plan_s": t_plan - t0, "copy_s": t_copy - t_plan, "agree_s": t_snap - t_copy}
     return handle
 
@@ -386,8 +394,8 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
 
 
 def _write_tensors(tensors: Mapping[str, torch.Tensor], path: str, align: int, fsync: bool,
-                   threads: Optional[int]) -> Tuple[List[Any], int]:
-    infos = write_file(tensors, path, align=align, fsync=fsync, threads=threads)
+                   threads: Optional[int], direct: bool = False) -> Tuple[List[Any], int]:
+    infos = write_file(tensors, path, align=align, fsync=fsync, threads=threads, direct=direct)
     return infos, os.path.getsize(path)
 
 

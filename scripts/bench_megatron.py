@@ -62,6 +62,11 @@ TESTS = os.path.join(REPO, "tests")
 SCRIPT = os.path.join(TESTS, "megatron_helpers", "mlm_pretrain_gpt.py")
 WORKER_FLAG = "--_worker"
 
+DIRECT = "tensors-direct"
+#: Megatron-LM flags of each format's save run; ``tensors-direct``: megashard with ``--megashard-direct-io``
+SAVE_FLAGS = {"tensors": ["--save-format", "tensors"], "torch_dist": ["--save-format", "torch_dist"],
+              DIRECT: ["--save-format", "tensors", "--megashard-direct-io"]}
+
 #: megashard's part of a save / load, by the function that does it (module, attribute, phase)
 PHASES = [
     ("megashard.megatron.checkpointing", "save_checkpoint", "total"),
@@ -421,7 +426,7 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
             root = tempfile.mkdtemp(prefix=f"ckpt-{fmt}-", dir=a.workdir)
             t0 = time.time()
             r = _run(a, tree, base + ["--train-iters", str(a.saves), "--save-interval", "1", "--save", root,
-                                      "--save-format", fmt], a.timeout)
+                                      *SAVE_FLAGS[fmt]], a.timeout)
             got = [t for name, t in r["timers"] if name == "save-checkpoint"]
             if len(got) != a.saves:
                 raise SystemExit(f"expected {a.saves} save-checkpoint timers, got {got}\n{r['output'][-4000:]}")
@@ -442,7 +447,7 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
             got = [t for name, t in r["timers"] if name == "load-checkpoint"]
             if len(got) != 1:
                 raise SystemExit(f"expected one load-checkpoint timer, got {got}\n{r['output'][-4000:]}")
-            if fmt == "tensors" and "holds a megashard checkpoint: loading with megashard" not in r["output"]:
+            if fmt != "torch_dist" and "holds a megashard checkpoint: loading with megashard" not in r["output"]:
                 raise SystemExit("the resume did not go through megashard")
             loads[fmt] += got
             if fmt == "tensors":
@@ -476,10 +481,11 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
         "load_bytes_per_rank": {"read": max(read_bytes, default=0), "fresh_optimizer_state": max(fresh_bytes, default=0)},
         "loadavg": os.getloadavg(),
     }
-    if "tensors" in a.formats and "torch_dist" in a.formats:
-        res["ratio_torch_dist_over_tensors"] = {
-            t: res[k]["torch_dist"]["median"] / res[k]["tensors"]["median"]
-            for t, k in (("save", "save_checkpoint_s"), ("load", "load_checkpoint_s"))}
+    for fmt in ("tensors", DIRECT):
+        if fmt in a.formats and "torch_dist" in a.formats:
+            res["ratio_torch_dist_over_" + fmt.replace("-", "_")] = {
+                t: res[k]["torch_dist"]["median"] / res[k][fmt]["median"]
+                for t, k in (("save", "save_checkpoint_s"), ("load", "load_checkpoint_s"))}
     return res
 
 
@@ -494,11 +500,14 @@ def table(res: Dict[str, Any]) -> str:
              f"VP={c['vp']} DP={c['dp']}, {opt}{', SwiGLU' if c['swiglu'] else ''}; checkpoint "
              + ", ".join(f"{f} {b / 1e9:.2f} GB" for f, b in res["checkpoint_bytes"].items()),
              "", "| Megatron timer | `--save-format tensors` | `torch_dist` | ratio |", "|---|---|---|---|"]
-    ratio = res.get("ratio_torch_dist_over_tensors", {})
-    for name, key, r in (("save-checkpoint", "save_checkpoint_s", "save"),
-                         ("load-checkpoint", "load_checkpoint_s", "load")):
-        lines.append(f"| {name} | {_fmt(res[key].get('tensors', {}))} | {_fmt(res[key].get('torch_dist', {}))} | "
-                     f"{ratio.get(r, float('nan')):.2f}× |")
+    for fmt in ("tensors", DIRECT):
+        if fmt not in res["save_checkpoint_s"]:
+            continue
+        ratio = res.get("ratio_torch_dist_over_" + fmt.replace("-", "_"), {})
+        for name, key, r in (("save-checkpoint", "save_checkpoint_s", "save"),
+                             ("load-checkpoint", "load_checkpoint_s", "load")):
+            lines.append(f"| {name}{' (' + fmt + ')' if fmt != 'tensors' else ''} | {_fmt(res[key].get(fmt, {}))} | "
+                         f"{_fmt(res[key].get('torch_dist', {}))} | {ratio.get(r, float('nan')):.2f}× |")
     fl = res.get("load_raw_floor_s")
     if fl:
         b = res["load_bytes_per_rank"]
@@ -541,6 +550,8 @@ def report(paths: List[str]) -> str:
     for path in paths:
         with open(path) as f:
             r = json.load(f)
+        if "ratio_torch_dist_over_tensors" not in r:
+            continue
         sv, ld, ratio = r["save_checkpoint_s"], r["load_checkpoint_s"], r["ratio_torch_dist_over_tensors"]
         rows.append(f"| {_label(r['config'])} | {r['checkpoint_bytes']['tensors'] / 1e9:.2f} | "
                     f"{sv['tensors']['median']:.2f} s | {sv['torch_dist']['median']:.2f} s | **{ratio['save']:.2f}×** | "
@@ -562,7 +573,24 @@ def report(paths: List[str]) -> str:
         floors.append(f"| {_label(r['config'])} | {med(fs.get('tensors', {}))} | {med(fs.get('torch_dist', {}))} | "
                       f"{med(wf.get('first', {}))} | {med(ls.get('tensors', {}))} | {med(ls.get('torch_dist', {}))} | "
                       f"{med(wf.get('later', {}))} | {med(r['load_checkpoint_s'].get('tensors', {}))} | {med(lf)} |")
-    return "\n".join(rows + (floors if len(floors) > 3 else []))
+    direct = ["", f"| config | save-checkpoint {DIRECT} | torch_dist | ratio | first saves | later saves | "
+              f"load-checkpoint {DIRECT} (page cache cold) | torch_dist | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        sv, ld = r["save_checkpoint_s"], r["load_checkpoint_s"]
+        if not sv.get(DIRECT) or not sv.get("torch_dist"):
+            continue
+        fs, ls = r["save_checkpoint_first_s"], r["save_checkpoint_later_s"]
+
+        def rat(x: Dict[str, Any]) -> str:
+            return f"{x['torch_dist']['median'] / x[DIRECT]['median']:.2f}×" if x.get(DIRECT) and x.get("torch_dist") else "–"
+
+        direct.append(f"| {_label(r['config'])} | {sv[DIRECT]['median']:.2f} s | {sv['torch_dist']['median']:.2f} s | "
+                      f"**{rat(sv)}** | {rat(fs)} | {rat(ls)} | {ld[DIRECT]['median']:.2f} s | "
+                      f"{ld['torch_dist']['median']:.2f} s | {rat(ld)} |")
+    return "\n".join((rows if len(rows) > 2 else []) + (floors if len(floors) > 3 else [])
+                     + (direct if len(direct) > 3 else []))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -582,7 +610,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--swiglu", action="store_true")
-    p.add_argument("--formats", nargs="+", default=["tensors", "torch_dist"])
+    p.add_argument("--formats", nargs="+", default=["tensors", "torch_dist"], choices=sorted(SAVE_FLAGS),
+                   help=f"{DIRECT}: megashard saving with --megashard-direct-io (its resume then reads "
+                        "from disk: O_DIRECT leaves nothing in the page cache)")
     p.add_argument("--repeats", type=int, default=2, help="save+resume runs per format (interleaved)")
     p.add_argument("--saves", type=int, default=2, help="saves per save run (each one timed)")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_megatron"))

@@ -26,6 +26,8 @@ def test_add_arguments_flags_and_defaults():
                       "--megashard-verify-on-load", "--megashard-non-strict-load"])
     assert (a.save_format, a.megashard_load_mode, a.megashard_verify_on_load, a.megashard_strict_load) == (
         "tensors", "scatter", True, False)
+    assert p.parse_args(["--megashard-direct-io"]).megashard_direct_io is True
+    assert a.megashard_direct_io is False
     with pytest.raises(SystemExit):
         p.parse_args(["--save-format", "zarr"])
     # usable as extra_args_provider: returns the parser, safe to apply twice

@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             help="Tolerate tensors missing from the checkpoint (they keep their current "
                  "values and are listed in the log) instead of failing.",
         )
+    if not _has(parser, "--megashard-direct-io"):
+        group.add_argument(
+            "--megashard-direct-io", action="store_true", default=False,
+            help="Write the bulk of every large tensor with O_DIRECT, bypassing the page cache: "
+                 "saves allocate and dirty no page cache for it (faster where the page cache is "
+                 "the bottleneck, e.g. VMs), but a load on the same node afterwards reads from disk.",
+        )
     if not _has(parser, "--async-save"):  # Megatron-LM defines it; stand-alone scripts get it here
         group.add_argument(
             "--async-save", action="store_true", default=None,

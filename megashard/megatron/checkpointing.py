@@ -13,7 +13,7 @@ both Megatron-LM's global args and a stand-alone script's args work): ``save``,
 ``no_save_rng``, ``ckpt_step``, ``exit_on_missing_checkpoint``,
 ``use_distributed_optimizer``, ``data_parallel_random_init``, ``pretrained_checkpoint``;
 and megashard's own ``megashard_load_mode``, ``megashard_verify_on_load``,
-``megashard_strict_load`` (see :mod:`megashard.megatron.args`).
+``megashard_strict_load``, ``megashard_direct_io`` (see :mod:`megashard.megatron.args`).
 """
 from __future__ import annotations
 
@@ -236,12 +236,14 @@ def save_checkpoint(
     stems = file_stems(chunks, layout)
     save_layout = {k: layout[k] for k in ("tp", "pp", "dp", "ep")} | {"vp": len(chunks)}
     if bool(_flag(args, "async_save")) if async_save is None else async_save:
-        handle = _api().save(sd, ckpt, file_stems=stems, layout=save_layout, async_save=True)
+        handle = _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, async_save=True,
+                       direct_io=bool(_flag(args, "megashard_direct_io")))
         handle.add_commit_callback(lambda: _commit_tracker(root, iteration, release))
         log.info("scheduled an async save of iteration %d to %s; training stalled %.2f s for the snapshot",
                  iteration, ckpt, time.perf_counter() - t0)
         return ckpt
-    _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout)
+    _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout,
+          direct_io=bool(_flag(args, "megashard_direct_io")))
     _barrier()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         write_tracker(root, iteration, release)
