@@ -318,18 +318,27 @@ def _floor_rank(load: Dict[str, Any], threads: int, barrier: Any, out: Any) -> N
         os.close(fd)
 
 
-def _write_floor_rank(path: str, nbytes: int, saves: int, threads: int, barrier: Any, out: Any) -> None:
+def _write_floor_rank(path: str, nbytes: int, saves: int, threads: int, direct: bool, barrier: Any, out: Any) -> None:
+    import mmap
     import threading
 
+    import numpy
     import torch
 
-    data = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())  # incompressible
-    share = -(-nbytes // threads)
+    if direct:  # O_DIRECT: page-aligned memory, whole 4 KiB blocks (the last one padded)
+        nbytes = -(-nbytes // 4096) * 4096
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        numpy.frombuffer(m, dtype=numpy.uint8)[:] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()
+        data = memoryview(m)
+    else:
+        data = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())  # incompressible
+    share = -(-nbytes // threads // 4096) * 4096
     times = []
     for i in range(saves):
         barrier.wait()  # every save starts together, as Megatron's timer (with barrier) does
         t0 = time.perf_counter()
-        fd = os.open(f"{path}.{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(f"{path}.{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                     | (os.O_DIRECT if direct else 0), 0o600)
 
         def run(lo: int, hi: int) -> None:
             while lo < hi:
@@ -349,7 +358,7 @@ def _write_floor_rank(path: str, nbytes: int, saves: int, threads: int, barrier:
     out.put(times)
 
 
-def raw_write_floor(workdir: str, world: int, nbytes: int, saves: int) -> List[float]:
+def raw_write_floor(workdir: str, world: int, nbytes: int, saves: int, direct: bool = False) -> List[float]:
     """Seconds per back-to-back save for ``world`` processes each writing ``nbytes`` (max over ranks)."""
     import multiprocessing as mp
 
@@ -359,7 +368,7 @@ def raw_write_floor(workdir: str, world: int, nbytes: int, saves: int) -> List[f
     barrier, out = ctx.Barrier(world), ctx.Queue()
     d = tempfile.mkdtemp(prefix="floor-", dir=workdir)
     procs = [ctx.Process(target=_write_floor_rank, args=(os.path.join(d, f"rank{r}"), nbytes, saves,
-                                                          default_threads(), barrier, out)) for r in range(world)]
+                                                          default_threads(), direct, barrier, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -436,7 +445,8 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
                 save_phases += _slowest(r["phases"], "save")
             last = os.path.join(root, f"iter_{a.saves:07d}")
             sizes[fmt] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(last) for f in fs)
-            wf = raw_write_floor(a.workdir, a.tp * a.pp * a.dp, sizes[fmt] // (a.tp * a.pp * a.dp), a.saves)
+            wf = raw_write_floor(a.workdir, a.tp * a.pp * a.dp, sizes[fmt] // (a.tp * a.pp * a.dp), a.saves,
+                                 direct=a.write_floor == "direct")
             write_floor["first"].append(wf[0])
             write_floor["later"] += wf[1:]
             # keep only the checkpoint that is resumed (disk)
@@ -478,6 +488,7 @@ def bench(a: argparse.Namespace) -> Dict[str, Any]:
         "megashard_load_phases_s": phase_stats(load_phases),
         "load_raw_floor_s": _stat(floors),
         "save_raw_floor_s": {k: _stat(v) for k, v in write_floor.items()},
+        "save_raw_floor_kind": a.write_floor,
         "load_bytes_per_rank": {"read": max(read_bytes, default=0), "fresh_optimizer_state": max(fresh_bytes, default=0)},
         "loadavg": os.getloadavg(),
     }
@@ -517,7 +528,8 @@ def table(res: Dict[str, Any]) -> str:
                       f"{res['load_checkpoint_s']['tensors']['median'] / fl['median']:.2f}×"]
     wf = res.get("save_raw_floor_s")
     if wf and wf.get("first"):
-        lines += [f"raw floor of a save (plain pwrite + fsync of the same bytes per rank, all ranks at once, "
+        lines += [f"raw floor of a save (plain pwrite{' with O_DIRECT' if res.get('save_raw_floor_kind') == 'direct' else ''}"
+                  f" + fsync of the same bytes per rank, all ranks at once, "
                   f"back to back after each save run): first {_fmt(wf['first'])}, later {_fmt(wf.get('later', {}))}"]
     for op in ("save", "load"):
         ph = res[f"megashard_{op}_phases_s"]
@@ -563,8 +575,10 @@ def report(paths: List[str]) -> str:
         with open(path) as f:
             r = json.load(f)
         wf, lf = r.get("save_raw_floor_s", {}), r.get("load_raw_floor_s", {})
-        if not wf.get("first") and not lf:
+        if "tensors" not in r["save_checkpoint_s"] or (not wf.get("first") and not lf):
             continue
+        if r.get("save_raw_floor_kind", "buffered") != "buffered":
+            wf = {}
         fs, ls = r["save_checkpoint_first_s"], r["save_checkpoint_later_s"]
 
         def med(x: Dict[str, Any]) -> str:
@@ -574,7 +588,8 @@ def report(paths: List[str]) -> str:
                       f"{med(wf.get('first', {}))} | {med(ls.get('tensors', {}))} | {med(ls.get('torch_dist', {}))} | "
                       f"{med(wf.get('later', {}))} | {med(r['load_checkpoint_s'].get('tensors', {}))} | {med(lf)} |")
     direct = ["", f"| config | save-checkpoint {DIRECT} | torch_dist | ratio | first saves | later saves | "
-              f"load-checkpoint {DIRECT} (page cache cold) | torch_dist | ratio |", "|---|---|---|---|---|---|---|---|---|"]
+              "O_DIRECT write floor, first / later | "
+              f"load-checkpoint {DIRECT} (page cache cold) | torch_dist | ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
         with open(path) as f:
             r = json.load(f)
@@ -586,8 +601,11 @@ def report(paths: List[str]) -> str:
         def rat(x: Dict[str, Any]) -> str:
             return f"{x['torch_dist']['median'] / x[DIRECT]['median']:.2f}×" if x.get(DIRECT) and x.get("torch_dist") else "–"
 
+        wf = r.get("save_raw_floor_s", {}) if r.get("save_raw_floor_kind") == "direct" else {}
+        wfs = (f"{wf['first']['median']:.2f} s / {wf['later']['median']:.2f} s" if wf.get("first") and wf.get("later")
+               else "–")
         direct.append(f"| {_label(r['config'])} | {sv[DIRECT]['median']:.2f} s | {sv['torch_dist']['median']:.2f} s | "
-                      f"**{rat(sv)}** | {rat(fs)} | {rat(ls)} | {ld[DIRECT]['median']:.2f} s | "
+                      f"**{rat(sv)}** | {rat(fs)} | {rat(ls)} | {wfs} | {ld[DIRECT]['median']:.2f} s | "
                       f"{ld['torch_dist']['median']:.2f} s | {rat(ld)} |")
     return "\n".join((rows if len(rows) > 2 else []) + (floors if len(floors) > 3 else [])
                      + (direct if len(direct) > 3 else []))
@@ -613,6 +631,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--formats", nargs="+", default=["tensors", "torch_dist"], choices=sorted(SAVE_FLAGS),
                    help=f"{DIRECT}: megashard saving with --megashard-direct-io (its resume then reads "
                         "from disk: O_DIRECT leaves nothing in the page cache)")
+    p.add_argument("--write-floor", choices=["buffered", "direct"], default="buffered",
+                   help="the raw write floor beside each save run: through the page cache, or with O_DIRECT")
     p.add_argument("--repeats", type=int, default=2, help="save+resume runs per format (interleaved)")
     p.add_argument("--saves", type=int, default=2, help="saves per save run (each one timed)")
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "bench_megatron"))
