@@ -35,7 +35,7 @@ import mmap
 import os
 import threading
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -46,7 +46,7 @@ from isal import isal_zlib
 from ..errors import FormatError, UnsupportedFormatError
 from . import layout as L
 from .dtypes import DtypeCodec, encode_dtype
-from .fastio import default_threads, pwrite_all, tensor_memoryview
+from .fastio import default_threads, io_pool, pwrite_all, tensor_memoryview
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ MAX_ALIGN = 1 << 24
 INLINE_BYTES = 4 << 20  # smaller files are written by the calling thread alone
 EARLY_WRITEBACK_MIN = 64 << 20  # below this the final fsync is short anyway
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory aligned (covers 512 B and 4 KiB sectors)
-DIRECT_BUF = 8 << 20  # one bounce buffer: large O_DIRECT writes, small enough to reuse per thread
+DIRECT_BUF = 4 << 20  # one bounce buffer (two per writing thread): large O_DIRECT writes, little memory
+DIRECT_WRITERS = 8  # threads issuing O_DIRECT writes: one in flight per writing thread (at most 8)
 
 
 @dataclass
@@ -252,23 +253,42 @@ def _write_hashed(fd: int, direct: "_Direct | None", mv: memoryview, src_addr: i
                   off: int, sha: "hashlib._Hash | None", crc: int) -> int:
     """Write ``mv[lo:hi]`` at file offset ``off + lo`` in cache-sized chunks, CRC32 (and
     SHA-256 with ``sha``) on the way; returns the CRC. With ``direct``, the block-aligned
-    part goes through a bounce buffer with O_DIRECT: copied there (``memmove`` releases
-    the GIL), hashed from there while in cache, written in ``DIRECT_BUF`` runs."""
+    part goes through two bounce buffers with O_DIRECT: one is filled (``memmove``, which
+    releases the GIL) and hashed while in cache, while the other is being written."""
     p = lo
     if direct is not None and direct.usable and (off + lo) % DIRECT_ALIGN == 0 and hi - lo >= DIRECT_ALIGN:
         body_end = lo + (hi - lo) // DIRECT_ALIGN * DIRECT_ALIGN
-        with _Bounce() as (buf, addr):
-            while p < body_end:
-                n = min(DIRECT_BUF, body_end - p)
-                for q in range(0, n, HASH_CHUNK):
-                    m = min(HASH_CHUNK, n - q)
-                    ctypes.memmove(addr + q, src_addr + p + q, m)
-                    piece = buf[q:q + m]
-                    if sha is not None:
-                        sha.update(piece)
-                    crc = isal_zlib.crc32(piece, crc)
-                direct.write(fd, buf[:n], off + p)
-                p += n
+        pending: list[Future[None] | None] = [None, None]
+        with _Bounce() as first, _Bounce() as second:
+            bounce = (first, second)
+            try:
+                k = 0
+                while p < body_end:
+                    if pending[k] is not None:
+                        pending[k].result()  # this buffer's previous write is done: reuse it
+                        pending[k] = None
+                    buf, addr = bounce[k]
+                    n = min(DIRECT_BUF, body_end - p)
+                    for q in range(0, n, HASH_CHUNK):
+                        m = min(HASH_CHUNK, n - q)
+                        ctypes.memmove(addr + q, src_addr + p + q, m)
+                        piece = buf[q:q + m]
+                        if sha is not None:
+                            sha.update(piece)
+                        crc = isal_zlib.crc32(piece, crc)
+                    pending[k] = io_pool(DIRECT_WRITERS).submit(direct.write, fd, buf[:n], off + p)
+                    p += n
+                    k ^= 1
+            finally:  # no buffer goes back to the pool while a write still reads it
+                errors = []
+                for f in pending:
+                    if f is not None:
+                        try:
+                            f.result()
+                        except BaseException as e:  # noqa: BLE001 - re-raised below
+                            errors.append(e)
+            if errors:
+                raise errors[0]
     for q in range(p, hi, HASH_CHUNK):
         chunk = mv[q:min(hi, q + HASH_CHUNK)]
         if sha is not None:
