@@ -99,34 +99,8 @@ def test_filesystem_without_o_direct_falls_back(tmp_path: Path, monkeypatch: pyt
     assert (tmp_path / "x.tensors").read_bytes() == (tmp_path / "ref.tensors").read_bytes()
 
 
-def test_refused_direct_write_falls_back_without_losing_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An O_DIRECT write that fails with EINVAL (alignment the device wants bigger than
-    4 KiB) is written through the page cache instead; every byte arrives."""
-    real_pwrite = os.pwrite
-    direct_fds: set[int] = set()
-    real_open = os.open
-
-    def track(path, flags, *a, **k):
-        fd = real_open(path, flags, *a, **k)
-        if flags & os.O_DIRECT:
-            direct_fds.add(fd)
-        return fd
-
-    def refuse(fd, data, off):
-        if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, off)
-
-    sd = _state()
-    write_file(sd, tmp_path / "ref.tensors", threads=2)
-    monkeypatch.setattr(W.os, "open", track)
-    monkeypatch.setattr(W.os, "pwrite", refuse)
-    write_file(sd, tmp_path / "x.tensors", threads=2, direct=True)
-    assert direct_fds  # the direct descriptor was opened, and refused
-    assert (tmp_path / "x.tensors").read_bytes() == (tmp_path / "ref.tensors").read_bytes()
-
-
-def test_other_write_errors_are_raised_not_swallowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fail_direct_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> set[int]:
+    """Make every pwrite on an O_DIRECT descriptor fail with ``code``; returns those descriptors."""
     real_open, real_pwrite = os.open, os.pwrite
     direct_fds: set[int] = set()
 
@@ -136,13 +110,29 @@ def test_other_write_errors_are_raised_not_swallowed(tmp_path: Path, monkeypatch
             direct_fds.add(fd)
         return fd
 
-    def full(fd, data, off):
+    def fail(fd, data, off):
         if fd in direct_fds:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(code, os.strerror(code))
         return real_pwrite(fd, data, off)
 
     monkeypatch.setattr(W.os, "open", track)
-    monkeypatch.setattr(W.os, "pwrite", full)
+    monkeypatch.setattr(W.os, "pwrite", fail)
+    return direct_fds
+
+
+def test_refused_direct_write_falls_back_without_losing_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An O_DIRECT write that fails with EINVAL (alignment the device wants bigger than
+    4 KiB) is written through the page cache instead; every byte arrives."""
+    sd = _state()
+    write_file(sd, tmp_path / "ref.tensors", threads=2)
+    direct_fds = _fail_direct_writes(monkeypatch, errno.EINVAL)
+    write_file(sd, tmp_path / "x.tensors", threads=2, direct=True)
+    assert direct_fds  # the direct descriptor was opened, and refused
+    assert (tmp_path / "x.tensors").read_bytes() == (tmp_path / "ref.tensors").read_bytes()
+
+
+def test_other_write_errors_are_raised_not_swallowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_direct_writes(monkeypatch, errno.ENOSPC)
     with pytest.raises(OSError) as e:
         write_file(_state(), tmp_path / "x.tensors", direct=True)
     assert e.value.errno == errno.ENOSPC
