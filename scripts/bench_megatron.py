@@ -54,7 +54,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -277,9 +277,35 @@ def _run(a: argparse.Namespace, tree: str, args: List[str], timeout: int) -> Dic
 # --------------------------------------------------------------------------------------
 # raw floor: the same bytes per rank, plain preadv, all ranks at once
 # --------------------------------------------------------------------------------------
-def _floor_rank(load: Dict[str, Any], threads: int, barrier: Any, out: Any) -> None:
+def _in_threads(fn: Any, args: List[Tuple[Any, ...]]) -> None:
+    """``fn(*a)`` for every ``a``, the first in this thread and the others in their own."""
     import threading
 
+    ts = [threading.Thread(target=fn, args=a) for a in args[1:]]
+    for t in ts:
+        t.start()
+    fn(*args[0])
+    for t in ts:
+        t.join()
+
+
+def _at_once(target: Any, per_rank: List[Tuple[Any, ...]], timeout: float) -> List[Any]:
+    """One spawned process per rank, ``target(*args, barrier, out)``; what each put on ``out``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(len(per_rank)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, barrier, out)) for args in per_rank]
+    for p in procs:
+        p.start()
+    try:
+        return [out.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join()
+
+
+def _floor_rank(load: Dict[str, Any], threads: int, barrier: Any, out: Any) -> None:
     import torch
 
     ranges = load["ranges"]
@@ -307,12 +333,7 @@ def _floor_rank(load: Dict[str, Any], threads: int, barrier: Any, out: Any) -> N
                 got = os.preadv(fd, [mv], off)
                 mv, off = mv[got:], off + got
 
-    ts = [threading.Thread(target=run, args=(j,)) for j in jobs[1:]]
-    for t in ts:
-        t.start()
-    run(jobs[0])
-    for t in ts:
-        t.join()
+    _in_threads(run, [(j,) for j in jobs])
     out.put(time.perf_counter() - t0)
     for fd in fds.values():
         os.close(fd)
@@ -320,7 +341,6 @@ def _floor_rank(load: Dict[str, Any], threads: int, barrier: Any, out: Any) -> N
 
 def _write_floor_rank(path: str, nbytes: int, saves: int, threads: int, direct: bool, barrier: Any, out: Any) -> None:
     import mmap
-    import threading
 
     import numpy
     import torch
@@ -344,12 +364,7 @@ def _write_floor_rank(path: str, nbytes: int, saves: int, threads: int, direct: 
             while lo < hi:
                 lo += os.pwrite(fd, data[lo:min(hi, lo + (64 << 20))], lo)
 
-        ts = [threading.Thread(target=run, args=(k * share, min(nbytes, (k + 1) * share))) for k in range(1, threads)]
-        for t in ts:
-            t.start()
-        run(0, min(nbytes, share))
-        for t in ts:
-            t.join()
+        _in_threads(run, [(k * share, min(nbytes, (k + 1) * share)) for k in range(threads)])
         os.fsync(fd)
         os.close(fd)
         times.append(time.perf_counter() - t0)
@@ -360,44 +375,25 @@ def _write_floor_rank(path: str, nbytes: int, saves: int, threads: int, direct: 
 
 def raw_write_floor(workdir: str, world: int, nbytes: int, saves: int, direct: bool = False) -> List[float]:
     """Seconds per back-to-back save for ``world`` processes each writing ``nbytes`` (max over ranks)."""
-    import multiprocessing as mp
-
     from megashard.format.fastio import default_threads
 
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(world), ctx.Queue()
     d = tempfile.mkdtemp(prefix="floor-", dir=workdir)
-    procs = [ctx.Process(target=_write_floor_rank, args=(os.path.join(d, f"rank{r}"), nbytes, saves,
-                                                          default_threads(), direct, barrier, out)) for r in range(world)]
-    for p in procs:
-        p.start()
     try:
-        per_rank = [out.get(timeout=900) for _ in procs]
+        per_rank = _at_once(_write_floor_rank, [(os.path.join(d, f"rank{r}"), nbytes, saves, default_threads(), direct)
+                                                for r in range(world)], 900)
     finally:
-        for p in procs:
-            p.join()
         shutil.rmtree(d, ignore_errors=True)
     return [max(ts[i] for ts in per_rank) for i in range(saves)]
 
 
 def raw_floor(reads: Dict[int, List[Dict[str, Any]]]) -> Optional[float]:
     """Seconds for every rank's processes to re-read its last load's bytes (max over ranks)."""
-    import multiprocessing as mp
-
     from megashard.format.fastio import default_read_threads
 
     loads = [evs[-1] for _, evs in sorted(reads.items()) if evs]
     if not loads:
         return None
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(len(loads)), ctx.Queue()
-    procs = [ctx.Process(target=_floor_rank, args=(ld, default_read_threads(), barrier, out)) for ld in loads]
-    for p in procs:
-        p.start()
-    times = [out.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    return max(times)
+    return max(_at_once(_floor_rank, [(ld, default_read_threads()) for ld in loads], 600))
 
 
 def _slowest(phases: Dict[str, List[Dict[str, Any]]], op: str) -> List[Dict[str, float]]:

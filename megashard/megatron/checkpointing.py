@@ -235,15 +235,15 @@ def save_checkpoint(
     sd = st.prepare_for_save(sd)
     stems = file_stems(chunks, layout)
     save_layout = {k: layout[k] for k in ("tp", "pp", "dp", "ep")} | {"vp": len(chunks)}
+    direct_io = bool(_flag(args, "megashard_direct_io"))
     if bool(_flag(args, "async_save")) if async_save is None else async_save:
         handle = _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, async_save=True,
-                       direct_io=bool(_flag(args, "megashard_direct_io")))
+                       direct_io=direct_io)
         handle.add_commit_callback(lambda: _commit_tracker(root, iteration, release))
         log.info("scheduled an async save of iteration %d to %s; training stalled %.2f s for the snapshot",
                  iteration, ckpt, time.perf_counter() - t0)
         return ckpt
-    _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout,
-          direct_io=bool(_flag(args, "megashard_direct_io")))
+    _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, direct_io=direct_io)
     _barrier()
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         write_tracker(root, iteration, release)
