@@ -19,9 +19,10 @@ so a failure anywhere surfaces in the same agreement on every rank):
    ranges it reads itself through the passed descriptors, and the ring segment's
    name and where this rank's shared ranges lie in it; or, for ``group``, that
    chunks come as point-to-point messages in a fixed order;
-3. agreement "setup" (reader: files present and ranges valid, ring created; the
-   others: descriptors received and of the index's size); the ranks open the ring;
-   agreement "open"; every rank unlinks the ring's name;
+3. agreement "setup" (reader: files present and ranges valid, ring created, after
+   removing segments of crashed jobs; the others: schedule received and consistent
+   with the descriptors they took); the ranks open the ring; agreement "open"; every
+   rank unlinks the ring's name;
 4. transfer. ``shm``: every rank reads the bytes only it needs straight into its
    tensors (``preadv``, as in ``own`` mode), while the reader fills ring slots
    (:mod:`megashard.shm`) with the bytes several ranks need and each rank copies
