@@ -10,24 +10,36 @@ The receiving rank listens on a socket with a random name in Linux's abstract
 namespace (no file to leave behind; it disappears with its last descriptor) and
 sends that name with its scatter request. The reader connects, checks with
 ``SO_PEERCRED`` that the listener is the requesting process (same pid, same uid)
-and sends the descriptors; the receiver accepts only the reader's pid. Every
-socket operation has a timeout. This module never talks to ``torch.distributed``.
+and sends the descriptors. Abstract names are visible to every local user
+(``/proc/net/unix``), so anyone may connect too: a thread accepts every connection
+as it arrives (a stranger cannot fill the backlog), closes those of other users at
+once, keeps the first of each other process of this user until the reader's pid is
+known, and then keeps only the reader's. Every socket operation has a timeout. This
+module never talks to ``torch.distributed``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
 import sys
-from typing import List, Sequence, Tuple
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .errors import MegashardError
+
+log = logging.getLogger(__name__)
 
 NAME_PREFIX = "megashard-"
 MAX_FDS_PER_MESSAGE = 250  # Linux's SCM_MAX_FD is 253
 TIMEOUT_S = 30.0  # the reader sends before the receiver even learns to accept: a wait here means trouble
+BACKLOG = 64
+MAX_HELD = 16  # connections of this user's other processes kept until the reader's pid is known
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
@@ -66,31 +78,90 @@ def close_all(fds: Sequence[int]) -> None:
 
 
 class Listener:
-    """The receiving rank's end: a listening socket with a fresh random name."""
+    """The receiving rank's end: a listening socket with a fresh random name, drained by a
+    thread from the start (see the module docstring); :meth:`receive` takes the reader's
+    connection, :meth:`close` ends the thread and closes everything."""
 
     def __init__(self) -> None:
         if not supported():
             raise FdPassError("passing descriptors needs Linux (abstract Unix sockets, SCM_RIGHTS)")
         self.name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
             self.sock.bind(_address(self.name))
-            self.sock.listen(1)
+            self.sock.listen(BACKLOG)
+            self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             self.sock.close()
             raise FdPassError(f"cannot listen on an abstract Unix socket: {e}") from None
+        self._cond = threading.Condition()
+        self._held: Dict[int, socket.socket] = {}  # peer pid -> its first connection
+        self._expect: Optional[int] = None  # the reader's pid, once known
+        self._dropped: Set[int] = set()  # pids of this user turned away while MAX_HELD were held
+        self._failure: Optional[str] = None  # the accept thread stopped on this error
+        self.strangers = 0  # connections closed: other users, other processes, repeats
+        self._thread = threading.Thread(target=self._accept_loop, name="megashard-fdpass-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        poll = select.poll()
+        poll.register(self.sock.fileno(), select.POLLIN)
+        poll.register(self._wake_r, select.POLLIN)
+        try:
+            while True:
+                if any(fd == self._wake_r for fd, _ in poll.poll()):
+                    return
+                try:
+                    conn, _ = self.sock.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    continue
+                self._admit(conn)
+        except OSError as e:  # the listening socket itself failed: the receiver learns it in receive()
+            with self._cond:
+                self._failure = f"accepting connections failed: {e}"
+                self._cond.notify_all()
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Keep ``conn`` if it may be the reader's (see the module docstring), else close it."""
+        try:
+            pid, uid = peer_credentials(conn)
+        except OSError:
+            pid, uid = -1, -1
+        with self._cond:
+            keep = uid == os.getuid() and pid > 0 and pid not in self._held and (
+                pid == self._expect if self._expect is not None else len(self._held) < MAX_HELD)
+            if keep:
+                self._held[pid] = conn
+                self._cond.notify_all()
+                return
+            if uid == os.getuid() and self._expect is None and pid not in self._held:
+                self._dropped.add(pid)
+            self.strangers += 1
+        log.debug("descriptor socket %s: closed a connection from pid %d (uid %d)", self.name, pid, uid)
+        conn.close()
 
     def receive(self, sender_pid: int, count: int, timeout: float = TIMEOUT_S) -> List[int]:
-        """Accept the sender's connection and take exactly ``count`` descriptors from it."""
+        """Wait for ``sender_pid``'s connection (closing every other) and take exactly ``count``
+        descriptors from it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._expect = sender_pid
+            for pid in [p for p in self._held if p != sender_pid]:
+                self._held.pop(pid).close()
+            while sender_pid not in self._held:
+                left = deadline - time.monotonic()
+                if sender_pid in self._dropped:
+                    raise FdPassError(f"the node's reader (pid {sender_pid}) connected while {MAX_HELD} other "
+                                      "processes' connections were held; its connection was closed")
+                if self._failure or left <= 0:
+                    raise FdPassError(f"no connection from the node's reader (pid {sender_pid}) within "
+                                      f"{timeout:.0f} s ({self._failure or 'timed out'}; "
+                                      f"{self.strangers} other connection(s) closed)")
+                self._cond.wait(left)
+            conn = self._held.pop(sender_pid)
         fds: List[int] = []
-        self.sock.settimeout(timeout)
         try:
-            conn, _ = self.sock.accept()
-        except OSError as e:  # socket.timeout is an OSError
-            raise FdPassError(f"no connection from the node's reader (pid {sender_pid}) within "
-                              f"{timeout:.0f} s: {e}") from None
-        try:
-            conn.settimeout(timeout)
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
             _check_peer(conn, sender_pid, "the node's reader")
             while len(fds) < count:
                 msg, got, flags, _ = socket.recv_fds(conn, 16, MAX_FDS_PER_MESSAGE)
@@ -111,7 +182,20 @@ class Listener:
         return fds
 
     def close(self) -> None:
-        self.sock.close()
+        """Stop accepting, close the socket and every held connection (idempotent)."""
+        if self._thread.is_alive():
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+            self._thread.join()
+        if self.sock.fileno() >= 0:
+            self.sock.close()
+            close_all([self._wake_r, self._wake_w])
+        with self._cond:
+            held, self._held = list(self._held.values()), {}
+        for conn in held:
+            conn.close()
 
 
 def send(name: str, receiver_pid: int, fds: Sequence[int], timeout: float = TIMEOUT_S) -> None:
@@ -125,8 +209,16 @@ def send(name: str, receiver_pid: int, fds: Sequence[int], timeout: float = TIME
         raise FdPassError(f"not a megashard socket name: {name!r}")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
         try:
-            sock.connect(_address(name))
+            while True:  # a full backlog answers EAGAIN at once: the receiver drains it, retry
+                try:
+                    sock.connect(_address(name))
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.002)
             _check_peer(sock, receiver_pid, "the requesting rank")
             for i in range(0, len(fds), MAX_FDS_PER_MESSAGE):
                 socket.send_fds(sock, [b"F"], list(fds[i:i + MAX_FDS_PER_MESSAGE]))

@@ -12,18 +12,24 @@ so a failure anywhere surfaces in the same agreement on every rank):
    ``shm`` (within one kernel and PID namespace), ``group``, or ``none`` when no other
    rank of the node needs bytes (the reader then reads its own in place). With ``shm`` it hands
    each rank, over that rank's socket, its own descriptors of the files holding bytes
-   only that rank needs (a rank whose socket fails gets those bytes through the
-   ring instead, logged once); then it sends each rank a schedule: which byte
+   only that rank needs, tells it which files and its own pid (the only peer that rank
+   accepts descriptors from) and waits for its answer: a rank whose socket fails on
+   either side gets those bytes through the ring instead (logged once by the reader);
+   then it sends each rank a schedule: which byte
    ranges it reads itself through the passed descriptors, and the ring segment's
    name and where this rank's shared ranges lie in it; or, for ``group``, that
    chunks come as point-to-point messages in a fixed order;
-3. agreement "setup" (reader: files present and ranges valid, ring created; the
-   others: descriptors received and of the index's size); the ranks open the ring;
-   agreement "open"; every rank unlinks the ring's name;
+3. agreement "setup" (reader: files present and ranges valid, ring created, after
+   removing segments of crashed jobs; the others: schedule received and consistent
+   with the descriptors they took); the ranks open the ring; agreement "open"; every
+   rank unlinks the ring's name;
 4. transfer. ``shm``: every rank reads the bytes only it needs straight into its
    tensors (``preadv``, as in ``own`` mode), while the reader fills ring slots
    (:mod:`megashard.shm`) with the bytes several ranks need and each rank copies
-   its pieces out of the mapping. ``group``: double-buffered staging and async sends.
+   its pieces out of the mapping. ``group``: double-buffered staging and async sends;
+   a rank that fails keeps taking its messages (into scratch) and a reader that fails
+   keeps sending (stale bytes), so no rank waits for a failed one: the error reaches
+   every rank in the final agreement once the transfer is through.
 
 So the node reads each byte from storage exactly once (a rank's reads through a
 passed descriptor count as its own ``bytes_read``), no non-reader ever opens a path
@@ -177,9 +183,16 @@ class _Consumer:
             try:
                 _send_json(self.comm, req, self.reader)
                 sched = _recv_json(self.comm, self.reader)
+                if "fd_pass" in sched:  # descriptors first; any failure here means "use the ring"
+                    _send_json(self.comm, {"error": self.receive_fds(listener, sched["fd_pass"])}, self.reader)
+                    sched = _recv_json(self.comm, self.reader)
                 name = sched.get("name")
-                if sched.get("fd_files"):
-                    self.receive_fds(listener, sched)
+                if [str(f) for f in sched.get("fd_files", [])] != list(self.fds):
+                    if sched.get("fd_files"):
+                        raise CheckpointError(f"scatter schedule from reader rank {self.reader} names files "
+                                              "whose descriptors this rank did not receive")
+                    fdpass.close_all(list(self.fds.values()))  # the schedule does without them
+                    self.fds.clear()
                 if sched.get("transport") == "shm":  # this rank's own bytes need nothing more: read them
                     # while the agreements run (a failed setup stops the reads before anything returns)
                     direct = _DirectReads(self.ops, self.lock, self.fds.__getitem__, self.base,
@@ -219,17 +232,24 @@ class _Consumer:
             if ring is not None:
                 ring.close()
 
-    def receive_fds(self, listener: Optional[fdpass.Listener], sched: Dict[str, Any]) -> None:
-        """Take the reader's descriptors of ``sched["fd_files"]`` and check each against the index."""
-        files = [str(f) for f in sched["fd_files"]]
-        if listener is None:
-            raise fdpass.FdPassError("the reader sent descriptors but this rank has no socket")
-        fds = listener.receive(int(sched["reader_pid"]), len(files))
+    def receive_fds(self, listener: Optional[fdpass.Listener], offer: Dict[str, Any]) -> Optional[str]:
+        """Take the reader's descriptors of ``offer["files"]`` (only from ``offer["reader_pid"]``) and
+        check each against the index; returns why not (the reader then uses the ring), or None."""
+        fds: List[int] = []
+        try:
+            files = [str(f) for f in offer["files"]]
+            if listener is None:
+                raise fdpass.FdPassError("the reader sent descriptors but this rank has no socket")
+            fds = listener.receive(int(offer["reader_pid"]), len(files))
+            for f, fd in zip(files, fds):
+                if f not in self.manifest.files:
+                    raise CheckpointError(f"{self.base}: the reader passed {f!r}, which the index does not list")
+                fdpass.check_file(fd, int(self.manifest.files[f].get("bytes", 0)), os.path.join(self.base, f))
+        except Exception as e:  # noqa: BLE001 - any failure here is answered by the ring
+            fdpass.close_all(fds)
+            return f"{type(e).__name__}: {e}"[:300]
         self.fds = dict(zip(files, fds))
-        for f, fd in self.fds.items():
-            if f not in self.manifest.files:
-                raise CheckpointError(f"{self.base}: the reader passed {f!r}, which the index does not list")
-            fdpass.check_file(fd, int(self.manifest.files[f].get("bytes", 0)), os.path.join(self.base, f))
+        return None
 
     def direct_batches(self, sched: Dict[str, Any]) -> List[List[Direct]]:
         """This rank's own reads from the schedule, each checked against its own request."""
@@ -286,25 +306,45 @@ def _subops(ops: Sequence[Any], chunk: int) -> List[Tuple[str, int, int, int, in
 
 def _consume_group(comm: Comm, ops: Sequence[Any], reader: int, chunk: int) -> Optional[str]:
     """Receive in serving order with at most ~4 chunks posted ahead, so that temporaries
-    (allocated on first use) exist only while their bytes are in flight."""
+    (allocated on first use) exist only while their bytes are in flight.
+
+    After a failure here (a destination that cannot be allocated or placed) the rest still
+    arrives, into one scratch buffer: the reader's sends must complete, or it would wait for
+    this rank until the process group's timeout. A transport failure ends it at once."""
     subops = _subops(ops, chunk)
     window = 4 * chunk
-    posted: Deque[Tuple[Any, int, int]] = deque()
+    posted: Deque[Tuple[Any, int, int, bool]] = deque()
     ahead = j = 0
+    err: Optional[str] = None
+    scratch: Optional[torch.Tensor] = None
     try:
         while j < len(subops) or posted:
             while j < len(subops) and (not posted or ahead + subops[j][2] <= window):
                 _, _, n, i, pos = subops[j]
-                posted.append((comm.irecv(ops[i].target()[pos:pos + n], reader), n, i))
+                dst: Optional[torch.Tensor] = None
+                if err is None:
+                    try:
+                        dst = ops[i].target()[pos:pos + n]
+                    except Exception as e:  # noqa: BLE001 - reported once the reader is through
+                        err = _err(e, f"receiving from reader rank {reader}")
+                if dst is None:
+                    if scratch is None:
+                        scratch = torch.empty(max(s[2] for s in subops), dtype=torch.uint8)
+                    dst = scratch[:n]
+                posted.append((comm.irecv(dst, reader), n, i, err is None))
                 ahead += n
                 j += 1
-            h, n, i = posted.popleft()
+            h, n, i, real = posted.popleft()
             h.wait()
             ahead -= n
-            ops[i].arrived(n)
+            if real and err is None:
+                try:
+                    ops[i].arrived(n)
+                except Exception as e:  # noqa: BLE001
+                    err = _err(e, f"placing bytes from reader rank {reader}")
     except Exception as e:  # noqa: BLE001 - a transport failure ends the load on every rank
-        return _err(e, f"receiving from reader rank {reader}")
-    return None
+        return err or _err(e, f"receiving from reader rank {reader}")
+    return err
 
 
 # ---------------------------------------------------------------------------
@@ -498,10 +538,12 @@ class _Reader:
         return shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"])
 
     def pass_fds(self, sched: Dict[str, Any], candidates: Set[int]) -> Set[int]:
-        """Hand each candidate consumer the descriptors of the files it reads itself; returns
-        those that got them. Any other rank's bytes go through the ring (one log line)."""
+        """Hand each candidate consumer the descriptors of the files it reads itself, then tell
+        it which files (and this rank's pid) and take its answer; returns those that got them.
+        Any other rank's bytes go through the ring (one log line: who, why)."""
         passed: Set[int] = set()
         problems = dict(self.no_socket)
+        offered: List[Tuple[int, List[str]]] = []
         for c in sorted(candidates):
             files = sorted({d[0] for d in sched["direct"][c]})
             if not files:
@@ -509,9 +551,27 @@ class _Reader:
                 continue
             try:
                 fdpass.send(self.sockets[c], self.pids[c], [self.fd(f) for f in files])
-                passed.add(c)
+                offered.append((c, files))
             except fdpass.FdPassError as e:
                 problems[self.consumers[c]] = str(e)
+        asked = []
+        for c, files in offered:  # every rank first takes its descriptors, then all answer
+            try:
+                _send_json(self.comm, {"fd_pass": {"files": files, "reader_pid": os.getpid()}}, self.consumers[c])
+                asked.append(c)
+            except MegashardError as e:
+                self.fail(_err(e, f"offering rank {self.consumers[c]} its descriptors"))
+        for c in asked:
+            try:
+                answer = _recv_json(self.comm, self.consumers[c])
+            except MegashardError as e:
+                self.fail(_err(e, f"receiving rank {self.consumers[c]}'s answer to its descriptors"))
+                continue
+            if isinstance(answer, dict) and answer.get("error") is None:
+                passed.add(c)
+            else:
+                problems[self.consumers[c]] = "the rank could not take them: " + (
+                    str(answer.get("error")) if isinstance(answer, dict) else repr(answer))[:300]
         if problems:
             first = min(problems)
             log.warning("[rank %d] scatter load: cannot hand file descriptors to rank(s) %s (rank %d: %s); their "

@@ -17,21 +17,28 @@ Every counter has exactly one writer (no atomics needed); each is one aligned
 for is still alive (by pid, which is why the ranks must share a PID namespace) and
 gives up after ``MEGASHARD_SHM_TIMEOUT_S`` seconds (default 300) without progress.
 
-Segments live in ``/dev/shm`` under unique names (``megashard-<token>``), are
-reserved with ``posix_fallocate`` (so a full tmpfs is an error here, not a SIGBUS
-later) and unlinked by every rank as soon as all of them have it open; after that a
-crash of any rank cannot leave anything behind. This module never talks to
-``torch.distributed``.
+Segments live in ``/dev/shm`` under unique names, are reserved with
+``posix_fallocate`` (so a full tmpfs is an error here, not a SIGBUS later) and
+unlinked by every rank as soon as all of them have it open; after that a crash of
+any rank cannot leave anything behind. Before that moment a crash of every rank of
+the node would leave the segment, so its name says who created it:
+``megashard-<pid>-<boot id>-<pid namespace>-<start time>-<token>``. Each new ring's
+creator first removes (:func:`sweep_abandoned`) the segments of its own user, boot
+and PID namespace whose creator is provably gone (no such pid, a zombie, or a pid
+reused by a process with another start time): such a ring can no longer be used
+by anyone. This module never talks to ``torch.distributed``.
 """
 from __future__ import annotations
 
 import logging
 import mmap
 import os
+import re
 import secrets
+import stat
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -119,8 +126,87 @@ def available_bytes() -> int:
     return free
 
 
+_NAME = re.compile(r"megashard-([1-9][0-9]{0,9})-([0-9a-f]{8})-([0-9]{1,20})-([0-9]{1,20})-[0-9a-f]{16}\Z")
+
+
+_GONE = -1  # _start_time: no such process, or a zombie (which holds no mapping any more)
+
+
+def _start_time(pid: str) -> Optional[int]:
+    """A process's start time in clock ticks after boot (with the pid it names one process for
+    the whole boot, whatever pids are reused); ``_GONE``; or None when /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return _GONE
+    except (OSError, IndexError):
+        return None
+    if fields[:1] and fields[0] in (b"Z", b"X", b"x"):
+        return _GONE
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _creator() -> Optional[Tuple[str, str, int]]:
+    """This process's (boot id prefix, PID namespace inode, start time), or None if unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip().replace("-", "")[:8]
+        ns = re.fullmatch(r"pid:\[([0-9]+)\]", os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        return None
+    start = _start_time("self")
+    if ns is None or start is None or start < 0 or not re.fullmatch(r"[0-9a-f]{8}", boot):
+        return None
+    return boot, ns.group(1), start
+
+
 def new_name() -> str:
-    return f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    """A fresh segment name that records its creator (see the module docstring); without
+    /proc, a name no sweep will ever remove."""
+    me = _creator()
+    if me is None:
+        return f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    boot, ns, start = me
+    return f"{SEGMENT_PREFIX}{os.getpid()}-{boot}-{ns}-{start}-{secrets.token_hex(8)}"
+
+
+def sweep_abandoned() -> List[str]:
+    """Remove the segments whose creator is provably gone; returns their names.
+
+    Only regular files owned by this user, named as :func:`new_name` names them, created
+    in this boot and PID namespace (where their creator's pid can be checked), by a
+    process that no longer exists. Anything else in /dev/shm is left alone."""
+    me = _creator()
+    if me is None:
+        return []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for n in names:
+        m = _NAME.match(n)
+        if m is None or (m.group(2), m.group(3)) != me[:2]:
+            continue
+        start = _start_time(m.group(1))
+        if start is None or start == int(m.group(4)):  # alive, or we cannot tell
+            continue
+        path = os.path.join(SHM_DIR, n)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(n)
+        log.info("removed shared memory segment %s: its creator (pid %s) died before the ring was unlinked",
+                 path, m.group(1))
+    return removed
 
 
 def unlink(name: str) -> None:
@@ -162,7 +248,9 @@ class Ring:
     # -- creation -----------------------------------------------------------------
     @classmethod
     def create(cls, name: str, consumers: int, slots: int, slot_bytes: int) -> "Ring":
-        """Create and reserve the segment (ShmError if /dev/shm cannot hold it)."""
+        """Create and reserve the segment (ShmError if /dev/shm cannot hold it), after
+        removing those of crashed jobs (:func:`sweep_abandoned`)."""
+        sweep_abandoned()
         path = os.path.join(SHM_DIR, name)
         size = segment_bytes(consumers, slots, slot_bytes)
         try:
