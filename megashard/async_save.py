@@ -15,13 +15,23 @@ process would need the staging memory shared with it and its results sent back. 
 writer runs at a raised niceness (``MEGASHARD_ASYNC_NICE``, default 10), so on busy
 CPUs the kernel runs training first and the write takes the idle time.
 
+The writer and the threads it starts use their own I/O thread pools
+(:func:`megashard.format.fastio.take_io_role`): the training path's reads and writes
+never run on a niced writer thread, and the background write never on a training one.
+
 At most one save is in flight per process: a new save (sync or async) first calls
 ``result()`` on the previous one. A process that exits with a save still in flight
 **abandons** it: an ``atexit`` hook waits for this rank's background write to stop
-(so no thread writes during interpreter teardown) and commits nothing; the save's
-``.<name>.tmp-<token>`` directory is never a checkpoint and a later save removes it
-(:func:`megashard.storage.cleanup_stale_temps`). The previous checkpoint and the
-tracker are untouched, exactly as after a SIGKILL.
+(so no thread writes during interpreter teardown), at most ``MEGASHARD_ASYNC_EXIT_WAIT``
+seconds (default 120; then it exits anyway, naming the temporary directory left behind),
+and commits nothing; the save's ``.<name>.tmp-<token>`` directory is never a checkpoint.
+The previous checkpoint and the tracker are untouched, exactly as after a SIGKILL.
+
+``fork``: a child process has none of this: not the writer thread, not the staging
+arenas (left out of children, see :class:`Staging`), not the parent's save in flight.
+A fork handler gives the child an empty state, so a child exits at once, saves on its
+own (its own snapshot, staging and writer) and never waits for, or finishes, the
+parent's save; a parent's :class:`AsyncSaveHandle` used in a child raises.
 
 Staging: one arena per memory kind (``empty_buffer``'s huge-page-backed, pre-touched
 host memory for CPU tensors; pinned host memory for CUDA tensors, copied on a side
@@ -31,6 +41,7 @@ fits. The copies run in parallel chunks.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import queue
@@ -41,8 +52,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import MegashardError
-from .format.fastio import default_threads, empty_buffer, prefault, run_parallel, tensor_memoryview
+from .errors import CheckpointError, MegashardError
+from .format.fastio import default_threads, empty_buffer, prefault, run_parallel, take_io_role, tensor_memoryview
 from .transport import Comm
 
 log = logging.getLogger(__name__)
@@ -50,6 +61,7 @@ log = logging.getLogger(__name__)
 ALIGN = 4096  # staged tensors start on page boundaries (aligned pwrite sources, dtype views)
 COPY_CHUNK = 32 << 20  # bytes per parallel copy task
 DEFAULT_WRITER_NICE = 10
+DEFAULT_EXIT_WAIT = 120.0  # seconds the exit hook waits for a background write
 
 __all__ = ["AsyncSaveHandle", "Staging", "staging", "in_flight", "finalize", "all_done"]
 
@@ -201,12 +213,9 @@ class _Writer:
     def __init__(self) -> None:
         self.q: "queue.Queue[_Job]" = queue.Queue()
         self.thread: Optional[threading.Thread] = None
-        self.pid = -1
 
     def submit(self, job: _Job) -> None:
-        if self.thread is None or not self.thread.is_alive() or self.pid != os.getpid():
-            self.q = queue.Queue()  # after a fork the parent's thread does not exist here
-            self.pid = os.getpid()
+        if self.thread is None or not self.thread.is_alive():  # a forked child gets a new _Writer
             self.thread = threading.Thread(target=self._loop, name="megashard-async-save", daemon=True)
             self.thread.start()
         self.q.put(job)
@@ -214,31 +223,31 @@ class _Writer:
     def _loop(self) -> None:
         while True:
             job = self.q.get()
-            _set_nice(writer_nice())
+            take_io_role("async", writer_nice())  # its own pools, niced (re-read: the variable may change)
             job.finish(*_capture(job.fn))
 
 
 def writer_nice() -> int:
     """Niceness of the writer thread (and of the threads it starts, which inherit it):
     ``MEGASHARD_ASYNC_NICE``, default 10, so that the kernel runs training first when
-    the CPUs are busy. 0 keeps the trainer's priority."""
-    v = os.environ.get("MEGASHARD_ASYNC_NICE", "")
+    the CPUs are busy. 0 keeps the trainer's priority. Only ever raised: lowering it
+    again would need privileges."""
+    return _env_number("MEGASHARD_ASYNC_NICE", DEFAULT_WRITER_NICE, lambda v: max(0, min(19, int(v))))
+
+
+def exit_wait() -> float:
+    """Seconds the exit hook waits for an abandoned background write:
+    ``MEGASHARD_ASYNC_EXIT_WAIT``, default 120."""
+    return _env_number("MEGASHARD_ASYNC_EXIT_WAIT", DEFAULT_EXIT_WAIT, lambda v: max(0.0, min(float(v), 86400.0)))
+
+
+def _env_number(name: str, default: Any, parse: Callable[[str], Any]) -> Any:
+    v = os.environ.get(name, "")
     try:
-        return max(0, min(19, int(v))) if v else DEFAULT_WRITER_NICE
+        return parse(v) if v else default
     except ValueError:
-        log.warning("MEGASHARD_ASYNC_NICE=%r is not an integer; using %d", v, DEFAULT_WRITER_NICE)
-        return DEFAULT_WRITER_NICE
-
-
-def _set_nice(nice: int) -> None:
-    """Linux: niceness is per thread (setpriority on the thread id). Only ever raised:
-    lowering it again would need privileges."""
-    try:
-        tid = threading.get_native_id()
-        if nice > os.getpriority(os.PRIO_PROCESS, tid):
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except (OSError, AttributeError) as e:  # not Linux, or not permitted: run at normal priority
-        log.debug("could not renice the async writer: %s", e)
+        log.warning("%s=%r is not a number; using %s", name, v, default)
+        return default
 
 
 def _capture(fn: Callable[[], Any]) -> Tuple[Any, Optional[str]]:
@@ -275,6 +284,7 @@ class AsyncSaveHandle:
     def __init__(self, commit: _Commit, job: _Job) -> None:
         self._commit = commit
         self._job = job
+        self.pid = os.getpid()  # the process whose writer thread runs this save
         self._finalized = False
         self._error: Optional[BaseException] = None
         self._committed: List[Callable[[], None]] = []
@@ -286,8 +296,19 @@ class AsyncSaveHandle:
     def temp_dir(self) -> str:
         return self._commit.temp_dir
 
+    def _check_process(self) -> None:
+        """A forked child has the handle object but neither the write nor its thread:
+        waiting there would never end."""
+        if os.getpid() != self.pid:
+            raise CheckpointError(
+                f"the async save of {self.checkpoint_dir} was started by another process (pid {self.pid}); "
+                f"this process (pid {os.getpid()}, a fork of it) has neither its background write nor its "
+                "staging and cannot wait for or commit it: finish it in the process that started it, "
+                "or save again here")
+
     def done(self) -> bool:
         """True once this rank's background write has ended (success or failure). Local, non-blocking."""
+        self._check_process()
         return self._job.done.is_set()
 
     def when_written(self, fn: Callable[[], None]) -> None:
@@ -302,6 +323,7 @@ class AsyncSaveHandle:
 
     def wait_local(self, timeout: Optional[float] = None) -> bool:
         """Block until this rank's background write ends (no collective); False on timeout."""
+        self._check_process()
         return self._job.done.wait(timeout)
 
     @property
@@ -319,6 +341,7 @@ class AsyncSaveHandle:
             if self._error is not None:
                 raise self._error
             return self.checkpoint_dir
+        self._check_process()
         comm = self._commit.comm
         error = None
         if not self._job.done.wait(timeout):
@@ -395,14 +418,36 @@ def finalize(blocking: bool, comm: Optional[Comm] = None) -> Optional[str]:
 
 
 def _abandon_at_exit() -> None:
+    """Wait, bounded, for this process's background write (a forked child has none)."""
     h = _IN_FLIGHT
-    if h is None or h.finalized:
+    if h is None or h.finalized or h.pid != os.getpid():
         return
     log.warning("process exiting with an async save to %s not finalized: it is abandoned (never committed; "
-                "the previous checkpoint and tracker are untouched). Call handle.result() before exit to keep it.",
-                h.checkpoint_dir)
-    h.wait_local()  # no background thread may write while the interpreter tears down
+                "the previous checkpoint and tracker are untouched; its files stay in %s). Call handle.result() "
+                "before exit to keep it.", h.checkpoint_dir, h.temp_dir)
+    limit = exit_wait()
+    if not h._job.done.wait(limit):  # no background thread should write while the interpreter tears down
+        log.warning("the background write of %s did not end within %g s (MEGASHARD_ASYNC_EXIT_WAIT): exiting while "
+                    "it runs; its temporary directory %s is left behind (never a checkpoint, safe to delete)",
+                    h.checkpoint_dir, limit, h.temp_dir)
+
+
+def _keep_forever(obj: Any) -> None:
+    """Never free ``obj`` in this process, not even at interpreter exit."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def _after_fork_in_child() -> None:
+    """The child starts with no save in flight, no writer thread and no staging.
+
+    The parent's staging is not mapped here (``MADV_DONTFORK``): it is kept alive, never
+    used and never freed, since freeing it would unmap whatever the child maps at those
+    addresses later (its pinned memory and CUDA streams must not be released here either)."""
+    global _STAGING, _WRITER, _IN_FLIGHT, _LAST_JOB
+    if _STAGING.arenas or _STAGING._streams:
+        _keep_forever(_STAGING)
+    _STAGING, _WRITER, _IN_FLIGHT, _LAST_JOB = Staging(), _Writer(), None, None
 
 
 atexit.register(_abandon_at_exit)
-
+os.register_at_fork(after_in_child=_after_fork_in_child)

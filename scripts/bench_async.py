@@ -60,6 +60,7 @@ def _worker(a: argparse.Namespace) -> None:
     import megashard
     from megashard import async_save
     from megashard.format import write_file
+    from megashard.format.fastio import take_io_role
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -146,7 +147,7 @@ def _worker(a: argparse.Namespace) -> None:
         if how.startswith("thread"):
             def write() -> None:
                 if how == "thread_nice":
-                    async_save._set_nice(async_save.writer_nice())  # as megashard's writer thread does
+                    take_io_role("async", async_save.writer_nice())  # as megashard's writer thread does
                 write_file(tensors, target, fsync=True)
 
             th = threading.Thread(target=write)

@@ -3,6 +3,7 @@ finalization and failure agreement (2 gloo ranks), and SIGKILL at random moments
 an async save loop (the tracker always names a complete, loadable checkpoint)."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -283,3 +284,86 @@ def test_writer_thread_runs_niced_and_writes_bit_exact(tmp_path, monkeypatch):
     v = torch.empty_like(w)
     megashard.load({"w": v}, str(tmp_path / "c"), verify=True)
     assert torch.equal(v, w)
+
+
+POOLS = textwrap.dedent("""
+    import json, os, sys, threading, torch, megashard
+    torch.set_num_threads(1)
+    base = sys.argv[1]
+    records, phase = [], [None]
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def note():
+        if phase[0] is not None:
+            t = threading.current_thread()
+            records.append((phase[0], t.name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+
+    def pwrite(*a):
+        note()
+        return real_pwrite(*a)
+
+    def preadv(*a):
+        note()
+        return real_preadv(*a)
+
+    os.pwrite, os.preadv = pwrite, preadv
+    g = torch.Generator().manual_seed(3)
+    sd = {"a": torch.randn(1 << 20, generator=g), "b": torch.randn(300, 1000, generator=g)}
+
+    def sync_save(name):
+        phase[0] = name
+        megashard.save(sd, os.path.join(base, name), direct_io=True)
+        phase[0] = None
+
+    def async_save(name):
+        phase[0] = name
+        h = megashard.save(sd, os.path.join(base, name), async_save=True, direct_io=True)
+        h.wait_local()  # only the background write is recorded, not the commit on this thread
+        phase[0] = None
+        h.result()
+
+    def load(name):
+        out = {k: torch.empty_like(v) for k, v in sd.items()}
+        phase[0] = "load-" + name
+        megashard.load(out, os.path.join(base, name), threads=int(sys.argv[2]))
+        phase[0] = None
+        assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+    # training-path saves first (pools created at the trainer's niceness), then the writer,
+    # then the training path again (pools the writer has used)
+    sync_save("s1")
+    async_save("a1")
+    sync_save("s2")
+    load("s2")
+    async_save("a2")
+    load("a2")
+    print("RESULT " + json.dumps({"main": os.getpriority(os.PRIO_PROCESS, 0), "records": records}))
+""")
+
+
+@pytest.mark.parametrize("load_threads", [2, 9])
+def test_writer_niceness_stays_off_training_path_threads(tmp_path, load_threads):
+    """Issue 19 defect 16: the background writer runs niced (MEGASHARD_ASYNC_NICE) on its
+    own I/O threads. Every pwrite/preadv of a synchronous save or a load runs at the
+    trainer's niceness, every one of the background writer's runs at the writer's, whichever
+    used a thread pool first (direct-I/O writes go through pooled threads on both paths;
+    9 load threads ask for a pool of the direct writers' size)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MEGASHARD_ASYNC_NICE="7")
+    p = subprocess.run([sys.executable, "-c", POOLS, str(tmp_path), str(load_threads)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stderr[-4000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    main = res["main"]
+    assert main < 7
+    by_phase: dict = {}
+    for ph, name, nice in res["records"]:
+        by_phase.setdefault(ph, []).append((name, nice))
+    assert set(by_phase) == {"s1", "a1", "s2", "load-s2", "a2", "load-a2"}, set(by_phase)
+    for ph, recs in by_phase.items():
+        want = 7 if ph.startswith("a") else main
+        wrong = sorted({(n, v) for n, v in recs if v != want})
+        assert not wrong, f"{ph}: I/O on threads at the wrong niceness (want {want}): {wrong}"
+    for ph in ("s1", "a1", "s2", "a2"):  # the direct writes really went through pooled threads
+        assert any(n.startswith("megashard-io") for n, _ in by_phase[ph]), (ph, by_phase[ph])

@@ -48,3 +48,30 @@ def test_snapshots_stay_exact_across_a_fork():
     again = staging.snapshot(ts)
     assert staging.allocations == 1 and all(a.data_ptr() == b.data_ptr() for a, b in zip(first, again))
     assert all(torch.equal(a, t) for a, t in zip(again, ts))
+
+
+def test_forked_child_starts_with_no_async_state():
+    """The fork handlers: a child has no save in flight, a writer not yet started, an empty
+    staging (the parent's arenas are not mapped there) and no I/O pool threads."""
+    from megashard.format import fastio
+
+    stg = async_save.staging()
+    stg.snapshot([torch.randn(1000)])
+    fastio.run_parallel([lambda: None] * 3, 3)  # a pool with threads in this process
+    assert stg.arenas and fastio._pools
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # report what the child sees, then leave without running pytest's teardown
+        try:
+            seen = [async_save.staging() is not stg, not async_save.staging().arenas,
+                    async_save.staging().allocations == 0, async_save.in_flight() is None,
+                    async_save._WRITER.thread is None, not fastio._pools]
+            os.write(w, bytes(int(bool(x)) for x in seen))
+        finally:
+            os._exit(0)
+    os.close(w)
+    seen = list(os.read(r, 64))
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert seen == [1] * 6, seen
+    assert async_save.staging() is stg and stg.arenas  # the parent's own state is untouched

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "default_threads", "default_read_threads", "tensor_memoryview", "pwrite_all", "preadv_all", "parallel_read",
-    "empty_buffer", "hugepages_enabled", "io_pool", "run_parallel", "prefault",
+    "empty_buffer", "hugepages_enabled", "io_pool", "io_role", "take_io_role", "thread_nice", "raise_thread_nice",
+    "run_parallel", "prefault",
 ]
 
 HUGE_PAGE = 2 << 20
@@ -70,7 +71,42 @@ def default_read_threads() -> int:
 
 
 _pool_lock = threading.Lock()
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[str, int, int], ThreadPoolExecutor] = {}
+_role = threading.local()  # this thread's I/O role: "" (the caller's, e.g. training) or e.g. "async"
+
+
+def thread_nice() -> int:
+    """This thread's niceness (Linux keeps one per thread); 0 where it cannot be read."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (OSError, AttributeError):
+        return 0
+
+
+def raise_thread_nice(nice: int) -> None:
+    """Raise this thread's niceness to ``nice`` (threads it starts inherit it). Never
+    lowered: that needs privileges. Not permitted, or not Linux: left as it is."""
+    try:
+        tid = threading.get_native_id()
+        if nice > os.getpriority(os.PRIO_PROCESS, tid):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (OSError, AttributeError) as e:
+        log.debug("could not set this thread's niceness to %d: %s", nice, e)
+
+
+def io_role() -> tuple[str, int]:
+    """This thread's I/O role and niceness: what :func:`io_pool` keys its pools by, and
+    what threads started on its behalf take on (:func:`take_io_role`)."""
+    return getattr(_role, "name", ""), thread_nice()
+
+
+def take_io_role(name: str, nice: int) -> None:
+    """Make this thread serve ``name`` at niceness ``nice`` (at least): its
+    :func:`io_pool` calls then get pools no other role shares. The async writer takes
+    ``"async"``, so its (niced) pool threads never serve a training-path read or write,
+    and a training-path pool thread never runs the background write at training priority."""
+    _role.name = name
+    raise_thread_nice(nice)
 
 
 def _reset_pools_after_fork() -> None:
@@ -85,12 +121,18 @@ os.register_at_fork(after_in_child=_reset_pools_after_fork)
 def io_pool(threads: int) -> ThreadPoolExecutor:
     """A shared pool of `threads` workers for leaf I/O tasks (tasks never wait on a pool).
 
-    Shared so that many small `read()` calls do not pay thread start-up each time.
+    Shared so that many small `read()` calls do not pay thread start-up each time; one
+    per role and niceness of the calling thread (:func:`io_role`), because a worker runs
+    at the niceness of the thread that started it: a pool shared between the niced async
+    writer and the training path would run one's I/O at the other's priority.
     """
+    role, nice = io_role()
     with _pool_lock:
-        pool = _pools.get(threads)
+        pool = _pools.get((role, nice, threads))
         if pool is None:
-            pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megashard-io")
+            pool = _pools[(role, nice, threads)] = ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix=f"megashard-io{'-' + role if role else ''}",
+                initializer=take_io_role, initargs=(role, nice))
         return pool
 
 

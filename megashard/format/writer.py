@@ -46,7 +46,7 @@ from isal import isal_zlib
 from ..errors import FormatError, UnsupportedFormatError
 from . import layout as L
 from .dtypes import DtypeCodec, encode_dtype
-from .fastio import default_threads, io_pool, pwrite_all, tensor_memoryview
+from .fastio import default_threads, io_pool, io_role, pwrite_all, take_io_role, tensor_memoryview
 
 log = logging.getLogger(__name__)
 
@@ -413,7 +413,9 @@ def _run(tasks: list[Callable[[], None]], threads: int) -> None:
         for t in tasks:
             t()
         return
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megashard-write") as pool:
+    # the threads serve the caller's I/O role (their direct writes use the caller's pools)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megashard-write",
+                            initializer=take_io_role, initargs=io_role()) as pool:
         futures = [pool.submit(t) for t in tasks]
         errors = [f.exception() for f in futures]
     for e in errors:
