@@ -193,7 +193,8 @@ def verify_checkpoint(path: str) -> List[str]:
             problems.append(f"{key}: shards hold {total} elements, tensor has {numel(t.global_shape)}")
     for tid, tree in list(m.trees.items()) + [(k, v) for k, v in m.objects.items()]:
         for i, ref in enumerate(_tree_refs(tree)):
-            check_entry(f"state {tid} value {i}", ref.get("file"), str(ref.get("name", "")), _int(ref.get("data_offset", 0)),
+            check_entry(f"state {tid} value {i}", ref.get("file"), str(ref.get("name", "")),
+                        _int(ref.get("data_offset", 0)),
                         _int(ref.get("nbytes", 0)), _int(ref.get("crc32", 0)))
     for tid, tree in list(m.trees.items()) + [(k, v.get("value") if isinstance(v, dict) else v)
                                               for k, v in m.objects.items()]:

@@ -344,28 +344,3 @@ def test_uppercase_digest_refused(tmp_path):
     with open(f, "wb") as fh:
         fh.write(digest[:64].upper() + b"\n")
     assert verify_checkpoint(path)
-
-
-def test_every_bit_of_manifest_sha256_flipped_fails_verify(tmp_path):
-    """Exhaustive over the 520 bits of the digest file (the random campaign rarely hits the newline)."""
-    path = str(tmp_path / "ckpt")
-    _save_rows(path)
-    f = os.path.join(path, storage.MANIFEST_DIGEST_NAME)
-    pristine = open(f, "rb").read()
-    missed = []
-    for pos in range(len(pristine)):
-        for bit in range(8):
-            data = bytearray(pristine)
-            data[pos] ^= 1 << bit
-            with open(f, "wb") as fh:
-                fh.write(data)
-            try:
-                with storage.CheckpointFiles(path) as cf:
-                    cf.read_manifest_bytes()
-                missed.append((pos, bit))
-            except CheckpointError:
-                pass
-    with open(f, "wb") as fh:
-        fh.write(pristine)
-    assert not missed, missed
-    assert verify_checkpoint(path) == []
