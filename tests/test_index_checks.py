@@ -344,3 +344,19 @@ def test_uppercase_digest_refused(tmp_path):
     with open(f, "wb") as fh:
         fh.write(digest[:64].upper() + b"\n")
     assert verify_checkpoint(path)
+
+
+def test_rank_local_paths_that_print_alike_refused(tmp_path):
+    """``{"a.b": t}`` and ``{"a": {"b": t}}`` both have the path ``a.b``: one name in the file."""
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(StateDictError, match="'a.b'.*both be stored|both be stored.*'a.b'"):
+        megashard.save({"a.b": torch.ones(3), "a": {"b": torch.zeros(3)}}, path)
+    assert not os.path.exists(path)
+
+
+def test_data_with_fewer_elements_than_declared_refused_at_save(tmp_path):
+    path = str(tmp_path / "ckpt")
+    sh = ShardedTensor("w", torch.ones(4, 8), (8, 8), (0, 0), local_shape=(8, 8))
+    with pytest.raises(StateDictError, match=r"'w'.*declares 64 elements.*has 32"):
+        megashard.save({"w": sh}, path)
+    assert not os.path.exists(path)
