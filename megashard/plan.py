@@ -632,7 +632,9 @@ def plan_want(
 
     Exact match (same chunk and flat range) reads straight into the destination;
     otherwise each overlapping saved chunk contributes its minimal covering span,
-    read into a temporary and copied with a strided view.
+    read into a temporary and copied with a strided view. ``covered`` counts a chunk's
+    flat ranges as a union; distinct chunks are disjoint (the index refuses overlapping
+    ones when it reads a tensor's chunk table), so no element is counted twice.
     """
     wflat = want_flat or (0, want_chunk.numel)
     for p in pieces:
