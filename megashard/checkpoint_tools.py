@@ -166,14 +166,17 @@ def verify_checkpoint(path: str) -> List[str]:
                         problems.append(f"{fpath}: holds {len(r)} tensors, the manifest says {info['tensors']}")
             except MegashardError as e:
                 problems.append(f"{fpath}: missing" if not os.path.lexists(fpath) else str(e))
-    listed: Dict[str, set] = {}
+    listed: Dict[str, Dict[str, str]] = {}  # file -> {tensor name: the index entry naming it}
 
     def check_entry(where: str, file: Any, name: str, data_offset: int, nbytes: int, crc32: int) -> None:
         if not nbytes:
             return
         if file not in entries:
             return  # already reported
-        listed.setdefault(file, set()).add(name)
+        first = listed.setdefault(file, {}).setdefault(name, where)
+        if first != where:  # one tensor of a file holds one value
+            problems.append(f"{os.path.join(base, file)}: tensor {name!r} is named twice by the index, by {first} "
+                            f"and by {where}")
         info = entries[file].get(name)
         if info is None:
             problems.append(f"{where}: tensor {name!r} not found in {file}")
@@ -182,14 +185,16 @@ def verify_checkpoint(path: str) -> List[str]:
                             f"file has {info.data_offset}+{info.nbytes} crc {info.crc32:#010x}")
     for key, t in m.tensors.items():
         for s in t.shards:
-            check_entry(f"tensor {key!r} shard {s.offset}", s.file, s.name, s.data_offset, s.nbytes, s.crc32)
+            check_entry(f"tensor {key!r} shard {s.offset}+{s.shape}" + (f" flat {s.flat}" if s.flat else ""),
+                        s.file, s.name, s.data_offset, s.nbytes, s.crc32)
         problems += coverage_problems(key, t.global_shape, [(Box(s.offset, s.shape), s.flat) for s in t.shards])
         total = sum((s.flat[1] - s.flat[0]) if s.flat else numel(s.shape) for s in t.shards)
         if total != numel(t.global_shape) and not any("cover" in p and key in p for p in problems):
             problems.append(f"{key}: shards hold {total} elements, tensor has {numel(t.global_shape)}")
     for tid, tree in list(m.trees.items()) + [(k, v) for k, v in m.objects.items()]:
-        for ref in _tree_refs(tree):
-            check_entry(f"state {tid}", ref.get("file"), str(ref.get("name", "")), _int(ref.get("data_offset", 0)),
+        for i, ref in enumerate(_tree_refs(tree)):
+            check_entry(f"state {tid} value {i}", ref.get("file"), str(ref.get("name", "")),
+                        _int(ref.get("data_offset", 0)),
                         _int(ref.get("nbytes", 0)), _int(ref.get("crc32", 0)))
     for tid, tree in list(m.trees.items()) + [(k, v.get("value") if isinstance(v, dict) else v)
                                               for k, v in m.objects.items()]:
@@ -198,7 +203,7 @@ def verify_checkpoint(path: str) -> List[str]:
         except MegashardError as e:
             problems.append(str(e))
     for fname, names in sorted(entries.items()):
-        extra = sorted(set(names) - listed.get(fname, set()))
+        extra = sorted(set(names) - set(listed.get(fname, ())))
         if extra:
             problems.append(f"{os.path.join(base, fname)}: {len(extra)} tensor(s) the manifest does not list, "
                             f"e.g. {extra[0]!r}")

@@ -8,6 +8,7 @@ only the sections a rank asks for. Version 1 (one JSON document) is still read.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Callable, Optional, Tuple, Union
 
 from . import storage
@@ -72,7 +73,8 @@ def _open(head: bytes, where: str,
 
 
 def open_index(base: str) -> Index:
-    """The index of the committed checkpoint in ``base`` (validated; read-only)."""
+    """The index of the committed checkpoint in ``base`` (validated; read-only). Its
+    ``confirm_file`` checks a member's real size against the index's claim."""
     with storage.CheckpointFiles(base) as files:
         head = files.read_manifest_bytes()
 
@@ -80,7 +82,15 @@ def open_index(base: str) -> Index:
         f = _IndexFile(base, size)
         return f.read, f.close
 
-    return _open(head, os.path.join(base, storage.MANIFEST_NAME), from_file)
+    index = _open(head, os.path.join(base, storage.MANIFEST_NAME), from_file)
+    index.check_file = partial(check_file_size, base)
+    return index
+
+
+def check_file_size(base: str, name: str, size: int) -> None:
+    """Member ``name`` of ``base`` is a regular file (no link) of exactly ``size`` bytes."""
+    with storage.CheckpointFiles(base) as cf:
+        cf.open(name, size)
 
 
 def read_index_bytes(base: str) -> Tuple[bytes, bytes]:
@@ -114,6 +124,8 @@ def read_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Manifest:
     if isinstance(index, Manifest):
         return index
     try:
-        return index.full()
+        m = index.full()
     finally:
         index.close()
+    m.check_file = index.check_file
+    return m

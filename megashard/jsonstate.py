@@ -392,7 +392,7 @@ class _Encoder:
         if torch is not None:
             if t is torch.dtype:
                 name = str(v).rpartition(".")[2]
-                if getattr(torch, name, None) is not v:
+                if _torch_dtypes().get(name) is not v:
                     return self.refuse(v, path, f"torch dtype {v} has no torch.{name} alias")
                 return {TAG: "torch.dtype", "name": name}
             if t is torch.Size:
@@ -441,7 +441,7 @@ class _Encoder:
 
     def npscalar(self, v: Any, path: str, np: Any) -> Any:
         dt = v.dtype
-        why = _bad_np_dtype(dt, np)
+        why = _bad_np_dtype(dt, np, scalar=True)
         if why:
             return self.refuse(v, path, why)
         # numpy pads empty str_/bytes_ scalars in tobytes(); itemsize is the truth.
@@ -458,15 +458,50 @@ class _Encoder:
         return {TAG: "ref", "ref": ref}  # by reference: the caller may complete it later
 
 
-def _bad_np_dtype(dt: Any, np: Any) -> str:
-    """Why a numpy dtype cannot be stored as raw bytes ('' if it can)."""
+def _bad_np_dtype(dt: Any, np: Any, scalar: bool = False) -> str:
+    """Why a numpy dtype cannot be stored as raw bytes ('' if it can): exactly the dtypes
+    :func:`_np_dtype_from_str` reads back."""
     if dt.hasobject:
         return "numpy object dtype holds Python objects, not bytes"
     if dt.fields is not None or dt.subdtype is not None:
         return f"structured/subarray numpy dtype {dt} is not supported"
-    if np.dtype(dt.str) != dt:
+    if _np_dtype_from_str(dt.str, np) != dt:
         return f"numpy dtype {dt} does not survive dtype.str"
+    if dt.itemsize == 0 and not (scalar and dt.kind in "SU"):
+        return f"numpy dtype {dt} has zero-size items"
     return ""
+
+
+# numpy dtype strings a checkpoint may hold: byte order, kind, item size (and a datetime unit).
+# Anything else is refused before numpy parses it, so numpy's parser never sees arbitrary text.
+_NP_DTYPE_RE = re.compile(r"([<>|=])(?:(b)(1)|([iu])(1|2|4|8)|(f)(2|4|8|12|16)|(c)(8|16|24|32)|([SUV])(\d{1,10})"
+                          r"|([Mm])(8)(\[(?:[1-9]\d{0,8})?(?:Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\])?)\Z")
+
+
+def _np_dtype_from_str(s: str, np: Any) -> Any:
+    """The numpy dtype of a ``dtype.str`` from the fixed grammar above, else None."""
+    if type(s) is not str or not _NP_DTYPE_RE.match(s):
+        return None
+    try:
+        return np.dtype(s)
+    except (TypeError, ValueError):  # a size numpy has no type for (e.g. f12 on some platforms)
+        return None
+
+
+_TORCH_DTYPES: Dict[str, Any] = {}
+
+
+def _torch_dtypes() -> Dict[str, Any]:
+    """torch's dtypes by the name :func:`encode` writes (``str(dtype)`` without ``torch.``),
+    taken from torch's module dictionary: looking a name up never imports anything (``torch``'s
+    ``__getattr__`` imports submodules such as ``_dynamo`` on attribute access)."""
+    if not _TORCH_DTYPES:
+        import torch
+
+        for v in list(vars(torch).values()):
+            if isinstance(v, torch.dtype):
+                _TORCH_DTYPES.setdefault(str(v).rpartition(".")[2], v)
+    return _TORCH_DTYPES
 
 
 _ENCODERS: Dict[type, Callable[[_Encoder, Any, str], Any]] = {
@@ -689,11 +724,9 @@ class _Decoder:
 
     def torch_dtype(self, obj: dict, path: str) -> Any:
         self.fields(obj, path, {"name": str})
-        import torch
-
-        dt = getattr(torch, obj["name"], None) if _NAME_RE.match(obj["name"]) else None
-        if not isinstance(dt, torch.dtype):
-            raise CheckpointError(f"cannot load {_show(path)!r}: torch has no dtype {obj['name']!r}")
+        dt = _torch_dtypes().get(obj["name"])
+        if dt is None:
+            raise CheckpointError(f"cannot load {_show(path)!r}: torch has no dtype {obj['name'][:100]!r}")
         return dt
 
     def torch_size(self, obj: dict, path: str) -> Any:
@@ -724,38 +757,45 @@ class _Decoder:
         return self.resolver(obj["ref"], path)
 
     @staticmethod
-    def np_dtype(s: str, path: str) -> Any:
+    def np_dtype(s: str, path: str, scalar: bool = False) -> Any:
+        """A numpy dtype from the fixed grammar :func:`_np_dtype_from_str` accepts (never
+        numpy's own parser on arbitrary text); zero-size items only for empty str/bytes scalars."""
         import numpy as np
 
-        try:
-            dt = np.dtype(s)
-        except Exception as e:  # noqa: BLE001 - numpy raises several types
-            raise CheckpointError(f"cannot load {_show(path)!r}: bad numpy dtype {s!r}") from e
-        why = _bad_np_dtype(dt, np)
-        if why:
+        dt = _np_dtype_from_str(s, np)
+        if dt is None:
+            if "O" in s:
+                why = f"numpy object dtype {s[:40]!r} holds Python objects, not bytes"
+            elif "," in s or s.lstrip("<>|=")[:1] in ("(", "["):
+                why = f"structured/subarray numpy dtype {s[:40]!r} is not supported"
+            else:
+                why = f"bad numpy dtype {s[:40]!r}"
             raise CheckpointError(f"cannot load {_show(path)!r}: {why}")
+        if dt.itemsize == 0 and not (scalar and dt.kind in "SU"):
+            raise CheckpointError(f"cannot load {_show(path)!r}: numpy dtype {s!r} has zero-size items (refused: "
+                                  "no bytes could bound the array's shape)")
         return np, dt
 
     def ndarray(self, obj: dict, path: str) -> Any:
         self.fields(obj, path, {"dtype": str, "shape": list, "b64": str})
         np, dt = self.np_dtype(obj["dtype"], path)
         shape = obj["shape"]
-        if not all(type(s) is int and s >= 0 for s in shape):
-            raise CheckpointError(f"cannot load {_show(path)!r}: ndarray shape must be ints >= 0")
+        if len(shape) > 64 or not all(type(s) is int and s >= 0 for s in shape):
+            raise CheckpointError(f"cannot load {_show(path)!r}: ndarray shape must be at most 64 ints >= 0")
         data = self.unb64(obj["b64"], path)
         n = math.prod(shape)
-        if len(data) != n * dt.itemsize:
+        if len(data) != n * dt.itemsize:  # items are never zero-size here: the bytes bound the shape
             raise CheckpointError(
                 f"cannot load {_show(path)!r}: ndarray of {dt} {shape} needs {n * dt.itemsize} "
                 f"bytes, found {len(data)}"
             )
-        if n == 0 or dt.itemsize == 0:
+        if n == 0:
             return np.zeros(shape, dtype=dt)
         return np.frombuffer(data, dtype=dt, count=n).reshape(shape).copy()
 
     def npscalar(self, obj: dict, path: str) -> Any:
         self.fields(obj, path, {"dtype": str, "b64": str})
-        np, dt = self.np_dtype(obj["dtype"], path)
+        np, dt = self.np_dtype(obj["dtype"], path, scalar=True)
         data = self.unb64(obj["b64"], path)
         if len(data) != dt.itemsize:
             raise CheckpointError(

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -25,12 +26,12 @@ from .devicecopy import on_host
 from .errors import CheckpointError, StateDictError
 from .format import empty_buffer
 from .format.fastio import tensor_memoryview
-from .index import Index, index_from_bytes, open_index, read_index_bytes
+from .index import Index, check_file_size, index_from_bytes, open_index, read_index_bytes
 from .logs import log_summary, rank_prefix
 from .manifest import dtype_from_name, dtype_name, itemsize
 from .plan import Box
-from .sharded import (ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key,
-                      reject_unapplied)
+from .sharded import (ShardedTensor, check_data, looks_like_sharded_object, looks_like_sharded_tensor,
+                      object_unique_key, reject_unapplied)
 from .transport import Comm, node_readers
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,23 @@ class _LoadWork:
     finish: List[Callable[[], None]] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
     touched: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # file -> {name: [data offset, bytes]} (verify)
+    owners: Dict[Tuple[str, str], Any] = field(default_factory=dict)  # (file, name) -> what the index says it holds
+
+    def touch(self, file: str, name: str, offset: int, nbytes: int, owner: Any) -> None:
+        """Record a tensor of a file this load reads; one tensor of a file holds one thing, so
+        an index naming it for two (forged: both would load the same bytes) is refused."""
+        prev = self.owners.setdefault((file, name), owner)
+        if prev != owner:
+            raise CheckpointError(f"{file}: tensor {name!r} is named twice by the index, for {_owner_text(prev)} "
+                                  f"and for {_owner_text(owner)}; the checkpoint is damaged or forged")
+        self.touched.setdefault(file, {})[name] = [offset, nbytes]
+
+
+def _owner_text(owner: Any) -> str:
+    if owner[0] == "shard":
+        _, key, off, shp, flat = owner
+        return f"tensor {key!r} chunk {list(off)}+{list(shp)}" + (f" flat {list(flat)}" if flat else "")
+    return f"state {owner[1] or '<root>'}"
 
 
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
@@ -143,6 +161,7 @@ def _plan_rows(rr: plan.RowReads, mv: memoryview, work: _LoadWork) -> None:
 class BoxPlan:
     """The reads of one box of a requested shard (see :func:`plan_shard`)."""
 
+    key: str
     box: Box  # global coordinates
     flat: Optional[Tuple[int, int]]  # the request's flat range when it was saved exactly so
     pos: int  # element position of the box in the request
@@ -183,7 +202,7 @@ def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool, path: str = "") -
         records = index.pieces(sh.key, box)
         wp = plan.plan_want(box, exact_flat, [r.piece() for r in records], isz, rows_ok=rows_ok)
         covered += (exact_flat[1] - exact_flat[0]) if wp.direct and exact_flat else wp.covered
-        out.append(BoxPlan(box, exact_flat, pos, wp, records))
+        out.append(BoxPlan(sh.key, box, exact_flat, pos, wp, records))
     total = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else want.numel
     if covered < total and not (sh.allow_shape_mismatch and covered > 0):
         return out, [f"missing data: {sh.key!r} at offset {tuple(sh.global_offset)}: checkpoint covers "
@@ -192,20 +211,26 @@ def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool, path: str = "") -
 
 
 def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -> Optional[torch.Tensor]:
-    """Plan reads for one requested shard; returns the tensor that will hold it."""
+    """Plan reads for one requested shard; returns the tensor that will hold it: the
+    template's, or one allocated here only once the plan is complete and the files it reads
+    have their recorded sizes (never returned unfilled: ``None`` when the shard cannot load)."""
     n_el = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else plan.numel(sh.local_shape)
     dest = sh.data
-    if dest is None and index.tensor(sh.key) is not None:
-        dest = torch.empty(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
+    check_data(sh, path or sh.key, "load")
     if dest is not None and dest.numel() != n_el:
         work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
         return dest
     # strided row reads need host memory; GPU destinations take whole pieces (read through
     # pinned buffers, :mod:`megashard.devicecopy`) and place resharded ones from host temporaries
-    boxes, problems = plan_shard(sh, index, work.rows_ok and on_host(dest), path)
+    boxes, problems = plan_shard(sh, index, work.rows_ok and (dest is None or on_host(dest)), path)
     if problems:
         work.problems += problems
         return dest
+    for f in sorted({r.file for bp in boxes for r in bp.records if r.file}):
+        index.confirm_file(f)  # before anything is allocated for the bytes it claims to hold
+    if dest is None:  # unsaved parts (allow_shape_mismatch) read as zeros, never as stale memory
+        alloc = torch.zeros if sh.allow_shape_mismatch else torch.empty
+        dest = alloc(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
     staged = not dest.is_contiguous()
     buf = torch.empty(dest.shape, dtype=dest.dtype) if staged else dest
     flat_buf = buf.detach().reshape(-1)
@@ -224,7 +249,7 @@ def _emit(bp: BoxPlan, view: torch.Tensor, dtype: torch.dtype, work: _LoadWork) 
     files = {r.file for r in wp.reads} | {r.file for r in wp.rows}
     for s in bp.records:
         if s.file in files:
-            work.touched.setdefault(s.file, {})[s.name] = [s.data_offset, s.nbytes]
+            work.touch(s.file, s.name, s.data_offset, s.nbytes, ("shard", bp.key, s.offset, s.shape, s.flat))
     if wp.direct:
         for r in wp.reads:
             work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(view)[r.buffer_offset:r.buffer_offset + r.nbytes]))
@@ -292,7 +317,7 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
     t = into if direct else torch.empty(shape, dtype=dtype)  # size validated against the file above
     if nbytes:
         work.ops.append(_Op(file, offset, nbytes, _bytes_view(t)))
-        work.touched.setdefault(file, {})[ref.get("name", "")] = [offset, nbytes]
+        work.touch(file, str(ref.get("name", "")), offset, nbytes, ("state", path))
     if into is not None and not direct:
         work.finish.append(lambda d=into, s=t: d.copy_(s.view(d.shape)))
         return into
@@ -317,6 +342,7 @@ def _checked_ref(ref: Dict[str, Any], index: Index, path: str) -> Tuple[torch.dt
             raise CheckpointError(f"{where}: tensor refers to unknown file {file!r}")
         if offset + nbytes > int(index.files[file].get("bytes", 0)):
             raise CheckpointError(f"{where}: byte range {offset}+{nbytes} lies past the end of {file}")
+        index.confirm_file(file)  # the file really is that large: only then may nbytes size an allocation
     return dtype, tuple(shape), file, offset, nbytes
 
 
@@ -502,9 +528,14 @@ def plan_probe(infos: List[Dict[str, Any]], base: str, mode: str) -> List[Dict[s
 def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
     """This rank's index: opened from the checkpoint, or sent whole by its node's reader
     (for ranks that cannot see the directory), then read lazily like any other."""
+    where = os.path.join(base, storage.MANIFEST_NAME)
     if probe["index_to"]:
         try:
             head, sections = read_index_bytes(base)
+            own = index_from_bytes(head, sections, where)
+            own.check_file = partial(check_file_size, base)
+            for name in own.files:  # the ranks it goes to allocate from it and cannot check a file themselves
+                own.confirm_file(name)
         except BaseException:
             for m in probe["index_to"]:  # never leave a waiting rank behind
                 comm.send(torch.tensor([-1, -1], dtype=torch.int64), m)
@@ -512,6 +543,7 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
         for m in probe["index_to"]:
             comm.send(torch.tensor([len(head), len(sections)], dtype=torch.int64), m)
             comm.send(torch.frombuffer(bytearray(head + sections), dtype=torch.uint8), m)
+        return own
     if probe["index_from"] is not None:
         sizes = torch.zeros(2, dtype=torch.int64)
         comm.recv(sizes, probe["index_from"])
@@ -521,7 +553,7 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
         buf = torch.empty(nh + ns, dtype=torch.uint8)
         comm.recv(buf, probe["index_from"])
         data = bytes(buf.numpy())
-        return index_from_bytes(data[:nh], data[nh:], os.path.join(base, storage.MANIFEST_NAME))
+        return index_from_bytes(data[:nh], data[nh:], where)
     return open_index(base)
 
 

@@ -83,8 +83,28 @@ class TensorRecord:
                 "shards": [s.to_json() for s in self.shards]}
 
 
+class _FileSizes:
+    """Real file sizes, checked before memory is allocated for a file's contents: the index's
+    own claims (``files[*].bytes``) only bound offsets, a forged one could claim 64 GiB.
+    ``check_file(name, claimed bytes)`` raises CheckpointError when the file differs; it is
+    set where the directory can be seen (:func:`megashard.index.open_index`)."""
+
+    check_file: Optional[Callable[[str, int], None]] = None
+    _confirmed: Optional[set] = None
+
+    def confirm_file(self, name: str) -> None:
+        """Raise unless file ``name`` exists with the size the index records (once per file)."""
+        if self.check_file is None:
+            return
+        if self._confirmed is None:
+            self._confirmed = set()
+        if name not in self._confirmed:
+            self.check_file(name, int(self.files[name].get("bytes", 0)))  # type: ignore[attr-defined]
+            self._confirmed.add(name)
+
+
 @dataclass
-class Manifest:
+class Manifest(_FileSizes):
     """The whole index in memory (tools, conversion, version-1 checkpoints). Loads plan
     through the same methods on :class:`LazyIndex`, which reads only what a rank needs."""
 
@@ -162,6 +182,12 @@ class Manifest:
                 rec.shards.append(_parse_shard(p, ws, off, shp, gshape, isz, files, s.get("flat"), s.get("file"),
                                                s.get("name", ""), s.get("header_offset", 0), s.get("data_offset"),
                                                s.get("nbytes"), s.get("crc32", 0)))
+            by_chunk: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], List[ShardRecord]] = {}
+            for sr in rec.shards:
+                by_chunk.setdefault((sr.offset, sr.shape), []).append(sr)
+            _check_chunks(p, key, list(by_chunk))
+            for (off, shp), recs in by_chunk.items():
+                _check_flat_ranges(p, key, off, shp, recs)
             tensors[key] = rec
         trees = p.dict(doc.get("trees"), "trees")
         rank_trees = p.list(doc.get("rank_trees"), "rank_trees")
@@ -198,6 +224,40 @@ def _touches(offset: Tuple[int, ...], shape: Tuple[int, ...], box: Box) -> bool:
     if box.numel == 0 or numel(shape) == 0:
         return tuple(offset) == tuple(box.offset) and tuple(shape) == tuple(box.shape)
     return all(o < bo + bs and bo < o + s for o, s, bo, bs in zip(offset, shape, box.offset, box.shape))
+
+
+def _chunk_text(off: Sequence[int], shp: Sequence[int]) -> str:
+    return f"{list(off)}+{list(shp)}"
+
+
+def _check_chunks(p: "_Parser", key: str, chunks: Sequence[Tuple[Tuple[int, ...], Tuple[int, ...]]]) -> None:
+    """A tensor's chunks are distinct and disjoint: a load counts the elements its chunks cover,
+    so two chunks claiming the same elements (and leaving others unsaved) must be refused here."""
+    from .plan import overlap_pairs
+
+    seen: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], int] = {}
+    for i, c in enumerate(chunks):
+        j = seen.setdefault(c, i)
+        if j != i:
+            p.fail(f"tensor {key!r}: chunk {_chunk_text(*c)} is listed twice (chunks {j} and {i})")
+    pairs = overlap_pairs([Box(o, s) for o, s in chunks], limit=1)
+    if pairs:
+        i, j = pairs[0]
+        p.fail(f"tensor {key!r}: chunks {_chunk_text(*chunks[i])} and {_chunk_text(*chunks[j])} overlap "
+               "(each element must be saved once)")
+
+
+def _check_flat_ranges(p: "_Parser", key: str, off: Tuple[int, ...], shp: Tuple[int, ...],
+                       recs: Sequence["ShardRecord"]) -> None:
+    """The shards of one chunk hold disjoint flat ranges of it."""
+    if len(recs) < 2:
+        return
+    n = numel(shp)
+    spans = sorted(r.flat or (0, n) for r in recs)
+    for (a0, b0), (a1, b1) in zip(spans, spans[1:]):
+        if a1 < b0:
+            p.fail(f"tensor {key!r}: chunk {_chunk_text(off, shp)} holds flat ranges {[a0, b0]} and {[a1, b1]} "
+                   "that overlap (each element must be saved once)")
 
 
 def parse_head(text: str | bytes, where: str) -> Dict[str, Any]:
@@ -442,7 +502,7 @@ class _Table(Mapping):
         return sum(len(self._bucket(i)) for i in range(len(self.entries)))
 
 
-class LazyIndex:
+class LazyIndex(_FileSizes):
     """A version-2 index: the head parsed, sections read and validated on first use.
 
     ``read(start, length)`` returns bytes of ``manifest.index`` (the caller has checked
@@ -537,6 +597,7 @@ class LazyIndex:
             i = int(np.flatnonzero(bad)[0])
             p.fail(f"{w}.chunks[{i}]: chunk {offs[i].tolist()}+{shps[i].tolist()} lies outside the global shape "
                    f"{list(rec.global_shape)} or has a negative field")
+        _check_chunks(p, key, list(zip(map(tuple, offs.tolist()), map(tuple, shps.tolist()))))
         got = (rec, offs, shps, secs)
         self._tensors[key] = got
         return got
@@ -551,12 +612,12 @@ class LazyIndex:
 
         rec, offs, shps, secs = got
         # a box that is exactly one saved chunk (any load in the saved layout) overlaps only that
-        # chunk, chunks being disjoint: a dict lookup instead of numpy's per-call cost on every chunk
+        # chunk, chunks being distinct and disjoint (checked in _tensor): a dict lookup instead of
+        # numpy's per-call cost on every chunk
         exact = self._exact.get(key)
         if exact is None:
-            exact = self._exact[key] = {}
-            for i, b in enumerate(zip(map(tuple, offs.tolist()), map(tuple, shps.tolist()))):
-                exact[b] = -1 if b in exact else i  # -1: not unique (damaged index): scan instead
+            exact = self._exact[key] = {b: i for i, b in enumerate(zip(map(tuple, offs.tolist()),
+                                                                       map(tuple, shps.tolist())))}
         i = exact.get((tuple(box.offset), tuple(box.shape)), -1)
         if i >= 0 and (box.numel == 0 or all(box.shape)):
             return list(self._chunk(key, i, rec, offs, shps, secs))
@@ -587,6 +648,7 @@ class LazyIndex:
                     p.require(fl is None or (isinstance(fl, list) and len(fl) == 2), f"{ws}.flat invalid")
                     r[2] = shard_name(key, rec.global_shape, off, shp, tuple(fl) if fl is not None else None)
                 got.append(_parse_shard(p, ws, off, shp, rec.global_shape, isz, self.files, *r))
+            _check_flat_ranges(p, key, off, shp, got)
             self._chunks[(key, i)] = got
         return got
 

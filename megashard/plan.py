@@ -422,74 +422,83 @@ MAX_GRID_CELLS = 1 << 24
 
 
 def _overlaps(key: str, boxes: List[Box]) -> List[str]:
-    """Pairs of overlapping chunks, found without comparing every pair.
+    """:func:`overlap_pairs`, named for a coverage report."""
+    if boxes and not boxes[0].shape and len(boxes) > 1:
+        return [f"{key}: {len(boxes)} scalar shards overlap"]
+    return [f"{key}: shards at {boxes[i].offset} and {boxes[j].offset} overlap" for i, j in overlap_pairs(boxes)]
+
+
+def overlap_pairs(boxes: Sequence[Box], limit: int = 20) -> List[Tuple[int, int]]:
+    """Pairs ``(i, j)``, ``i < j``, of overlapping boxes (at most ``limit``), found without
+    comparing every pair. Boxes without elements overlap nothing.
 
     The chunk boundaries of each dimension cut the tensor into a grid of cells; every
     chunk covers a block of cells, and two chunks overlap exactly when some cell is
     covered twice. Counting costs one slice update per chunk plus the cell count
     (~ the chunk count for the grids TP/PP/EP/expert layouts produce). Irregular
     layouts whose grid would be huge fall back to a sweep along the first dimension."""
-    if len(boxes) < 2:
+    keep = [i for i, b in enumerate(boxes) if b.numel]
+    if len(keep) < 2:
         return []
     import numpy as np
 
-    nd = len(boxes[0].shape)
+    sub = [boxes[i] for i in keep]
+    nd = len(sub[0].shape)
     if nd == 0:
-        return [f"{key}: {len(boxes)} scalar shards overlap"]
-    offs = np.array([b.offset for b in boxes], dtype=np.int64)
-    ends = offs + np.array([b.shape for b in boxes], dtype=np.int64)
+        return [(keep[0], keep[1])]
+    offs = np.array([b.offset for b in sub], dtype=np.int64)
+    ends = offs + np.array([b.shape for b in sub], dtype=np.int64)
     cuts = [np.unique(np.concatenate([offs[:, d], ends[:, d]])) for d in range(nd)]
     lo = np.stack([np.searchsorted(cuts[d], offs[:, d]) for d in range(nd)], axis=1)
     hi = np.stack([np.searchsorted(cuts[d], ends[:, d]) for d in range(nd)], axis=1)
+    out: List[Tuple[int, int]] = []
     if bool(np.all(hi - lo == 1)):  # every chunk is one grid cell (TP/PP/EP grids): overlap = same cell
         _, inv, cnt = np.unique(lo, axis=0, return_inverse=True, return_counts=True)
-        if len(cnt) == len(boxes):
+        if len(cnt) == len(sub):
             return []
+        inv = inv.reshape(-1)
         first: Dict[int, int] = {}
-        out: List[str] = []
-        for i in np.flatnonzero(cnt[inv.reshape(-1)] > 1).tolist():
-            j = first.setdefault(int(inv.reshape(-1)[i]), i)
+        for i in np.flatnonzero(cnt[inv] > 1).tolist():
+            j = first.setdefault(int(inv[i]), i)
             if j != i:
-                out.append(f"{key}: shards at {boxes[j].offset} and {boxes[i].offset} overlap")
-                if len(out) >= 20:
+                out.append((keep[j], keep[i]))
+                if len(out) >= limit:
                     break
         return out
-    else:
-        cells = 1
-        for c in cuts:
-            cells *= max(len(c) - 1, 1)
-        if cells > MAX_GRID_CELLS:
-            return _overlaps_sweep(key, boxes)
-        count = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
-        spans = [tuple(slice(int(a), int(b)) for a, b in zip(lo[i], hi[i])) for i in range(len(boxes))]
-        for sl in spans:
-            count[sl] += 1
-        if int(count.max()) <= 1:
-            return []
-    out = []
-    for i in range(len(boxes)):  # name the pairs (only when something is wrong)
+    cells = 1
+    for c in cuts:
+        cells *= max(len(c) - 1, 1)
+    if cells > MAX_GRID_CELLS:
+        return [(keep[i], keep[j]) for i, j in _overlaps_sweep(sub, limit)]
+    count = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
+    spans = [tuple(slice(int(a), int(b)) for a, b in zip(lo[i], hi[i])) for i in range(len(sub))]
+    for sl in spans:
+        count[sl] += 1
+    if int(count.max()) <= 1:
+        return []
+    for i in range(len(sub)):  # name the pairs (only when something is wrong)
         if int(count[spans[i]].max()) > 1:
-            for j in range(i + 1, len(boxes)):
-                if boxes[i].intersect(boxes[j]) is not None:
-                    out.append(f"{key}: shards at {boxes[i].offset} and {boxes[j].offset} overlap")
-                    if len(out) >= 20:
+            for j in range(i + 1, len(sub)):
+                if sub[i].intersect(sub[j]) is not None:
+                    out.append((keep[i], keep[j]))
+                    if len(out) >= limit:
                         return out
     return out
 
 
-def _overlaps_sweep(key: str, boxes: List[Box]) -> List[str]:
+def _overlaps_sweep(boxes: List[Box], limit: int) -> List[Tuple[int, int]]:
     """Sort by the first dimension; compare only chunks whose first-dimension ranges overlap."""
-    out: List[str] = []
-    order = sorted(boxes, key=lambda b: b.offset)
-    active: List[Box] = []
-    for b in order:
-        active = [a for a in active if a.offset[0] + a.shape[0] > b.offset[0]]
+    out: List[Tuple[int, int]] = []
+    active: List[int] = []
+    for i in sorted(range(len(boxes)), key=lambda k: boxes[k].offset):
+        b = boxes[i]
+        active = [a for a in active if boxes[a].offset[0] + boxes[a].shape[0] > b.offset[0]]
         for a in active:
-            if a.intersect(b) is not None:
-                out.append(f"{key}: shards at {a.offset} and {b.offset} overlap")
-                if len(out) >= 20:
+            if boxes[a].intersect(b) is not None:
+                out.append((min(a, i), max(a, i)))
+                if len(out) >= limit:
                     return out
-        active.append(b)
+        active.append(i)
     return out
 
 
@@ -623,7 +632,9 @@ def plan_want(
 
     Exact match (same chunk and flat range) reads straight into the destination;
     otherwise each overlapping saved chunk contributes its minimal covering span,
-    read into a temporary and copied with a strided view.
+    read into a temporary and copied with a strided view. ``covered`` counts a chunk's
+    flat ranges as a union; distinct chunks are disjoint (the index refuses overlapping
+    ones when it reads a tensor's chunk table), so no element is counted twice.
     """
     wflat = want_flat or (0, want_chunk.numel)
     for p in pieces:
@@ -655,22 +666,35 @@ def plan_want(
         if not in_place:
             buf = len(plan.buffers)
             plan.buffers.append(hi - lo)
-        got = 0
+        spans: List[Tuple[int, int]] = []
         for p in cps:
             x, y = max(lo, p.flat[0]), min(hi, p.flat[1])
             if y <= x:
                 continue
-            got += y - x
+            spans.append((x, y))
             at = (dlo + x - lo) if in_place else (x - lo)
             plan.reads.append(ReadOp(p.file, p.data_offset + (x - p.flat[0]) * itemsize, (y - x) * itemsize, buf,
                                      at * itemsize))
-        if got < hi - lo:
+        if _union_length(spans) < hi - lo:
             continue  # part of the chunk was never saved: leave it uncovered
         if not in_place:
             plan.placements.append(
                 Placement(buf, inter.shape, c_strides(chunk.shape), flat_index(sub.offset, chunk.shape) - lo, dst))
         plan.covered += inter.numel
     return plan
+
+
+def _union_length(spans: List[Tuple[int, int]]) -> int:
+    """Elements covered by the ranges ``spans`` (a union: a range saved twice counts once)."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a >= end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def _row_reads(chunk: Box, want: Box, inter: Box, sub: Box, dst: Box, piece: SavedPiece,

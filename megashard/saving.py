@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -32,8 +33,8 @@ from .format import write_file
 from .index import write_index
 from .logs import log_summary, rank_prefix
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
-from .sharded import (ShardedTensor, is_main_replica, looks_like_sharded_object, looks_like_sharded_tensor,
-                      object_unique_key, reject_unapplied)
+from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
+                      looks_like_sharded_tensor, object_unique_key, reject_unapplied)
 from .transport import Comm
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,20 @@ def _shard_name(sh: ShardedTensor) -> str:
     return shard_name(sh.key, tuple(sh.global_shape), tuple(sh.global_offset), tuple(sh.chunk_shape), sh.flat_range)
 
 
+# Names inside a file that megashard gives rank-local tensors and ShardedObject contents;
+# a global key may not start with them (its tensor would share a name with one of those).
+_RESERVED_PREFIX = re.compile(r"__rank\d+__/|__object__/")
+
+
+def check_key(key: str, path: str) -> None:
+    """Refuse a global key that starts with a prefix reserved for megashard's own names."""
+    m = _RESERVED_PREFIX.match(key) if isinstance(key, str) else None
+    if m is not None:
+        raise StateDictError(f"cannot save {path!r}: ShardedTensor key {key!r} starts with {m.group()!r}, which is "
+                             "reserved for megashard's names of rank-local tensors and ShardedObject contents "
+                             "inside files; rename the key")
+
+
 def _tensor_ref(t: torch.Tensor) -> Dict[str, Any]:
     return {"kind": "tensor", "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
 
@@ -89,6 +104,8 @@ def _make_save_hook(st: _SaveState, file_stems: Optional[Mapping[str, str]]) -> 
             sh = ShardedTensor.from_any(value)
             if sh.data is None:
                 raise StateDictError(f"cannot save {path!r}: ShardedTensor {sh.key!r} has no data")
+            check_data(sh, path)
+            check_key(sh.key, path)
             st.shards.append((path, sh, _stem_for(path, file_stems)))
             return {"kind": "sharded", "key": sh.key}
         if looks_like_sharded_object(value):
@@ -364,15 +381,32 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
     groups: Dict[str, Dict[str, torch.Tensor]] = {}
     shard_records: List[Tuple[str, str, _ShardMeta]] = []
     zero_records: List[Tuple[str, _ShardMeta]] = []
+    owner: Dict[Tuple[str, str], Tuple[Any, str]] = {}  # (stem, name in file) -> (what it holds, for messages)
+
+    def claim(stem: str, name: str, ident: Any, what: str) -> bool:
+        """False when ``name`` already holds the same thing (a shard listed twice: tied weights);
+        StateDictError when it holds something else (two values would share one name)."""
+        got = owner.get((stem, name))
+        if got is None:
+            owner[(stem, name)] = (ident, what)
+            return True
+        if got[0] == ident:
+            return False
+        raise StateDictError(f"cannot save: {what} and {got[1]} would both be stored as tensor {name!r} in "
+                             f"{stem}-r{st.rank:05d}.tensors; rename one of them")
+
     for j in reply["write"]:
-        _path, sh, stem = st.shards[st.order[j]]
+        path, sh, stem = st.shards[st.order[j]]
         name = _shard_name(sh)
         if sh.data.numel() == 0:
             zero_records.append((name, _ShardMeta.of(sh)))
             continue
-        if groups.setdefault(stem, {}).setdefault(name, sh.data) is not sh.data:
+        meta = _ShardMeta.of(sh)
+        what = f"ShardedTensor {sh.key!r} (at {path!r}, offset {list(sh.global_offset)})"
+        if not claim(stem, name, ("shard", meta.key, meta.offset, meta.shape, meta.flat), what):
             continue  # the same shard listed twice on this rank (tied weights)
-        shard_records.append((stem, name, _ShardMeta.of(sh)))
+        groups.setdefault(stem, {})[name] = sh.data
+        shard_records.append((stem, name, meta))
     objects: Dict[str, Any] = {}
     for i in reply["objects"]:
         _path, obj, stem = st.objects[i]
@@ -386,6 +420,7 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
         if lt.tensor.numel() == 0:
             lt.ref.update(file=None, name=lt.name, data_offset=0, nbytes=0, crc32=0)
         else:
+            claim(lt.stem, lt.name, ("local", lt.name, id(lt)), f"rank-local value at {lt.path or lt.name!r}")
             groups.setdefault(lt.stem, {})[lt.name] = lt.tensor
             local_refs.append((lt.stem, lt.name, lt.ref))
     upload = set(reply["blobs"])

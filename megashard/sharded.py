@@ -6,6 +6,7 @@ megatron-core. ``from_any`` converts a megatron-core object.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
@@ -118,6 +119,28 @@ class ShardedTensor:
             flattened_range=getattr(obj, "flattened_range", None),
             allow_shape_mismatch=bool(getattr(obj, "allow_shape_mismatch", False)),
         )
+
+
+def check_data(sh: ShardedTensor, path: str, what: str = "save") -> None:
+    """Refuse a shard whose data is not what it declares: the dtype decides how many bytes
+    an element has in the file and in the index, so a mismatch would write (or read) bytes
+    of one dtype under the other's name. ``what``: ``"save"`` also checks the element count."""
+    from .errors import StateDictError
+
+    if sh.data is None:
+        return
+    if sh.data.dtype != sh.dtype:
+        raise StateDictError(
+            f"cannot {what} {path!r}: ShardedTensor {sh.key!r} declares dtype {sh.dtype} but its data is "
+            f"{sh.data.dtype}; make the data match the declared dtype (or declare {sh.data.dtype})")
+    if what == "save":
+        fr = sh.flat_range
+        n = (fr[1] - fr[0]) if fr is not None else math.prod(sh.local_shape)
+        if sh.data.numel() != n:
+            raise StateDictError(
+                f"cannot save {path!r}: ShardedTensor {sh.key!r} declares {n} elements "
+                f"({'flattened range ' + str(list(fr)) if fr is not None else 'local shape ' + str(sh.local_shape)}) "
+                f"but its data has {sh.data.numel()}")
 
 
 def looks_like_sharded_tensor(obj: Any) -> bool:

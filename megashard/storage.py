@@ -207,12 +207,19 @@ class CheckpointFiles:
             if os.path.lexists(self.path(MANIFEST_DIGEST_NAME)):
                 raise
             return data  # written before digests existed
-        want = self.read_bytes(MANIFEST_DIGEST_NAME, 1024).decode("ascii", "replace").strip()
+        raw = self.read_bytes(MANIFEST_DIGEST_NAME, 1024)
+        if not _DIGEST_LINE.fullmatch(raw):  # strictly 64 lowercase hex digits and one newline
+            raise CheckpointError(f"{self.path(MANIFEST_DIGEST_NAME)}: not one line of 64 lowercase hex digits "
+                                  f"({raw[:80]!r}); the checkpoint is damaged")
+        want = raw[:64].decode("ascii")
         got = hashlib.sha256(data).hexdigest()
         if want != got:
             raise CheckpointError(f"{self.path(MANIFEST_NAME)}: SHA-256 {got[:16]}... does not match "
                                   f"{MANIFEST_DIGEST_NAME} ({want[:16]}...); the manifest is damaged")
         return data
+
+
+_DIGEST_LINE = re.compile(rb"[0-9a-f]{64}\n")
 
 
 def manifest_digest(text: Union[str, bytes]) -> str:

@@ -357,6 +357,34 @@ def test_bit_flip_campaign(tmp_path):
     print(f"bit flips caught: {caught}/{n} over {regions}")
 
 
+def test_bit_flip_every_bit_of_manifest_sha256(tmp_path):
+    """Exhaustive over the 520 bits of the digest file (the random campaign rarely hits its
+    newline, whose flip to \\v a lenient parser accepted); scripts/bitflip_campaign.py runs it too."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    f = os.path.join(path, storage.MANIFEST_DIGEST_NAME)
+    pristine = open(f, "rb").read()
+    missed = []
+    for pos in range(len(pristine)):
+        for bit in range(8):
+            data = bytearray(pristine)
+            data[pos] ^= 1 << bit
+            with open(f, "wb") as fh:
+                fh.write(data)
+            try:  # what verify and every load read first
+                with storage.CheckpointFiles(path) as cf:
+                    cf.read_manifest_bytes()
+                missed.append((pos, bit))
+            except CheckpointError:
+                pass
+            if pos == len(pristine) - 1:  # the newline: the whole verify too
+                assert verify_checkpoint(path), f"newline bit {bit} flipped passed verify"
+    with open(f, "wb") as fh:
+        fh.write(pristine)
+    assert not missed, missed
+    assert verify_checkpoint(path) == []
+
+
 def test_unregistered_enum_in_unrequested_key_never_decoded(tmp_path, spy):
     """load decodes only what the template asks for: an enum tag in another key is ignored."""
     path = str(tmp_path / "ckpt")
