@@ -157,6 +157,14 @@ def plan_export(src: str, vocab_size: Optional[int] = None, tokenizer: Optional[
     """Check the checkpoint against the Llama mapping; nothing is read but the index and ``args``."""
     base = checkpoint_location(src)
     m = read_manifest(base)
+    args = load_common(base, ["args"]).get("args")
+    emb = m.tensors.get(M.EMBED)
+    if emb is None:
+        raise HFMappingError(f"{base}: no {M.EMBED!r}: not a Megatron GPT checkpoint")
+    padded = int(emb.global_shape[0])
+    if (vocab_size is None and tokenizer is None and getattr(args, "padded_vocab_size", None) is None
+            and getattr(args, "vocab_size", None) == padded):
+        vocab_size = padded  # an unpadded checkpoint (an import from Hugging Face): its rows are the vocabulary
     if vocab_size is None and tokenizer is None:
         raise HFMappingError(f"{base}: the checkpoint's vocabulary is padded and its real size is not saved; pass "
                              "--vocab-size N or --tokenizer DIR (whose files are copied into the export)")
@@ -169,12 +177,7 @@ def plan_export(src: str, vocab_size: Optional[int] = None, tokenizer: Optional[
     assert vocab_size is not None
     if vocab_size <= 0:
         raise HFMappingError(f"--vocab-size {vocab_size}: must be positive")
-    args = load_common(base, ["args"]).get("args")
-    emb = m.tensors.get(M.EMBED)
-    if emb is None:
-        raise HFMappingError(f"{base}: no {M.EMBED!r}: not a Megatron GPT checkpoint")
     dtype = emb.dtype
-    padded = int(emb.global_shape[0])
     s = M.spec_from_megatron_args(args, vocab_size, padded, dtype, base)
     # the norms' saved names depend on the layer spec (fused TE names, or the local spec's mapped ones)
     keys = {k: M.LAYER + k for k in M.megatron_layer_shapes(s)}

@@ -191,7 +191,16 @@ def spec_from_megatron_args(args: Any, vocab: int, padded_rows: int, dtype: torc
         rope_theta=float(_get(args, "rotary_base", 10000)),
         max_positions=int(_get(args, "max_position_embeddings", 0) or _get(args, "seq_length", 2048)),
         tied=not bool(_get(args, "untie_embeddings_and_output_weights", False)), bias=bias,
-        interleaved=bool(_get(args, "rotary_interleaved", False)), rope_scaling=scaling, dtype=dtype)
+        interleaved=bool(_get(args, "rotary_interleaved", False)), rope_scaling=scaling, dtype=dtype,
+        extra=_token_ids(getattr(args, "hf_token_ids", None)))
+
+
+def _token_ids(v: Any) -> Dict[str, Any]:
+    """The special token ids an import recorded (bos/eos/pad), carried back into config.json."""
+    if not isinstance(v, dict):
+        return {}
+    ok = lambda x: isinstance(x, int) or (isinstance(x, list) and all(isinstance(i, int) for i in x))  # noqa: E731
+    return {k: v[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in v and (v[k] is None or ok(v[k]))}
 
 
 def spec_from_hf_config(cfg: Dict[str, Any], where: str) -> LlamaSpec:
