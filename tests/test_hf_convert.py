@@ -190,3 +190,21 @@ def test_export_memory_stays_far_below_model_size(tmp_path):
     bound = 160 << 20
     assert nbytes > 3 * bound
     assert peak - base < bound, f"peak {peak >> 20} MiB over a {base >> 20} MiB baseline for a {nbytes >> 20} MiB model"
+
+
+def test_padding_rows_past_the_saved_vocabulary_load_as_padding(tmp_path):
+    """An import saves the real vocabulary; a TP rank whose padded rows are all past it keeps its
+    own values (allow_shape_mismatch), while a rank with real rows gets them."""
+    from megashard.errors import StateDictError
+
+    real = torch.arange(100 * 4, dtype=torch.float32).view(100, 4)
+    megashard.save({"e": ShardedTensor("embedding.word_embeddings.weight", real, (100, 4), (0, 0))}, str(tmp_path / "c"))
+    first, second = torch.full((128, 4), -1.0), torch.full((128, 4), -1.0)
+    megashard.load({"a": ShardedTensor("embedding.word_embeddings.weight", first, (256, 4), (0, 0),
+                                       allow_shape_mismatch=True),
+                    "b": ShardedTensor("embedding.word_embeddings.weight", second, (256, 4), (128, 0),
+                                       allow_shape_mismatch=True)}, str(tmp_path / "c"))
+    assert torch.equal(first[:100], real) and (first[100:] == -1).all() and (second == -1).all()
+    with pytest.raises(StateDictError, match="shape mismatch"):
+        megashard.load({"b": ShardedTensor("embedding.word_embeddings.weight", second, (256, 4), (128, 0))},
+                       str(tmp_path / "c"))
