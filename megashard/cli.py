@@ -2,8 +2,10 @@
 
     megashard inspect PATH [--json]   # a file: version + tensors; a directory: the checkpoint summary
     megashard verify PATH [--json]    # every hash; exit 0 only when all match, else 1
-    megashard convert SRC DST [--to megashard|torch_dist|tensors|safetensors] [--keys PATTERN ...]
+    megashard convert SRC DST [--to megashard|torch_dist|tensors|safetensors|hf] [--keys PATTERN ...]
                       [--iteration N]  # one process; see megashard.convert
+    megashard convert SRC DST --to hf (--vocab-size N | --tokenizer DIR) [--tensors]  # a Hugging Face directory
+    megashard convert HF_DIR DST [--to megashard]  # import: DST/release + tracker, for --load DST
 
 A directory argument is handed to :mod:`megashard.checkpoint_tools` (imported
 lazily, so file commands work without the checkpoint layer). Exit codes: 0 ok,
@@ -183,7 +185,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    res = convert(args.src, args.dst, to=args.to, keys=args.keys, iteration=args.iteration)
+    res = convert(args.src, args.dst, to=args.to, keys=args.keys, iteration=args.iteration,
+                  vocab_size=args.vocab_size, tokenizer=args.tokenizer, hf_tensors=args.tensors,
+                  shard_bytes=args.max_shard_size)
     print(res.summary())
     return 0
 
@@ -203,15 +207,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path", help=".tensors file or checkpoint directory")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=_cmd_verify)
-    c = sub.add_parser("convert", help="torch_dist -> megashard, megashard -> torch_dist, or one .tensors / "
-                       ".safetensors file of global tensors (one process)")
-    c.add_argument("src", help="checkpoint directory, or a Megatron save directory with iter_XXXXXXX subdirectories")
+    c = sub.add_parser("convert", help="torch_dist -> megashard, megashard -> torch_dist, one .tensors / "
+                       ".safetensors file of global tensors, a Hugging Face directory (--to hf), or a Hugging "
+                       "Face directory -> megashard (one process)")
+    c.add_argument("src", help="checkpoint directory, a Megatron save directory with iter_XXXXXXX subdirectories, "
+                   "or a Hugging Face model directory (imported)")
     c.add_argument("dst", help="new directory (or file for tensors/safetensors); must not exist")
-    c.add_argument("--to", default="megashard", choices=("megashard", "torch_dist", "tensors", "safetensors"),
-                   help="target format (default: megashard)")
+    c.add_argument("--to", default="megashard", choices=("megashard", "torch_dist", "tensors", "safetensors", "hf"),
+                   help="target format (default: megashard; a Hugging Face directory as SRC is imported)")
     c.add_argument("--keys", nargs="+", metavar="PATTERN", help="only global tensors matching these keys / globs")
     c.add_argument("--iteration", type=int, help="iteration to convert from a Megatron save directory "
                    "(default: the tracker's)")
+    c.add_argument("--vocab-size", type=int, help="--to hf: the real vocabulary size (the checkpoint's is padded)")
+    c.add_argument("--tokenizer", metavar="DIR", help="--to hf: tokenizer directory; its files are copied and "
+                   "its tokenizer.json gives the vocabulary size")
+    c.add_argument("--tensors", action="store_true", help="--to hf: one tensorizer model.tensors file of "
+                   "HF-named tensors (vLLM --load-format tensorizer) instead of safetensors shards")
+    c.add_argument("--max-shard-size", type=int, metavar="BYTES", help="--to hf: safetensors shard size "
+                   "(default 5e9)")
     c.set_defaults(func=_cmd_convert)
     r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place and "
                        "remove superseded copies (the only command that changes a checkpoint's directory)")

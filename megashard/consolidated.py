@@ -31,7 +31,8 @@ from .sharded import ShardedTensor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_consolidated", "match_keys", "global_nbytes", "read_global_tensors", "iter_global_tensors"]
+__all__ = ["load_consolidated", "match_keys", "global_nbytes", "read_global_tensors", "read_boxes",
+           "iter_global_tensors"]
 
 DEFAULT_BATCH_BYTES = 256 << 20  # one read batch when streaming (a tensor larger than this is read alone)
 
@@ -78,17 +79,43 @@ def read_global_tensors(
     A given destination (contiguous, CPU, the tensor's dtype and numel) is filled in
     place, e.g. a memory-mapped scratch buffer; otherwise a tensor is allocated.
     """
-    work = _LoadWork(rows_ok=True)
-    out: Dict[str, torch.Tensor] = {}
+    boxes = []
     for key, dest in wants:
         rec = manifest.tensors.get(key)
         if rec is None:
             raise CheckpointError(f"{base}: no global tensor {key!r} in the checkpoint")
         shape = tuple(rec.global_shape)
+        boxes.append((key, (0,) * len(shape), shape, dest))
+    got, nread = read_boxes(base, manifest, boxes, threads=threads, verify=verify)
+    return {key: t for (key, _), t in zip(wants, got)}, nread
+
+
+def read_boxes(
+    base: str,
+    manifest: Manifest,
+    wants: Sequence[Tuple[str, Sequence[int], Sequence[int], Optional[torch.Tensor]]],
+    *,
+    threads: Optional[int] = None,
+    verify: bool = False,
+) -> Tuple[List[torch.Tensor], int]:
+    """Read boxes ``(key, offset, shape, destination or None)`` of global tensors, e.g. one
+    layer of a stacked tensor or the real rows of a padded one; returns them (in order)
+    and the bytes read. Planned like an own-mode load: only the box's bytes are read."""
+    work = _LoadWork(rows_ok=True)
+    out: List[torch.Tensor] = []
+    for key, offset, shape, dest in wants:
+        rec = manifest.tensors.get(key)
+        if rec is None:
+            raise CheckpointError(f"{base}: no global tensor {key!r} in the checkpoint")
+        offset, shape = tuple(int(o) for o in offset), tuple(int(s) for s in shape)
+        gshape = tuple(rec.global_shape)
+        if len(offset) != len(gshape) or len(shape) != len(gshape) or any(
+                o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, shape, gshape)):
+            raise CheckpointError(f"{base}: box {offset}+{shape} is outside {key!r} (global shape {gshape})")
         if dest is not None:
             dest = dest.view(shape)
-        sh = ShardedTensor(key, dest, shape, (0,) * len(shape), local_shape=shape, dtype=rec.dtype)
-        out[key] = _plan_sharded(sh, manifest, work, key)
+        sh = ShardedTensor(key, dest, gshape, offset, local_shape=shape, dtype=rec.dtype)
+        out.append(_plan_sharded(sh, manifest, work, key))
     if work.problems:
         head = "\n  ".join(work.problems[:20])
         raise CheckpointError(f"{base}: cannot assemble {len(work.problems)} global tensor(s):\n  {head}\n"

@@ -13,6 +13,10 @@ One process, no torchrun. Directions:
 * ``megashard`` -> ``tensors`` / ``safetensors``: one file of full global tensors keyed
   by global key, streamed tensor by tensor (memory: two read batches, the next read
   while the current one is written).
+* ``megashard`` -> ``hf`` (a Llama-family model): a Hugging Face directory, streamed
+  layer by layer (:mod:`megashard.hf.export`); ``hf_tensors=True`` writes the same
+  HF-named tensors as one ``model.tensors`` file. A Hugging Face directory -> ``megashard``
+  imports it (:mod:`megashard.hf.importer`) as a Megatron save root (``release``).
 
 Memory: anonymous memory stays at the largest tensor plus two read batches; the
 torch_dist directions go through file mappings (page cache), never a second copy of
@@ -52,7 +56,7 @@ from .plan import numel
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("megashard", "torch_dist", "tensors", "safetensors")
+FORMATS = ("megashard", "torch_dist", "tensors", "safetensors", "hf")
 SINGLE_FILE = ("tensors", "safetensors")
 MODEL_ENTRY = "model"  # where converted model tensors go in a megashard state tree (file stem "model")
 OPTIMIZER_ENTRY = "optimizer_tensors"
@@ -311,55 +315,13 @@ def _single_file_specs(m: Manifest, keys: Sequence[str], fmt: str) -> Tuple[List
     return ok, skipped
 
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-
-
-class _SafetensorsWriter:
-    """safetensors, streamed: the header (dtypes, shapes, offsets) is known before any data."""
-
-    def __init__(self, path: str, specs: Sequence[Tuple[str, torch.dtype, Tuple[int, ...]]],
-                 metadata: Dict[str, str]) -> None:
-        header: Dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-        pos = 0
-        for name, dtype, shape in specs:
-            if dtype not in _SAFETENSORS_DTYPES:
-                raise ConvertInputError(f"{name!r}: dtype {dtype_name(dtype)} has no safetensors equivalent; "
-                                      "export it with --to tensors or leave it out with --keys")
-            n = numel(shape) * itemsize(dtype)
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
-            pos += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-        self.f = open(path, "xb")
-        self.f.write(struct.pack("<Q", len(raw)) + raw)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        from .format.fastio import tensor_memoryview
-
-        t = tensor.detach().cpu().contiguous()
-        if t.numel():
-            self.f.write(tensor_memoryview(t))
-
-    def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-
-    def abort(self) -> None:
-        self.f.close()
-
-
 def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequence[str]], batch_bytes: int,
                     bar: Callable[[int], Any], res: ConvertResult) -> None:
     from .index import read_manifest
     from .storage import checkpoint_location
     from .consolidated import iter_global_tensors
     from .format.stream import StreamWriter
+    from .hf.safetensors import SafetensorsWriter
 
     src = checkpoint_location(src)
     m = read_manifest(src)
@@ -372,7 +334,8 @@ def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequenc
         writer: Any = StreamWriter(out.target, specs)
     else:
         it = res.iteration
-        writer = _SafetensorsWriter(out.target, specs, {"format": "pt", **({"iteration": str(it)} if it is not None else {})})
+        writer = SafetensorsWriter(out.target, specs, {"format": "pt", **({"iteration": str(it)} if it is not None else {})},
+                                   error=ConvertInputError)
     pbar = bar(total)
     try:
         for k, t in iter_global_tensors(src, m, keys, batch_bytes=batch_bytes):
@@ -553,6 +516,47 @@ def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence
 
 
 # ---------------------------------------------------------------------------
+# Hugging Face directory -> megashard
+
+
+def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: Optional[bool],
+               t0: float) -> ConvertResult:
+    """An HF Llama directory as a Megatron save root: ``DST/release`` plus the tracker (``release``),
+    which Megatron loads as a fine-tuning start (``--load DST``) at any layout."""
+    import megashard
+    from .hf.importer import import_state, plan_import
+
+    if patterns is not None:
+        raise ConvertInputError("--keys does not apply to an import from Hugging Face")
+    plan = plan_import(src)
+    res = ConvertResult(plan.src, dst, "hf", "megashard", "release")
+    try:
+        out = _Output(dst, True, "release", False)
+        try:
+            scratch = _Scratch(out.scratch_dir())
+            try:
+                state = import_state(plan, scratch.tensor)
+                res.tensors = len(plan.where)
+                res.bytes = plan.nbytes
+                pbar = _progress(res.bytes, "hf -> megashard", progress)
+                megashard.save(state, out.target, layout={"converted_from": "hf"})
+                pbar.update(res.bytes)
+                pbar.close()
+                del state
+            finally:
+                scratch.close()
+            out.commit()
+        except BaseException:
+            out.cleanup()
+            raise
+    finally:
+        plan.close()
+    res.seconds = time.perf_counter() - t0
+    log.info("%s", res.summary())
+    return res
+
+
+# ---------------------------------------------------------------------------
 # entry point
 
 
@@ -565,6 +569,10 @@ def convert(
     iteration: Optional[int] = None,
     progress: Optional[bool] = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    vocab_size: Optional[int] = None,
+    tokenizer: Optional[str] = None,
+    hf_tensors: bool = False,
+    shard_bytes: Optional[int] = None,
 ) -> ConvertResult:
     """Convert SRC into a new DST (see the module docstring); DST must not exist.
 
@@ -579,14 +587,36 @@ def convert(
         raise ConvertInputError(f"{dst_s} exists; choose a new DST (convert never overwrites)")
     if not os.path.isdir(os.path.dirname(dst_s)):
         raise ConvertInputError(f"{os.path.dirname(dst_s)}: parent directory of DST does not exist")
+    from .hf import HFMappingError
+
+    if to == "megashard" and iteration is None:
+        from .hf.importer import is_hf_dir
+
+        if is_hf_dir(os.fspath(src)):
+            try:
+                return _hf_import(os.fspath(src), dst_s, keys, progress, t0)
+            except HFMappingError as e:
+                raise ConvertInputError(str(e)) from None
+    if to != "hf" and (vocab_size is not None or tokenizer is not None or hf_tensors):
+        raise ConvertInputError("--vocab-size, --tokenizer and --tensors apply to --to hf")
     ckpt, fmt, it, root = resolve_source(os.fspath(src), iteration)
+    if to == "hf" and fmt == "megashard":
+        if keys is not None:
+            raise ConvertInputError("--keys does not apply to --to hf (the export writes the whole model)")
+        from .hf.export import plan_export
+
+        try:
+            plan = plan_export(ckpt, vocab_size, tokenizer)
+        except HFMappingError as e:
+            raise ConvertInputError(str(e)) from None
     if (fmt, to) not in (("torch_dist", "megashard"), ("megashard", "torch_dist"), ("megashard", "tensors"),
-                         ("megashard", "safetensors")):
+                         ("megashard", "safetensors"), ("megashard", "hf")):
         hint = " (convert to megashard first)" if fmt == "torch_dist" else ""
         raise ConvertInputError(f"cannot convert {fmt} to {to}{hint}; supported: torch_dist -> megashard, "
-                                "megashard -> torch_dist | tensors | safetensors")
+                                "megashard -> torch_dist | tensors | safetensors | hf, Hugging Face directory -> "
+                                "megashard")
     res = ConvertResult(ckpt, dst_s, fmt, to, it)
-    out = _Output(dst_s, root, it, to in SINGLE_FILE)
+    out = _Output(dst_s, root and to != "hf", it, to in SINGLE_FILE)
 
     def bar(total: int) -> Any:
         return _progress(total, f"{fmt} -> {to}", progress)
@@ -594,6 +624,18 @@ def convert(
     try:
         if to in SINGLE_FILE:
             _to_single_file(ckpt, out, to, keys, batch_bytes, bar, res)
+        elif to == "hf":
+            from .hf.export import DEFAULT_SHARD_BYTES, write_export
+
+            pbar = bar(plan.nbytes)
+            try:
+                res.tensors, res.bytes = write_export(plan, out.target, tensors_file=hf_tensors,
+                                                      shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
+                                                      progress=pbar.update)
+            finally:
+                pbar.close()
+            res.target_format = "hf (tensorizer)" if hf_tensors else "hf"
+            res.dropped.append("optimizer state, RNG, iteration (a Hugging Face directory holds the model)")
         elif to == "torch_dist":
             _megashard_to_torch_dist(ckpt, out, keys, bar, res)
         else:

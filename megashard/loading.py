@@ -204,7 +204,9 @@ def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool, path: str = "") -
         covered += (exact_flat[1] - exact_flat[0]) if wp.direct and exact_flat else wp.covered
         out.append(BoxPlan(sh.key, box, exact_flat, pos, wp, records))
     total = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else want.numel
-    if covered < total and not (sh.allow_shape_mismatch and covered > 0):
+    # allow_shape_mismatch (Megatron's padded vocabulary): a box wholly past the saved rows is padding
+    outside = sh.allow_shape_mismatch and any(o >= g for o, g in zip(want.offset, rec.global_shape))
+    if covered < total and not (sh.allow_shape_mismatch and (covered > 0 or outside)):
         return out, [f"missing data: {sh.key!r} at offset {tuple(sh.global_offset)}: checkpoint covers "
                      f"{covered} of {total} elements"]
     return out, []

@@ -1,0 +1,382 @@
+"""Megatron GPTModel <-> Hugging Face Llama: the model description, names and tensor transforms.
+
+Checked against megatron-core 0.16's code and transformers 5.x (logits equal in the tests):
+
+* ``linear_qkv`` is grouped: per query group its query heads, then one key head, then one
+  value head (``SelfAttention.get_query_key_value_tensors``), so it is split with
+  ``view(groups, heads_per_group + 2, head_dim, ...)``, not as ``[Q|K|V]``.
+* ``linear_fc1`` with SwiGLU is ``[gate; up]`` over the full width whatever the TP size
+  (``apply_swiglu_sharded_factory`` saves the two halves at offsets ``r`` and ``tp + r``);
+  with ``singleton_local_shards`` the halves are separate keys ``..._w`` / ``..._v``.
+* the norms are saved as ``linear_qkv.layer_norm_weight`` (input) and
+  ``linear_fc1.layer_norm_weight`` (post-attention), also by the local spec (its
+  ``sharded_state_dict_keys_map``); ``input_layernorm.weight`` / ``pre_mlp_layernorm.weight``
+  are accepted too.
+* rotary: Megatron's default equals HF's ``rotate_half``; with ``--rotary-interleaved``
+  the pairs are ``(2i, 2i+1)``, HF's ``(i, i + d/2)``: q and k rows are permuted per head.
+* layers are stacked: a layer's tensor is row ``l`` of a ``[num_layers, ...]`` global tensor.
+* the vocabulary is padded in the checkpoint; the real size comes from the user.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["HFMappingError", "LlamaSpec", "spec_from_megatron_args", "spec_from_hf_config", "qkv_to_hf",
+           "hf_to_qkv", "LAYER", "layer_hf_names"]
+
+LAYER = "decoder.layers."
+
+
+class HFMappingError(CheckpointError):
+    """The model is not one the Hugging Face mapping covers: nothing was written."""
+
+
+@dataclass
+class LlamaSpec:
+    """Everything the mapping needs; built from Megatron's saved args or an HF config.json."""
+
+    num_layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int  # the real vocabulary (HF rows)
+    eps: float
+    rope_theta: float
+    max_positions: int
+    tied: bool
+    bias: bool
+    interleaved: bool = False
+    rope_scaling: Optional[Dict[str, Any]] = None
+    dtype: torch.dtype = torch.float32
+    extra: Dict[str, Any] = field(default_factory=dict)  # HF config keys carried through (bos/eos ids)
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.groups) * self.head_dim
+
+    def hf_config(self) -> Dict[str, Any]:
+        rope: Dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        cfg = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.groups,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_positions,
+            "rms_norm_eps": self.eps,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": self.tied,
+            "attention_bias": self.bias,
+            "mlp_bias": self.bias,
+            "attention_dropout": 0.0,
+            "rope_parameters": rope,
+            # transformers 4.x (and vLLM built on it) read these two
+            "rope_theta": self.rope_theta,
+            **({"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {}),
+            "dtype": _DTYPE_NAMES[self.dtype],
+            "torch_dtype": _DTYPE_NAMES[self.dtype],
+            "use_cache": True,
+        }
+        cfg.update(self.extra)
+        return cfg
+
+    def megatron_args(self) -> Dict[str, Any]:
+        """Megatron-LM's argument names for this model (recorded in an imported checkpoint)."""
+        return {
+            "num_layers": self.num_layers, "hidden_size": self.hidden, "ffn_hidden_size": self.ffn,
+            "num_attention_heads": self.heads, "group_query_attention": self.groups != self.heads,
+            "num_query_groups": self.groups, "kv_channels": self.head_dim, "normalization": "RMSNorm",
+            "norm_epsilon": self.eps, "swiglu": True, "position_embedding_type": "rope",
+            "rotary_base": self.rope_theta, "rotary_percent": 1.0, "rotary_interleaved": self.interleaved,
+            "use_rope_scaling": bool(self.rope_scaling),
+            **({"rope_scaling_factor": self.rope_scaling["factor"]} if self.rope_scaling else {}),
+            "untie_embeddings_and_output_weights": not self.tied, "add_bias_linear": self.bias,
+            "add_qkv_bias": self.bias, "vocab_size": self.vocab, "max_position_embeddings": self.max_positions,
+            "bf16": self.dtype == torch.bfloat16, "fp16": self.dtype == torch.float16,
+        }
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+# Megatron-LM flags the Llama mapping does not cover, with the value that is fine
+# (attribute -> (flag, ok value or predicate)); anything else is refused, naming the flag.
+_REFUSE: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
+    "num_experts": ("--num-experts (MoE export is not implemented)", lambda v: not v),
+    "multi_latent_attention": ("--multi-latent-attention", lambda v: not v),
+    "qk_layernorm": ("--qk-layernorm", lambda v: not v),
+    "qk_l2_norm": ("--qk-l2-norm", lambda v: not v),
+    "apply_layernorm_1p": ("--apply-layernorm-1p", lambda v: not v),
+    "apply_residual_connection_post_layernorm": ("--apply-residual-connection-post-layernorm", lambda v: not v),
+    "squared_relu": ("--squared-relu", lambda v: not v),
+    "attention_output_gate": ("--attention-output-gate", lambda v: not v),
+    "rotary_seq_len_interpolation_factor": ("--rotary-seq-len-interpolation-factor", lambda v: not v),
+    "window_size": ("--window-size", lambda v: v is None),
+    "mtp_num_layers": ("--mtp-num-layers", lambda v: not v),
+    "heterogeneous_layers_config_path": ("--heterogeneous-layers-config-path", lambda v: not v),
+    "softmax_scale": ("--softmax-scale", lambda v: v is None),
+    "rotary_percent": ("--rotary-percent", lambda v: v is None or float(v) == 1.0),
+    "embedding_multiplier_scale": ("--embedding-multiplier-scale", lambda v: v in (None, 1.0)),
+}
+
+
+def _get(args: Any, name: str, default: Any = None) -> Any:
+    v = getattr(args, name, default)
+    return default if v is None else v
+
+
+def spec_from_megatron_args(args: Any, vocab: int, padded_rows: int, dtype: torch.dtype, where: str) -> LlamaSpec:
+    """The Llama description of a saved Megatron model, or :class:`HFMappingError` naming the flag."""
+    if args is None:
+        raise HFMappingError(f"{where}: the checkpoint holds no Megatron args; the HF export builds config.json "
+                             "from them")
+
+    def refuse(flag: str, value: Any, why: str = "") -> HFMappingError:
+        return HFMappingError(f"{where}: saved with {flag} {value!r}: the Hugging Face Llama mapping does not "
+                              f"cover it{why}; nothing was written")
+
+    norm = _get(args, "normalization", "LayerNorm")
+    if norm != "RMSNorm":
+        raise refuse("--normalization", norm, " (Llama uses RMSNorm)")
+    if not _get(args, "swiglu", False):
+        raise refuse("--swiglu", False, " (Llama's MLP is SwiGLU)")
+    pos = _get(args, "position_embedding_type", "learned_absolute")
+    if pos != "rope":
+        raise refuse("--position-embedding-type", pos, " (Llama uses rope)")
+    for attr, (flag, ok) in _REFUSE.items():
+        v = getattr(args, attr, None)
+        if not ok(v):
+            raise refuse(flag, v)
+    bias = bool(_get(args, "add_bias_linear", True))
+    if bool(_get(args, "add_qkv_bias", False)) and not bias:
+        raise refuse("--add-qkv-bias", True, " without --add-bias-linear (Llama's attention_bias also "
+                     "biases o_proj)")
+    heads = int(_get(args, "num_attention_heads"))
+    hidden = int(_get(args, "hidden_size"))
+    groups = int(_get(args, "num_query_groups", heads)) if _get(args, "group_query_attention", False) else heads
+    head_dim = int(_get(args, "kv_channels", hidden // heads))
+    if hidden % heads:
+        raise refuse("--hidden-size", hidden, f" (not a multiple of --num-attention-heads {heads}, which "
+                     "transformers' Llama requires)")
+    if heads % groups:
+        raise refuse("--num-query-groups", groups, f" (does not divide --num-attention-heads {heads})")
+    if bool(_get(args, "rotary_interleaved", False)) and head_dim % 2:
+        raise refuse("--kv-channels", head_dim, " (odd head dimension with --rotary-interleaved)")
+    scaling = None
+    if _get(args, "use_rope_scaling", False):
+        scaling = {"rope_type": "llama3", "factor": float(_get(args, "rope_scaling_factor", 8.0)),
+                   "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if dtype not in _DTYPE_NAMES:
+        raise HFMappingError(f"{where}: model tensors are {dtype}; the export writes float32, bfloat16 or float16")
+    if vocab > padded_rows:
+        raise HFMappingError(f"{where}: vocabulary of {vocab} is larger than the checkpoint's {padded_rows} "
+                             "embedding rows; check --vocab-size / --tokenizer")
+    return LlamaSpec(
+        num_layers=int(_get(args, "num_layers")), hidden=hidden, ffn=int(_get(args, "ffn_hidden_size", 4 * hidden)),
+        heads=heads, groups=groups, head_dim=head_dim, vocab=vocab, eps=float(_get(args, "norm_epsilon", 1e-5)),
+        rope_theta=float(_get(args, "rotary_base", 10000)),
+        max_positions=int(_get(args, "max_position_embeddings", 0) or _get(args, "seq_length", 2048)),
+        tied=not bool(_get(args, "untie_embeddings_and_output_weights", False)), bias=bias,
+        interleaved=bool(_get(args, "rotary_interleaved", False)), rope_scaling=scaling, dtype=dtype,
+        extra=_token_ids(getattr(args, "hf_token_ids", None)))
+
+
+def _token_ids(v: Any) -> Dict[str, Any]:
+    """The special token ids an import recorded (bos/eos/pad), carried back into config.json."""
+    if not isinstance(v, dict):
+        return {}
+    ok = lambda x: isinstance(x, int) or (isinstance(x, list) and all(isinstance(i, int) for i in x))  # noqa: E731
+    return {k: v[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in v and (v[k] is None or ok(v[k]))}
+
+
+def spec_from_hf_config(cfg: Dict[str, Any], where: str) -> LlamaSpec:
+    """The description of an HF Llama directory's config.json, or :class:`HFMappingError`."""
+    if not isinstance(cfg, dict):
+        raise HFMappingError(f"{where}: config.json is not a JSON object")
+    mt = cfg.get("model_type")
+    if mt not in ("llama", "mistral") or cfg.get("architectures", ["LlamaForCausalLM"]) not in (
+            ["LlamaForCausalLM"], ["MistralForCausalLM"]):
+        raise HFMappingError(f"{where}: model_type {mt!r} / architectures {cfg.get('architectures')!r}: the import "
+                             "covers Llama-family (LlamaForCausalLM) models")
+    if cfg.get("sliding_window") not in (None, 0) and mt == "mistral":
+        raise HFMappingError(f"{where}: sliding_window {cfg['sliding_window']!r} is not covered")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFMappingError(f"{where}: hidden_act {act!r} is not covered (SwiGLU needs silu)")
+
+    def num(name: str, default: Any = None, kind: type = int) -> Any:
+        v = cfg.get(name, default)
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
+            raise HFMappingError(f"{where}: config.json {name}={v!r} is not a number")
+        if v <= 0 or (isinstance(v, float) and not math.isfinite(v)) or v > (1 << 40):
+            raise HFMappingError(f"{where}: config.json {name}={v!r} is out of range")
+        return kind(v)
+
+    heads = num("num_attention_heads")
+    hidden = num("hidden_size")
+    groups = num("num_key_value_heads", heads)
+    head_dim = num("head_dim", hidden // heads) if cfg.get("head_dim") is not None else hidden // heads
+    if heads % groups:
+        raise HFMappingError(f"{where}: num_key_value_heads {groups} does not divide num_attention_heads {heads}")
+    if bool(cfg.get("attention_bias", False)) != bool(cfg.get("mlp_bias", False)):
+        raise HFMappingError(f"{where}: attention_bias={cfg.get('attention_bias')} with mlp_bias="
+                             f"{cfg.get('mlp_bias')}: Megatron's --add-bias-linear biases both")
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise HFMappingError(f"{where}: rope_parameters is not an object")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+        ok = (kind == "llama3" and float(scaling.get("low_freq_factor", 1)) == 1.0
+              and float(scaling.get("high_freq_factor", 4)) == 4.0
+              and int(scaling.get("original_max_position_embeddings", 8192)) == 8192)
+        if kind == "default":
+            scaling = None
+        elif not ok:
+            raise HFMappingError(f"{where}: rope scaling {scaling!r} is not covered (Megatron's --use-rope-scaling "
+                                 "is llama3 with low/high frequency factors 1/4 and 8192 original positions)")
+        else:
+            scaling = {"rope_type": "llama3", "factor": float(scaling["factor"]), "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    dname = cfg.get("dtype", cfg.get("torch_dtype", "float32"))
+    extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    return LlamaSpec(
+        num_layers=num("num_hidden_layers"), hidden=hidden, ffn=num("intermediate_size"), heads=heads, groups=groups,
+        head_dim=head_dim, vocab=num("vocab_size"), eps=num("rms_norm_eps", 1e-6, float),
+        rope_theta=float(num("rope_theta", theta, float)) if "rope_theta" in cfg else float(theta),
+        max_positions=num("max_position_embeddings", 2048), tied=bool(cfg.get("tie_word_embeddings", False)),
+        bias=bool(cfg.get("attention_bias", False)), rope_scaling=scaling,
+        dtype=_DTYPES.get(dname, torch.float32), extra=extra)
+
+
+# ---------------------------------------------------------------------------
+# tensor transforms (row-wise: weights [rows, in] and biases [rows] alike)
+
+
+def _rope_to_hf(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    """Interleaved rotary pairs (2i, 2i+1) -> HF's halves (i, i + d/2), per head."""
+    rest = x.shape[1:]
+    return x.reshape(n, d // 2, 2, *rest).transpose(1, 2).reshape(n * d, *rest)
+
+
+def _rope_from_hf(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    rest = x.shape[1:]
+    return x.reshape(n, 2, d // 2, *rest).transpose(1, 2).reshape(n * d, *rest)
+
+
+def qkv_to_hf(w: torch.Tensor, s: LlamaSpec) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's grouped ``linear_qkv`` rows -> (q, k, v) in HF's layout."""
+    g, d = s.groups, s.head_dim
+    hpg = s.heads // g
+    rest = w.shape[1:]
+    x = w.reshape(g, hpg + 2, d, *rest)
+    q = x[:, :hpg].reshape(s.heads * d, *rest)
+    k = x[:, hpg].reshape(g * d, *rest)
+    v = x[:, hpg + 1].reshape(g * d, *rest)
+    if s.interleaved:
+        q, k = _rope_to_hf(q, s.heads, d), _rope_to_hf(k, g, d)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def hf_to_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: LlamaSpec,
+              out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of :func:`qkv_to_hf` (into ``out`` when given)."""
+    g, d = s.groups, s.head_dim
+    hpg = s.heads // g
+    rest = q.shape[1:]
+    if s.interleaved:
+        q, k = _rope_from_hf(q, s.heads, d), _rope_from_hf(k, g, d)
+    if out is None:
+        out = torch.empty((s.qkv_rows, *rest), dtype=q.dtype)
+    o = out.view(g, hpg + 2, d, *rest)
+    o[:, :hpg] = q.reshape(g, hpg, d, *rest)
+    o[:, hpg] = k.reshape(g, d, *rest)
+    o[:, hpg + 1] = v.reshape(g, d, *rest)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# names
+
+
+def layer_hf_names(i: int, s: LlamaSpec) -> List[Tuple[str, Tuple[int, ...]]]:
+    """HF names and shapes of layer ``i``, in the order the export writes them."""
+    p = f"model.layers.{i}."
+    h, f = s.hidden, s.ffn
+    qd, kd = s.heads * s.head_dim, s.groups * s.head_dim
+    out: List[Tuple[str, Tuple[int, ...]]] = [(p + "input_layernorm.weight", (h,))]
+    for name, rows in (("q_proj", qd), ("k_proj", kd), ("v_proj", kd)):
+        out.append((f"{p}self_attn.{name}.weight", (rows, h)))
+        if s.bias:
+            out.append((f"{p}self_attn.{name}.bias", (rows,)))
+    out.append((p + "self_attn.o_proj.weight", (h, qd)))
+    if s.bias:
+        out.append((p + "self_attn.o_proj.bias", (h,)))
+    out.append((p + "post_attention_layernorm.weight", (h,)))
+    for name in ("gate_proj", "up_proj"):
+        out.append((f"{p}mlp.{name}.weight", (f, h)))
+        if s.bias:
+            out.append((f"{p}mlp.{name}.bias", (f,)))
+    out.append((p + "mlp.down_proj.weight", (h, f)))
+    if s.bias:
+        out.append((p + "mlp.down_proj.bias", (h,)))
+    return out
+
+
+# Megatron's stacked layer keys (suffix after "decoder.layers.") -> (accepted aliases)
+NORM_IN = ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
+NORM_POST = ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
+QKV_W, QKV_B = "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"
+PROJ_W, PROJ_B = "self_attention.linear_proj.weight", "self_attention.linear_proj.bias"
+FC1_W, FC1_B = "mlp.linear_fc1.weight", "mlp.linear_fc1.bias"
+FC2_W, FC2_B = "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"
+EMBED, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
+
+
+def megatron_layer_shapes(s: LlamaSpec) -> Dict[str, Tuple[int, ...]]:
+    """Per-layer shapes of Megatron's tensors (without the stacked layer axis)."""
+    h, f = s.hidden, s.ffn
+    out = {NORM_IN[0]: (h,), QKV_W: (s.qkv_rows, h), PROJ_W: (h, s.heads * s.head_dim), NORM_POST[0]: (h,),
+           FC1_W: (2 * f, h), FC2_W: (h, f)}
+    if s.bias:
+        out.update({QKV_B: (s.qkv_rows,), PROJ_B: (h,), FC1_B: (2 * f,), FC2_B: (h,)})
+    return out
+
+
+def dense_model_keys(s: LlamaSpec) -> List[str]:
+    """Megatron's global keys for this model (the stacked layer keys with the canonical norm names)."""
+    keys = [EMBED] + [LAYER + k for k in megatron_layer_shapes(s)] + [FINAL_NORM]
+    if not s.tied:
+        keys.append(OUTPUT)
+    return keys
+
+
+def check_shapes(found: Dict[str, Sequence[int]], s: LlamaSpec, padded_rows: int, where: str) -> None:
+    """Every Megatron tensor the mapping reads has the shape the args describe."""
+    want: Dict[str, Tuple[int, ...]] = {LAYER + k: (s.num_layers, *v) for k, v in megatron_layer_shapes(s).items()}
+    want[EMBED] = (padded_rows, s.hidden)
+    want[FINAL_NORM] = (s.hidden,)
+    if not s.tied:
+        want[OUTPUT] = (padded_rows, s.hidden)
+    for k, shape in want.items():
+        got = found.get(k)
+        if got is None:
+            raise HFMappingError(f"{where}: no global tensor {k!r}; the saved args describe a Llama model with "
+                                 f"{'' if s.bias else 'no '}bias and {'tied' if s.tied else 'untied'} embeddings")
+        if tuple(got) != tuple(shape):
+            raise HFMappingError(f"{where}: {k!r} has global shape {tuple(got)}, the saved args give {tuple(shape)}")

@@ -1,0 +1,81 @@
+"""transformers' side of the HF tests, in its own process (Megatron's cpu_compat changes torch
+process-wide): load an HF directory (or a tensorizer file of HF-named tensors with its
+config.json) and write the logits of the same fixed tokens hf_llama.py uses.
+
+    python hf_logits.py DIR OUT [--tensors FILE] [--seq N] [--vocab V]
+    python hf_logits.py --make DIR [--layers ...]   # a random HF Llama (save_pretrained)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def tokens(vocab: int, seq: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)  # the same draw as hf_llama.logits()
+    return torch.randint(0, vocab, (2, seq), generator=g)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("dir")
+    p.add_argument("out", nargs="?")
+    p.add_argument("--tensors")
+    p.add_argument("--seq", type=int, default=8)
+    p.add_argument("--make", action="store_true")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=96)
+    p.add_argument("--vocab", type=int, default=200)
+    p.add_argument("--tied", action="store_true")
+    p.add_argument("--bias", action="store_true")
+    p.add_argument("--dtype", default="float32")
+    o = p.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if o.make:
+        torch.manual_seed(11)
+        cfg = LlamaConfig(vocab_size=o.vocab, hidden_size=o.hidden, intermediate_size=o.ffn,
+                          num_hidden_layers=o.layers, num_attention_heads=o.heads, num_key_value_heads=o.groups,
+                          max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=o.tied,
+                          attention_bias=o.bias, mlp_bias=o.bias)
+        model = LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for _, prm in sorted(model.named_parameters()):
+                prm.copy_(prm + 0.1 * torch.randn(prm.shape))  # norms and biases not trivially 1 / 0
+        model.to(getattr(torch, o.dtype)).save_pretrained(o.dir)
+        return 0
+    if o.tensors:
+        from tensorizer import TensorDeserializer
+
+        cfg = LlamaConfig.from_pretrained(o.dir)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        with TensorDeserializer(o.tensors, device="cpu", verify_hash=True) as d:
+            sd = {k: v.clone() for k, v in d.items()}
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.tie_weights()
+            missing = [k for k in missing if k != "lm_head.weight"]
+        assert not missing and not unexpected, (missing, unexpected)
+        # non-persistent buffers (rotary inv_freq) live on meta: rebuild them
+        model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
+    else:
+        model = LlamaForCausalLM.from_pretrained(o.dir, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model(tokens(model.config.vocab_size, o.seq)).logits.float().contiguous()
+    with open(o.out, "wb") as f:
+        f.write(out.numpy().tobytes())
+    with open(o.out + ".json", "w") as f:
+        json.dump(list(out.shape), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

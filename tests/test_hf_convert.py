@@ -1,0 +1,210 @@
+"""``megashard convert --to hf`` / HF import without Megatron or transformers: refusals before
+anything is written, hostile Hugging Face directories, and the export's memory bound."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megashard
+from megashard.cli import main as cli_main
+from megashard.convert import ConvertInputError, convert
+from megashard.errors import CheckpointError
+from megashard.hf.safetensors import SafetensorsWriter
+from megashard.sharded import ShardedTensor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_hf(d, layers=2, hidden=64, ffn=96, heads=4, groups=2, vocab=100, seed=0, **cfg_extra) -> None:
+    """A random HF Llama directory, written tensor by tensor (never the whole model in memory)."""
+    from megashard.hf.importer import expected
+    from megashard.hf.mapping import spec_from_hf_config
+
+    os.makedirs(d)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": groups, "vocab_size": vocab, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+           "tie_word_embeddings": False, **cfg_extra}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    specs = [(n, torch.float32, s) for n, s in expected(spec_from_hf_config(cfg, str(d)))]
+    w = SafetensorsWriter(os.path.join(d, "model.safetensors"), specs)
+    g = torch.Generator().manual_seed(seed)
+    for n, _, s in specs:
+        w.write(n, torch.randn(s, generator=g))
+    w.close()
+
+
+def llama_args(**kw) -> argparse.Namespace:
+    a = dict(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, group_query_attention=True,
+             num_query_groups=2, kv_channels=16, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+             untie_embeddings_and_output_weights=True, add_bias_linear=False, padded_vocab_size=128)
+    a.update(kw)
+    return argparse.Namespace(**a)
+
+
+def save_fake(path, args) -> None:
+    """A one-layer Megatron-keyed checkpoint (only the embedding: enough for the checks before reading)."""
+    emb = torch.zeros(128, 64)
+    megashard.save({"args": args, "model": {"e": ShardedTensor("embedding.word_embeddings.weight", emb, (128, 64),
+                                                              (0, 0))}}, str(path))
+
+
+def leftovers(parent) -> list:
+    return [n for n in os.listdir(parent) if n.startswith(".")]
+
+
+@pytest.mark.parametrize("change, flag", [
+    ({"normalization": "LayerNorm"}, "--normalization"),
+    ({"swiglu": False}, "--swiglu"),
+    ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type"),
+    ({"num_experts": 8}, "--num-experts"),
+    ({"qk_layernorm": True}, "--qk-layernorm"),
+    ({"add_bias_linear": False, "add_qkv_bias": True}, "--add-qkv-bias"),
+])
+def test_unsupported_flags_refused_before_writing(tmp_path, change, flag):
+    save_fake(tmp_path / "ckpt", llama_args(**change))
+    with pytest.raises(ConvertInputError) as e:
+        convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    assert flag in str(e.value) and "nothing was written" in str(e.value)
+    assert not os.path.exists(tmp_path / "hf") and not leftovers(tmp_path)
+
+
+def test_vocabulary_must_be_given_and_fit(tmp_path, capsys):
+    save_fake(tmp_path / "ckpt", llama_args())
+    assert cli_main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    assert "--vocab-size N or --tokenizer DIR" in capsys.readouterr().err
+    with pytest.raises(ConvertInputError, match="larger than the checkpoint's 128 embedding rows"):
+        convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=129)
+    with pytest.raises(ConvertInputError, match="apply to --to hf"):
+        convert(str(tmp_path / "ckpt"), str(tmp_path / "x"), to="safetensors", vocab_size=100)
+    # the tokenizer's size is the largest id of its vocabulary and added tokens, plus one
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {"a": 0, "b": 1}},
+                                                    "added_tokens": [{"id": 140, "content": "<x>"}]}))
+    with pytest.raises(ConvertInputError, match="vocabulary of 141 is larger"):
+        convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", tokenizer=str(tok))
+    assert not os.path.exists(tmp_path / "hf") and not leftovers(tmp_path)
+
+
+def test_missing_layer_tensors_refused(tmp_path):
+    save_fake(tmp_path / "ckpt", llama_args())  # args describe a layer the checkpoint does not hold
+    with pytest.raises(ConvertInputError, match="no global tensor 'decoder.layers.self_attention"):
+        convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+
+
+def test_hf_round_trip_bytes_and_tokenizer_copied(tmp_path):
+    write_hf(tmp_path / "hf", bos_token_id=1, eos_token_id=2)
+    res = convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    assert res.tensors == 2 * 9 + 3 and res.bytes == os.path.getsize(tmp_path / "hf" / "model.safetensors") - (
+        8 + int.from_bytes(open(tmp_path / "hf" / "model.safetensors", "rb").read(8), "little"))
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(100)}}}))
+    (tok / "tokenizer_config.json").write_text("{}")
+    convert(str(tmp_path / "ms"), str(tmp_path / "back"), to="hf", tokenizer=str(tok), shard_bytes=50_000)
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert (tmp_path / "back" / "tokenizer_config.json").exists()
+    cfg = json.load(open(tmp_path / "back" / "config.json"))
+    assert cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2 and cfg["num_key_value_heads"] == 2
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    idx = json.load(open(tmp_path / "back" / "model.safetensors.index.json"))
+    b = {}
+    for f in sorted(set(idx["weight_map"].values())):
+        b.update(load_file(str(tmp_path / "back" / f)))
+    assert sorted(a) == sorted(b) == sorted(idx["weight_map"])
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in a.values())
+
+
+def test_hostile_hf_directories_refused(tmp_path):
+    write_hf(tmp_path / "ok")
+    st = tmp_path / "ok" / "model.safetensors"
+    raw = st.read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + hlen])
+
+    def variant(name, header_doc=None, data=None, cfg=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(cfg if cfg is not None else (tmp_path / "ok" / "config.json").read_text())
+        if data is None:
+            h = json.dumps(header_doc).encode()
+            data = len(h).to_bytes(8, "little") + h + raw[8 + hlen:]
+        (d / "model.safetensors").write_bytes(data)
+        return d
+
+    first = next(k for k in header if k != "__metadata__")
+    past = dict(header, **{first: dict(header[first], data_offsets=[0, len(raw)])})
+    second = [k for k in header if k != "__metadata__"][1]
+    overlap = dict(header, **{second: dict(header[second], data_offsets=header[first]["data_offsets"])})
+    cases = {
+        variant("huge_header", data=(1 << 60).to_bytes(8, "little") + b"{}"): "header length",
+        variant("past_end", past): "do not hold",
+        variant("overlap", overlap): "overlap",
+        variant("bad_dtype", dict(header, **{first: dict(header[first], dtype="X9")})): "unsupported dtype",
+        variant("bad_cfg", header, cfg=json.dumps({"model_type": "gpt2"})): "Llama-family",
+    }
+    link = tmp_path / "link"
+    link.mkdir()
+    (link / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    os.symlink(st, link / "model.safetensors")
+    cases[link] = "symbolic link is refused"
+    for d, msg in cases.items():
+        with pytest.raises(CheckpointError, match=msg):  # damaged input (exit 1) or not a Llama (exit 2)
+            convert(str(d), str(tmp_path / f"out_{d.name}"))
+        assert not os.path.exists(tmp_path / f"out_{d.name}"), d
+
+
+MEASURE = r"""
+import resource, sys
+import megashard.hf.export, megashard.convert  # imports first: the baseline holds them
+from megashard.convert import convert
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+res = convert(sys.argv[1], sys.argv[2], to="hf", batch_bytes=1 << 20)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(base, peak, res.bytes)
+"""
+
+
+def test_export_memory_stays_far_below_model_size(tmp_path):
+    """A ~540 MB model (12 layers of 45 MB) exports in well under 160 MB above the interpreter's
+    baseline: about two layers (the one being written, the next being read), never the model."""
+    write_hf(tmp_path / "hf", layers=12, hidden=1024, ffn=2816, heads=8, groups=2, vocab=1000)
+    convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "ms"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    base, peak, nbytes = map(int, p.stdout.split()[-3:])
+    bound = 160 << 20
+    assert nbytes > 3 * bound
+    assert peak - base < bound, f"peak {peak >> 20} MiB over a {base >> 20} MiB baseline for a {nbytes >> 20} MiB model"
+
+
+def test_padding_rows_past_the_saved_vocabulary_load_as_padding(tmp_path):
+    """An import saves the real vocabulary; a TP rank whose padded rows are all past it keeps its
+    own values (allow_shape_mismatch), while a rank with real rows gets them."""
+    from megashard.errors import StateDictError
+
+    real = torch.arange(100 * 4, dtype=torch.float32).view(100, 4)
+    megashard.save({"e": ShardedTensor("embedding.word_embeddings.weight", real, (100, 4), (0, 0))}, str(tmp_path / "c"))
+    first, second = torch.full((128, 4), -1.0), torch.full((128, 4), -1.0)
+    megashard.load({"a": ShardedTensor("embedding.word_embeddings.weight", first, (256, 4), (0, 0),
+                                       allow_shape_mismatch=True),
+                    "b": ShardedTensor("embedding.word_embeddings.weight", second, (256, 4), (128, 0),
+                                       allow_shape_mismatch=True)}, str(tmp_path / "c"))
+    assert torch.equal(first[:100], real) and (first[100:] == -1).all() and (second == -1).all()
+    with pytest.raises(StateDictError, match="shape mismatch"):
+        megashard.load({"b": ShardedTensor("embedding.word_embeddings.weight", second, (256, 4), (128, 0))},
+                       str(tmp_path / "c"))

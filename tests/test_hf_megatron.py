@@ -1,0 +1,159 @@
+"""Hugging Face export and import against real models: megatron-core's GPTModel (TP=2 / PP=2 under
+torchrun, tests/megatron_helpers/hf_llama.py) and transformers' LlamaForCausalLM
+(tests/hf_helpers/hf_logits.py). Each side runs in its own process: megashard.megatron.cpu_compat
+changes torch process-wide, and this process imports neither.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_helpers.runner import REPO, TESTS, torchrun
+
+from megashard.convert import convert
+from megashard.hf.safetensors import SafetensorsFile
+
+MEGATRON = os.path.join(TESTS, "megatron_helpers", "hf_llama.py")
+HF = os.path.join(TESTS, "hf_helpers", "hf_logits.py")
+TOL = 1e-5
+
+
+def megatron(mode: str, ckpt, out, *args: str, nproc: int = 2) -> np.ndarray:
+    run = torchrun(MEGATRON, ["--mode", mode, "--dir", str(ckpt), "--logits", str(out), *args], nproc=nproc,
+                   timeout=300)
+    assert run.returncode == 0, run.output[-5000:]
+    return _logits(out)
+
+
+def hf(*args: str, out=None) -> np.ndarray | None:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    p = subprocess.run([sys.executable, HF, *map(str, args)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-5000:]
+    return _logits(out) if out is not None else None
+
+
+def _logits(path) -> np.ndarray:
+    shape = json.load(open(f"{path}.json"))
+    return np.fromfile(path, dtype=np.float32).reshape(shape)
+
+
+def tensors_of(d) -> dict:
+    """{HF name: (dtype, shape, bytes)} over every safetensors file of an HF directory."""
+    out = {}
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in sorted(os.listdir(d)):
+            if name.endswith(".safetensors"):
+                with SafetensorsFile(fd, name, str(d)) as f:
+                    for n, (dt, shape, a, b) in f.entries.items():
+                        out[n] = (dt, shape, os.pread(f.fd, b - a, f.data_start + a))
+    finally:
+        os.close(fd)
+    return out
+
+
+def swap_gate_up(src, dst) -> None:
+    """The negative control: the same directory with every layer's gate and up projections swapped."""
+    import shutil
+
+    from megashard.hf.safetensors import SafetensorsWriter
+
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    files = {name: SafetensorsFile(fd, name, str(src)) for name in os.listdir(src) if name.endswith(".safetensors")}
+    where = {n: f for f in files.values() for n in f.entries}
+    for name, f in files.items():
+        names = list(f.entries)
+        w = SafetensorsWriter(os.path.join(dst, name), [(n, f.entries[n][0], f.entries[n][1]) for n in names])
+        for n in names:
+            other = n.replace("gate_proj", "@").replace("up_proj", "gate_proj").replace("@", "up_proj")
+            w.write(n, where[other].tensor(other))
+        w.close()
+    for f in files.values():
+        f.close()
+    os.close(fd)
+
+
+@pytest.mark.parametrize("flags", [
+    pytest.param([], id="untied-gqa"),
+    pytest.param(["--tied", "--bias", "--interleaved", "--groups", "1"], id="tied-bias-interleaved-1group"),
+])
+def test_export_tp2_logits_equal_transformers(tmp_path, flags):
+    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2", *flags)
+    res = convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100, shard_bytes=100_000)
+    assert res.target_format == "hf" and res.iteration == 1
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert "config.json" in files and "model.safetensors.index.json" in files
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", files
+    cfg = json.load(open(tmp_path / "hf" / "config.json"))
+    assert cfg["vocab_size"] == 100 and cfg["tie_word_embeddings"] == ("--tied" in flags)
+    got = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    assert ref.shape == got.shape == (2, 8, 100)
+    assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
+    # the negative control: gate and up swapped must not pass the same comparison
+    swap_gate_up(tmp_path / "hf", tmp_path / "swapped")
+    bad = hf(tmp_path / "swapped", tmp_path / "bad.logits", out=tmp_path / "bad.logits")
+    assert np.abs(ref - bad).max() > 1e-2
+
+
+def test_export_tensors_file_equals_safetensors_and_loads(tmp_path):
+    from tensorizer import TensorDeserializer
+
+    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2")
+    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    res = convert(str(tmp_path / "ckpt"), str(tmp_path / "hft"), to="hf", vocab_size=100, hf_tensors=True)
+    assert res.target_format == "hf (tensorizer)"
+    assert sorted(os.listdir(tmp_path / "hft")) == ["config.json", "model.tensors"]
+    assert open(tmp_path / "hft" / "config.json").read() == open(tmp_path / "hf" / "config.json").read()
+    st = tensors_of(tmp_path / "hf")
+    with TensorDeserializer(str(tmp_path / "hft" / "model.tensors"), device="cpu", verify_hash=True) as d:
+        got = {k: v.clone() for k, v in d.items()}
+    assert list(got) == list(st)  # same names, same order
+    for k, t in got.items():
+        dt, shape, raw = st[k]
+        assert t.dtype == dt and tuple(t.shape) == shape and t.detach().contiguous().numpy().tobytes() == raw, k
+    out = hf(tmp_path / "hft", tmp_path / "t.logits", "--tensors", tmp_path / "hft" / "model.tensors",
+             out=tmp_path / "t.logits")
+    assert np.abs(ref - out).max() < TOL
+
+
+def test_import_loads_in_megatron_tp2_and_pp2_and_round_trips(tmp_path):
+    # a random HF Llama (GQA, untied, vocab 100: at TP=2 Megatron pads to 256, rank 1 holds only padding)
+    hf(tmp_path / "hf", "--make", "--vocab", "100", "--layers", "2")
+    ref = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    res = convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    assert res.source_format == "hf" and res.iteration == "release"
+    assert open(tmp_path / "ms" / "latest_checkpointed_iteration.txt").read().strip() == "release"
+    for layout in (["--tp", "2"], ["--pp", "2"]):
+        got = megatron("load", tmp_path / "ms", tmp_path / "mg.logits", *layout)
+        assert np.abs(ref - got).max() < TOL, (layout, np.abs(ref - got).max())
+    # HF -> megashard -> HF: byte-identical tensors (the vocabulary is known: the import saved it unpadded)
+    convert(str(tmp_path / "ms"), str(tmp_path / "back"), to="hf")
+    a, b = tensors_of(tmp_path / "hf"), tensors_of(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)
+
+
+def test_megashard_hf_megashard_same_model_tensors(tmp_path):
+    import torch
+
+    import megashard
+
+    megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2", "--bias")
+    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    a = megashard.load_consolidated(str(tmp_path / "ckpt" / "iter_0000001"))
+    b = megashard.load_consolidated(str(tmp_path / "ms" / "release"))
+    assert set(a) == set(b)
+    for k in a:
+        x = a[k][:100] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else a[k]
+        assert x.dtype == b[k].dtype and x.shape == b[k].shape and torch.equal(x, b[k]), k
