@@ -32,7 +32,7 @@ def _lookup(root, ckpt_step=None):
 
     t = ck.resolve_load(root, ckpt_step)
     return {"find": ck.find_checkpoint(root, ckpt_step), "tracker": list(ck.read_tracker(root)),
-            "seen_by": list(t.seen_by), "iteration": t.iteration, "direct": t.direct}
+            "seen_by": t.seen_by, "iteration": t.iteration, "direct": t.direct}
 
 
 def _raises(fn_name, *args):
@@ -91,7 +91,7 @@ def outcome(tmp_path_factory):
 def test_rank_that_cannot_see_the_checkpoint_gets_the_same_answer(outcome):
     a, blind = outcome["a"], outcome["blind"]
     r0, r1 = outcome["results"]["blind"]
-    assert r0 == {"find": str(a / "iter_0000003"), "tracker": [3, False], "seen_by": [0], "iteration": 3,
+    assert r0 == {"find": str(a / "iter_0000003"), "tracker": [3, False], "seen_by": 1, "iteration": 3,
                   "direct": False}
     assert r1 == {**r0, "find": os.path.join(blind, "iter_0000003")}
     # --ckpt-step: the same, whatever the tracker says; a step nobody sees: None everywhere
@@ -103,7 +103,7 @@ def test_interrupted_resave_copy_is_found_and_left_in_place(outcome):
     old = outcome["old"]
     out = outcome["results"]["old"]
     assert [r["find"] for r in out] == [str(old / "iter_0000003")] * 2
-    assert [r["seen_by"] for r in out] == [[0, 1]] * 2
+    assert [r["seen_by"] for r in out] == [2, 2]
     assert sorted(os.listdir(old)) == outcome["old_listing"]
 
 
@@ -114,7 +114,7 @@ def test_load_points_at_a_checkpoint_directory_itself(outcome):
 
 def test_no_tracker_means_no_checkpoint_on_every_rank(outcome):
     out = outcome["results"]["empty"]
-    assert [(r["find"], r["tracker"], r["seen_by"]) for r in out] == [(None, [-1, False], [])] * 2
+    assert [(r["find"], r["tracker"], r["seen_by"]) for r in out] == [(None, [-1, False], 0)] * 2
 
 
 def test_garbage_tracker_on_one_rank_raises_on_every_rank(outcome):

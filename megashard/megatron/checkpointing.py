@@ -103,7 +103,7 @@ class LoadTarget:
     tracker: bool = False  # some rank read a tracker file under root
     checkpoint: Optional[str] = None
     direct: bool = False  # root itself is the checkpoint directory
-    seen_by: Tuple[int, ...] = ()  # the ranks that see the checkpoint
+    seen_by: int = 0  # how many ranks see the checkpoint
     why: str = ""  # why there is none (rank 0's view), for messages
     pretrained: bool = False  # root is --pretrained-checkpoint (no tracker under --load)
 
@@ -111,7 +111,8 @@ class LoadTarget:
 def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
     if not root:
         return {"tracker": None, "direct": False}
-    return {"tracker": storage.read_tracker(root), "direct": storage.locate(root) is not None}
+    named = os.path.basename(os.path.abspath(root)) not in ("", ".", "..")  # "/" is no checkpoint
+    return {"tracker": storage.read_tracker(root), "direct": named and storage.locate(root) is not None}
 
 
 def _decide_iteration(looks: Sequence[Dict[str, Any]], ckpt_step: Optional[int]) -> Dict[str, Any]:
@@ -159,14 +160,14 @@ def resolve_load(root: Optional[str], ckpt_step: Optional[int] = None, comm: Any
         return {"sees": found is not None, "why": "" if found else storage.why_not_checkpoint(path)}
 
     def combine(sees: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        seen_by = [r for r, x in enumerate(sees) if x["sees"]]
-        return [{"seen_by": seen_by, "why": sees[0]["why"]}] * comm.world_size
+        # a count, not a list of ranks: every rank receives the reply
+        return [{"seen_by": sum(1 for x in sees if x["sees"]), "why": sees[0]["why"]}] * comm.world_size
 
     seen, err = comm.run("load/locate", look_checkpoint)
     found = comm.coordinate("load (checkpoint lookup)", err, seen, combine)
     return LoadTarget(root, iteration, release, decided["tracker"],
                       checkpoint=path if found["seen_by"] else None, direct=direct,
-                      seen_by=tuple(found["seen_by"]), why=found["why"])
+                      seen_by=found["seen_by"], why=found["why"])
 
 
 def resolve_load_target(args: Any, load_arg: str = "load") -> LoadTarget:
