@@ -71,10 +71,9 @@ SAVE_FLAGS = {"tensors": ["--save-format", "tensors"], "torch_dist": ["--save-fo
 PHASES = [
     ("megashard.megatron.checkpointing", "save_checkpoint", "total"),
     ("megashard.megatron.checkpointing", "load_checkpoint", "total"),
-    ("megashard.megatron.checkpointing", "read_tracker", "tracker + common"),
+    ("megashard.megatron.checkpointing", "resolve_load", "tracker + common"),
     ("megashard.megatron.checkpointing", "load_common", "tracker + common"),
-    ("megashard.megatron.checkpointing", "write_tracker", "tracker + barriers"),
-    ("megashard.megatron.checkpointing", "_barrier", "tracker + barriers"),
+    ("megashard.megatron.checkpointing", "commit_tracker", "tracker + barriers"),
     ("megashard.megatron.state", "preallocate_optimizer_state", "optimizer state allocation"),
     ("megashard.megatron.state", "build_state_dict", "state dict (sharded_state_dict)"),
     ("megashard.megatron.state", "prepare_for_save", "factories"),

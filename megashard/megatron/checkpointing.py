@@ -22,7 +22,9 @@ import os
 import sys
 import time
 import types
-from typing import Any, Dict, Optional, Sequence, Tuple
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,32 +52,133 @@ def checkpoint_dir(root: str, iteration: int, release: bool = False) -> str:
 
 
 def read_tracker(root: Optional[str]) -> Tuple[int, bool]:
-    """(iteration, release) from the tracker file, or (-1, False) when there is none.
+    """(iteration, release) from the tracker file, or (-1, False) when there is none. Collective.
 
-    Like Megatron, the maximum over ranks is used when torch.distributed is up.
+    Like Megatron, the maximum over the ranks that see a tracker is used; a rank that
+    cannot read its tracker makes every rank raise (see :func:`resolve_load`).
     """
-    from megashard.transport import Comm
-
-    found = storage.read_tracker(root) if root else None
-    release = found == "release"
-    iteration = 0 if release else (-1 if found is None else int(found))
-    comm = Comm()
-    top = comm.all_reduce_max(iteration)
-    if top != iteration:
-        log.warning("tracker iteration %d differs from max over ranks %d; using the max", iteration, top)
-        iteration = top
-    return iteration, release
+    target = resolve_load(root)
+    return target.iteration, target.release
 
 
 def write_tracker(root: str, iteration: int, release: bool = False) -> None:
-    """Atomically (write + fsync + rename) record the latest complete checkpoint."""
-    storage.write_tracker(root, "release" if release else int(iteration))
+    """Atomically (write + fsync + rename) record the latest complete checkpoint (this rank only)."""
+    try:
+        storage.write_tracker(root, "release" if release else int(iteration))
+    except OSError as e:
+        raise CheckpointError(f"cannot write tracker file {tracker_path(root)} ({type(e).__name__}: {e}); "
+                              f"the checkpoint {checkpoint_dir(root, iteration, release)} is complete: "
+                              "fix the directory and write the tracker, or load that directory with "
+                              "--ckpt-step") from e
 
 
-def _barrier() -> None:
+def commit_tracker(root: str, iteration: int, release: bool = False) -> None:
+    """After a save's commit (every rank): rank 0 writes the tracker and every rank learns
+    whether it did, so a failure raises one DistributedError everywhere instead of
+    leaving the other ranks in a later collective."""
     from megashard.transport import Comm
 
-    Comm().barrier()
+    comm = Comm()
+    _, err = comm.run("save/tracker", lambda: write_tracker(root, iteration, release) if comm.rank == 0 else None)
+    comm.agree(err, "save (tracker)")
+
+
+# --------------------------------------------------------------------------------------
+# what --load names, agreed by every rank
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadTarget:
+    """The checkpoint ``--load`` names, the same decision on every rank.
+
+    ``checkpoint`` is this rank's path of it (``<root>/iter_N``, or ``root`` itself when
+    that is a checkpoint directory) when at least one rank sees a megashard checkpoint
+    there — possibly an interrupted re-save's ``.iter_N.old-*`` copy, which
+    :func:`megashard.load` reads in place — else None. Ranks that cannot see it (scatter
+    mode: only the node readers need to) get the same answer as those that can.
+    """
+
+    root: Optional[str]
+    iteration: int = -1  # -1: no tracker and no --ckpt-step
+    release: bool = False
+    tracker: bool = False  # some rank read a tracker file under root
+    checkpoint: Optional[str] = None
+    direct: bool = False  # root itself is the checkpoint directory
+    seen_by: int = 0  # how many ranks see the checkpoint
+    why: str = ""  # why there is none (rank 0's view), for messages
+    pretrained: bool = False  # root is --pretrained-checkpoint (no tracker under --load)
+
+
+def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
+    if not root:
+        return {"tracker": None, "direct": False}
+    named = os.path.basename(os.path.abspath(root)) not in ("", ".", "..")  # "/" is no checkpoint
+    return {"tracker": storage.read_tracker(root), "direct": named and storage.locate(root) is not None}
+
+
+def _decide_iteration(looks: Sequence[Dict[str, Any]], ckpt_step: Optional[int]) -> Dict[str, Any]:
+    """Rank 0: Megatron's choice (``--ckpt-step``, else the maximum tracker over ranks)."""
+    trackers = [x["tracker"] for x in looks if x["tracker"] is not None]
+    numbers = [t for t in trackers if t != "release"]
+    if len(set(trackers)) > 1:
+        log.warning("tracker files differ between ranks (%s); using the maximum", sorted(set(map(str, trackers))))
+    direct = any(x["direct"] for x in looks)
+    if ckpt_step:
+        iteration, release = int(ckpt_step), False
+    elif numbers:
+        iteration, release = max(numbers), False
+    else:
+        iteration, release = (0, True) if trackers else (-1, False)
+    return {"iteration": iteration, "release": release, "tracker": bool(trackers), "direct": direct}
+
+
+def resolve_load(root: Optional[str], ckpt_step: Optional[int] = None, comm: Any = None) -> LoadTarget:
+    """Which checkpoint ``root`` (``--load``) names, decided together by every rank. Collective.
+
+    Each rank reads its tracker and looks for the checkpoint with :func:`storage.locate`
+    (read-only; an interrupted re-save's ``.old-*`` copy counts); rank 0 combines what
+    every rank saw and every rank gets the same answer. A rank that fails to read (a
+    garbage tracker, an unreadable directory) makes every rank raise one
+    DistributedError naming it. Two small gather/scatter rounds (one when there is no
+    tracker and no ``ckpt_step``); every rank must call it, with or without a root.
+    """
+    from megashard.transport import Comm
+
+    comm = comm or Comm()
+    look, err = comm.run("load/tracker", lambda: _look_tracker(root))
+    decided = comm.coordinate("load (checkpoint lookup)", err, look,
+                              lambda looks: [_decide_iteration(looks, ckpt_step)] * comm.world_size)
+    iteration, release, direct = decided["iteration"], decided["release"], decided["direct"]
+    if not direct and iteration < 0 and not release:
+        return LoadTarget(root, tracker=decided["tracker"],
+                          why=f"no tracker file {tracker_path(root)}" if root else "no load directory")
+    path = root if direct else checkpoint_dir(root, iteration, release) if root else None
+
+    def look_checkpoint() -> Dict[str, Any]:
+        if not path:
+            return {"sees": False, "why": "no load directory on this rank"}
+        found = storage.locate(path)
+        return {"sees": found is not None, "why": "" if found else storage.why_not_checkpoint(path)}
+
+    def combine(sees: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        # a count, not a list of ranks: every rank receives the reply
+        return [{"seen_by": sum(1 for x in sees if x["sees"]), "why": sees[0]["why"]}] * comm.world_size
+
+    seen, err = comm.run("load/locate", look_checkpoint)
+    found = comm.coordinate("load (checkpoint lookup)", err, seen, combine)
+    return LoadTarget(root, iteration, release, decided["tracker"],
+                      checkpoint=path if found["seen_by"] else None, direct=direct,
+                      seen_by=found["seen_by"], why=found["why"])
+
+
+def resolve_load_target(args: Any, load_arg: str = "load") -> LoadTarget:
+    """:func:`resolve_load` for Megatron's args: ``--<load_arg>``, ``--ckpt-step``, and the
+    ``--pretrained-checkpoint`` fall-back when no rank sees a tracker under ``--load``. Collective."""
+    ckpt_step = getattr(args, "ckpt_step", None)
+    target = resolve_load(getattr(args, load_arg, None), ckpt_step)
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if pretrained and not target.tracker:
+        target = dataclasses.replace(resolve_load(pretrained, ckpt_step), pretrained=True)
+    return target
 
 
 # --------------------------------------------------------------------------------------
@@ -101,34 +204,21 @@ def load_common(ckpt: str, keys: Optional[Sequence[str]] = None) -> Dict[str, An
 
 
 def is_megashard_checkpoint(path: Optional[str]) -> bool:
-    """True if ``path`` is a megashard checkpoint directory."""
+    """True if ``path`` is a megashard checkpoint directory (this rank's view, no collective)."""
     if not path or not os.path.isdir(path):
         return False
     return bool(_api().is_checkpoint(path))
 
 
 def find_checkpoint(root: Optional[str], ckpt_step: Optional[int] = None) -> Optional[str]:
-    """The megashard checkpoint directory ``--load`` points to, or None.
+    """The megashard checkpoint ``--load`` points to (this rank's path of it), or None. Collective.
 
-    ``root`` may be a Megatron save root (tracker + ``iter_*``) or a checkpoint
-    directory itself. Used by :func:`megashard.megatron.install` to route loads.
+    ``root`` may be a Megatron save root (tracker + ``iter_*``) or a checkpoint directory
+    itself. Every rank gets the same answer (see :func:`resolve_load`), including ranks
+    that cannot see the directory and when only an interrupted re-save's ``.old-*`` copy
+    exists (:func:`megashard.load` reads it in place).
     """
-    if not root:
-        return None
-    if is_megashard_checkpoint(root):
-        return root
-    iteration, release = -1, False
-    path = tracker_path(root)
-    if os.path.isfile(path):
-        text = open(path).read().strip()
-        release = text == "release"
-        iteration = 0 if release else int(text) if text.isdigit() else -1
-    if ckpt_step:
-        iteration, release = int(ckpt_step), False
-    if iteration < 0 and not release:
-        return None
-    d = checkpoint_dir(root, iteration, release)
-    return d if is_megashard_checkpoint(d) else None
+    return resolve_load(root, ckpt_step).checkpoint
 
 
 # --------------------------------------------------------------------------------------
@@ -244,22 +334,15 @@ def save_checkpoint(
                  iteration, ckpt, time.perf_counter() - t0)
         return ckpt
     _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, direct_io=direct_io)
-    _barrier()
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        write_tracker(root, iteration, release)
-    _barrier()
+    commit_tracker(root, iteration, release)  # save() returned on every rank: committed
     log.info("saved checkpoint at iteration %d to %s in %.2f s", iteration, ckpt,
              time.perf_counter() - t0)
     return ckpt
 
 
 def _commit_tracker(root: str, iteration: int, release: bool) -> None:
-    """After an async save's commit (every rank): rank 0 writes the tracker; all agree."""
-    from megashard.transport import Comm
-
-    comm = Comm()
-    _, err = comm.run("save/tracker", lambda: write_tracker(root, iteration, release) if comm.rank == 0 else None)
-    comm.agree(err, "save (tracker)")
+    """An async save's commit callback (every rank, inside ``result()``)."""
+    commit_tracker(root, iteration, release)
     log.info("async checkpoint at iteration %d committed to %s", iteration, checkpoint_dir(root, iteration, release))
 
 
@@ -330,6 +413,7 @@ def load_checkpoint(
     skip_load_to_model_and_opt: bool = False,
     *,
     args: Any = None,
+    target: Optional[LoadTarget] = None,
     **_ignored: Any,
 ) -> Tuple[int, float]:
     """Load a megashard checkpoint into model, optimizer, scheduler and RNG, like Megatron-LM.
@@ -339,114 +423,117 @@ def load_checkpoint(
     loads only the model (iteration 0); ``--no-load-optim`` / ``--no-load-rng`` skip
     those parts; ``--ckpt-step N`` loads ``iter_N`` whatever the tracker says. The RNG
     state is ignored with a warning when TP or PP differ from the checkpoint's.
+
+    Collective, and every step is agreed: which checkpoint to load (``target``, from
+    :func:`resolve_load_target` when not given), preparing the template, reading, and
+    restoring args/model/optimizer/scheduler/RNG. A failure on any rank raises one
+    DistributedError on every rank, so no rank is left waiting for the others.
     """
+    from megashard.transport import Comm
+
     args = _get_args(args)
-    load_dir = getattr(args, load_arg, None)
-    pretrained = getattr(args, "pretrained_checkpoint", None)
-    if pretrained and not (load_dir and os.path.isfile(tracker_path(load_dir))):
-        log.warning("no checkpoint in %s; fine-tuning from %s", load_dir, pretrained)
-        load_dir = pretrained
+    comm = Comm()
+    target = target or resolve_load_target(args, load_arg)
+    if target.pretrained:
+        log.warning("no checkpoint in %s; fine-tuning from %s", getattr(args, load_arg, None), target.root)
         args.finetune = True
-
-    iteration, release = read_tracker(load_dir)
-    ckpt_step = getattr(args, "ckpt_step", None)
-    if ckpt_step:
-        iteration, release = int(ckpt_step), False
-    if iteration < 0 and not release:
+    if not target.root or (target.iteration < 0 and not target.release and not target.direct):
         log.warning("could not find the tracker file %s; starting from random init",
-                    tracker_path(load_dir) if load_dir else "(no --load)")
+                    tracker_path(target.root) if target.root else "(no --load)")
         if _flag(args, "exit_on_missing_checkpoint"):
-            log.error("'--exit-on-missing-checkpoint' set and no checkpoint under %s: exiting",
-                      load_dir)
-            _barrier()
-            sys.exit(1)
+            log.error("'--exit-on-missing-checkpoint' set and no checkpoint under %s: exiting", target.root)
+            sys.exit(1)  # every rank: the decision is agreed
         return 0, 0
-
-    ckpt = checkpoint_dir(load_dir, iteration, release)
-    if not is_megashard_checkpoint(ckpt):
-        raise CheckpointError(f"{ckpt} is not a megashard checkpoint (iteration {iteration} from "
-                              f"{'--ckpt-step' if ckpt_step else tracker_path(load_dir)})")
+    ckpt = target.checkpoint
+    if ckpt is None:
+        raise CheckpointError(
+            f"no rank sees a megashard checkpoint at {checkpoint_dir(target.root, target.iteration, target.release)} "
+            f"(iteration {target.iteration} from "
+            f"{'--ckpt-step' if getattr(args, 'ckpt_step', None) else tracker_path(target.root)}): {target.why}")
+    iteration, release = target.iteration, target.release
     t0 = time.perf_counter()
     common = load_common(ckpt, ["args", "iteration", "num_floating_point_operations_so_far", "checkpoint_version", "content_metadata"])
     ckpt_args = common.get("args") or types.SimpleNamespace()
     content_md = common.get("content_metadata") or {}
     finetune = bool(_flag(args, "finetune")) or release
-
-    layout = _layout()
-    ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
-                  getattr(ckpt_args, "pipeline_model_parallel_size", 1))
-    run_tp_pp = (layout["tp"], layout["pp"])
-    mismatch = f"(TP, PP) mismatch after resume ({run_tp_pp} vs {ckpt_tp_pp} from checkpoint)"
-
-    load_rng = not finetune and not _flag(args, "no_load_rng") and not getattr(ckpt_args, "no_save_rng", False)
-    if load_rng and ckpt_tp_pp != run_tp_pp:
-        log.warning("%s: RNG state will be ignored", mismatch)
-        load_rng = False
-    load_optim = (not finetune and not _flag(args, "no_load_optim")
-                  and not getattr(ckpt_args, "no_save_optim", False) and optimizer is not None)
-
-    use_dist_opt = bool(_flag(args, "use_distributed_optimizer"))
-    metadata = st.sharded_sd_metadata(use_dist_opt)
-    saved_type = content_md.get("distrib_optim_sharding_type")
-    if load_optim and use_dist_opt and saved_type not in (None, st.DISTRIB_OPTIM_SHARDING_TYPE):
-        raise CheckpointError(f"checkpoint stores DistributedOptimizer state as {saved_type!r}; "
-                           f"megashard reads {st.DISTRIB_OPTIM_SHARDING_TYPE!r}")
-
-    chunks = [st.unwrap_model(m) for m in st.as_chunk_list(ddp_model)]
     strict_load = bool(_flag(args, "megashard_strict_load", True))
-    # a strict load overwrites every element of the optimizer state: no need to zero it first
-    fresh = st.preallocate_optimizer_state(optimizer) if load_optim and strict_load else st.FreshOptimizerState()
-    try:
+    plan: Dict[str, Any] = {"fresh": st.FreshOptimizerState()}
+
+    def prepare() -> Any:
+        layout = plan["layout"] = _layout()
+        ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
+                      getattr(ckpt_args, "pipeline_model_parallel_size", 1))
+        run_tp_pp = (layout["tp"], layout["pp"])
+        load_rng = (not finetune and not _flag(args, "no_load_rng")
+                    and not getattr(ckpt_args, "no_save_rng", False))
+        if load_rng and ckpt_tp_pp != run_tp_pp:
+            log.warning("(TP, PP) mismatch after resume (%s vs %s from checkpoint): RNG state will be ignored",
+                        run_tp_pp, ckpt_tp_pp)
+            load_rng = False
+        load_optim = (not finetune and not _flag(args, "no_load_optim")
+                      and not getattr(ckpt_args, "no_save_optim", False) and optimizer is not None)
+        plan["rng"], plan["optim"] = load_rng, load_optim
+        use_dist_opt = bool(_flag(args, "use_distributed_optimizer"))
+        saved_type = content_md.get("distrib_optim_sharding_type")
+        if load_optim and use_dist_opt and saved_type not in (None, st.DISTRIB_OPTIM_SHARDING_TYPE):
+            raise CheckpointError(f"{ckpt} stores DistributedOptimizer state as {saved_type!r}; "
+                                  f"megashard reads {st.DISTRIB_OPTIM_SHARDING_TYPE!r}")
+        chunks = [st.unwrap_model(m) for m in st.as_chunk_list(ddp_model)]
+        # a strict load overwrites every element of the optimizer state: no need to zero it first
+        if load_optim and strict_load:
+            plan["fresh"] = st.preallocate_optimizer_state(optimizer)
         template = st.build_state_dict(
             args, chunks, optimizer if load_optim else None,
             opt_param_scheduler if load_optim else None,
             st.StateRequest(optimizer=load_optim, scheduler=load_optim, rng=load_rng, is_loading=True,
                             data_parallel_random_init=_flag(args, "data_parallel_random_init"),
-                            metadata=metadata),
+                            metadata=st.sharded_sd_metadata(use_dist_opt)),
         )
         # the non-tensor values come from the checkpoint (load_common / load results)
         for key in ("args", "checkpoint_version", "content_metadata"):
             template.pop(key, None)
-        prepared = st.prepare_for_load(template, skip_aliased_main_params=strict_load)
+        return st.prepare_for_load(template, skip_aliased_main_params=strict_load)
+
+    def restore(loaded: Dict[str, Any]) -> Tuple[int, float]:
+        loaded = st.finish_load(loaded, prepared)
+        it = 0 if finetune else int(common.get("iteration", loaded.get("iteration", iteration)))
+        flops = common.get("num_floating_point_operations_so_far",
+                           loaded.get("num_floating_point_operations_so_far", 0)) or 0
+        if not finetune and common.get("args") is not None:
+            check_checkpoint_args(args, ckpt_args)
+            _restore_counters(args, ckpt_args)
+        if not skip_load_to_model_and_opt:
+            st.load_model_state(st.as_chunk_list(ddp_model), loaded, strict=strict)
+        if plan["optim"]:
+            if not skip_load_to_model_and_opt:
+                st.load_optimizer_state(optimizer, loaded["optimizer"])
+            if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
+                opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        if plan["rng"]:
+            rng = loaded.get("rng_state")
+            if not rng:
+                raise CheckpointError(f"no rng_state in {ckpt}; use --no-load-rng or --finetune")
+            dp_rank = plan["layout"]["dp_rank"] if _flag(args, "data_parallel_random_init") else 0
+            st.restore_rng_state(rng[dp_rank] if len(rng) > dp_rank else rng[0])
+        return it, flops
+
+    try:
+        prepared, err = comm.run("load/prepare", prepare)
+        comm.agree(err, "load (prepare)")
         # no_grad: template ShardedTensors wrap live nn.Parameters, which are filled in place
         with torch.no_grad():
             loaded = _call(_api().load, prepared.request, ckpt,
                            mode=_flag(args, "megashard_load_mode", "auto") or "auto",
                            strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
-        loaded = st.finish_load(loaded, prepared)
+        out, err = comm.run("load/restore", lambda: restore(loaded))
+        comm.agree(err, "load (restore)")
     except BaseException:
-        fresh.zero()  # never leave uninitialised optimizer state behind a failed load
+        plan["fresh"].zero()  # never leave uninitialised optimizer state behind a failed load
         raise
-
-    if finetune:
-        iteration = 0
-    else:
-        iteration = int(common.get("iteration", loaded.get("iteration", iteration)))
-    num_flops = common.get("num_floating_point_operations_so_far",
-                           loaded.get("num_floating_point_operations_so_far", 0)) or 0
-
-    if not finetune and common.get("args") is not None:
-        check_checkpoint_args(args, ckpt_args)
-        _restore_counters(args, ckpt_args)
-
-    if not skip_load_to_model_and_opt:
-        st.load_model_state(st.as_chunk_list(ddp_model), loaded, strict=strict)
-    if load_optim:
-        if not skip_load_to_model_and_opt:
-            st.load_optimizer_state(optimizer, loaded["optimizer"])
-        if opt_param_scheduler is not None and "opt_param_scheduler" in loaded:
-            opt_param_scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if load_rng:
-        rng = loaded.get("rng_state")
-        if not rng:
-            raise CheckpointError(f"no rng_state in {ckpt}; use --no-load-rng or --finetune")
-        dp_rank = layout["dp_rank"] if _flag(args, "data_parallel_random_init") else 0
-        st.restore_rng_state(rng[dp_rank] if len(rng) > dp_rank else rng[0])
-
-    _barrier()
+    iteration, num_flops = out
     log.info("loaded checkpoint %s at iteration %d (optimizer %s, rng %s%s) in %.2f s",
-             ckpt, iteration, "loaded" if load_optim else "not loaded",
-             "loaded" if load_rng else "not loaded", ", finetune" if finetune else "",
+             ckpt, iteration, "loaded" if plan["optim"] else "not loaded",
+             "loaded" if plan["rng"] else "not loaded", ", finetune" if finetune else "",
              time.perf_counter() - t0)
     return iteration, num_flops
 

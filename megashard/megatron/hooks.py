@@ -11,13 +11,14 @@ miss those call sites, so both modules' names are replaced. The wrappers send
   ``maybe_finalize_async_save`` commits it and writes the tracker), every other save to Megatron's original (with ``--save-format torch|torch_dist``
   mapped onto ``--ckpt-format``);
 * loads whose ``--load`` (or ``--pretrained-checkpoint``) directory holds a megashard
-  checkpoint to :func:`megashard.megatron.load_checkpoint`, every other load to the
-  original — no flag needed.
+  checkpoint (as any rank sees it, an interrupted re-save's ``.old-*`` copy included:
+  the ranks decide together, see :func:`megashard.megatron.checkpointing.resolve_load`)
+  to :func:`megashard.megatron.load_checkpoint`, every other load to the original — no
+  flag needed.
 """
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import checkpointing as ms_ckpt
@@ -39,15 +40,6 @@ def _megatron_args() -> Any:
     from megatron.training.global_vars import get_args
 
     return get_args()
-
-
-def _load_root(args: Any, load_arg: str) -> Optional[str]:
-    """The directory Megatron would load from (with --pretrained-checkpoint fallback)."""
-    root = getattr(args, load_arg, None)
-    pretrained = getattr(args, "pretrained_checkpoint", None)
-    if pretrained and not (root and os.path.isfile(ms_ckpt.tracker_path(root))):
-        return pretrained
-    return root
 
 
 def make_save_wrapper(original: Callable) -> Callable:
@@ -83,14 +75,17 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
     def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                         strict: bool = True, *args: Any, **kwargs: Any) -> Any:
         margs = _megatron_args()
-        root = _load_root(margs, load_arg)
-        if ms_ckpt.find_checkpoint(root, getattr(margs, "ckpt_step", None)) is None:
+        # collective: every rank routes the same way, also ranks that cannot see the
+        # directory (scatter mode) and when only an interrupted re-save's .old-* copy exists
+        target = ms_ckpt.resolve_load_target(margs, load_arg)
+        if target.checkpoint is None:
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
         log.info("--%s %s holds a megashard checkpoint: loading with megashard",
-                 load_arg.replace("_", "-"), root)
+                 "pretrained-checkpoint" if target.pretrained else load_arg.replace("_", "-"), target.root)
         result = ms_ckpt.load_checkpoint(
             ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
-            skip_load_to_model_and_opt=bool(kwargs.get("skip_load_to_model_and_opt", False)), args=margs)
+            skip_load_to_model_and_opt=bool(kwargs.get("skip_load_to_model_and_opt", False)), args=margs,
+            target=target)
         if ckpt_module is not None:  # keep Megatron's bookkeeping consistent
             if hasattr(ckpt_module, "set_loaded_iteration"):
                 ckpt_module.set_loaded_iteration(result[0])
