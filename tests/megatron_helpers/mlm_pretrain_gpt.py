@@ -47,6 +47,8 @@ if __name__ == "__main__":
 
     import pretrain_gpt as P  # Megatron-LM's script, imported (its __main__ does not run)
 
+    cpu_compat.cover(P)  # its get_batch calls .cuda(): the CPU stand-ins (no-op with CUDA)
+
     if os.environ.get("RANK", "0") == "0":  # the test checks where each part came from
         print(f"megatron.core from {os.path.dirname(megatron.core.__file__)} | "
               f"megatron.training from {os.path.dirname(megatron.training.__file__)}", flush=True)
