@@ -41,6 +41,8 @@ import torch
 
 from megashard.errors import CheckpointError, StateDictError
 
+from .compat import CAT0_MERGES
+
 CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
@@ -685,10 +687,6 @@ def finish_load(loaded: Dict[str, Any], prepared: PreparedLoad) -> Dict[str, Any
     if "optimizer" in prepared.request and "optimizer" in loaded:
         restore_scalar_tensors(loaded["optimizer"], prepared.request["optimizer"])
     return loaded
-
-
-#: merges known to be ``torch.cat(parts)`` along dim 0: (module, qualified name) of Megatron's function
-CAT0_MERGES = {("megatron.core.transformer.mlp", "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn")}
 
 
 def _merges_to_run(x: Any, loaded: Any) -> Any:
