@@ -16,8 +16,6 @@ import pytest
 
 from megatron_helpers.runner import REPO, TESTS
 
-pytestmark = pytest.mark.megatron
-
 LLAMA = textwrap.dedent(
     """
     import json, sys

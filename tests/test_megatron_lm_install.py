@@ -29,8 +29,6 @@ import megashard
 from megatron_helpers.mlm_tree import TAG_COMMITS, Tree, TreeMissing, find_tree, tree_version
 from megatron_helpers.runner import REPO, TESTS, compare_checkpoints, torchrun
 
-pytestmark = pytest.mark.megatron
-
 #: the installed release; no import: megatron.core warns on import
 INSTALLED = importlib.metadata.version("megatron-core")
 RELEASE = re.match(r"\d+\.\d+\.\d+", INSTALLED).group(0)

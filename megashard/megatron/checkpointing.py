@@ -382,6 +382,10 @@ def load_checkpoint(
     if load_rng and ckpt_tp_pp != run_tp_pp:
         log.warning("%s: RNG state will be ignored", mismatch)
         load_rng = False
+    rng_change = st.rng_layout_change(content_md, ckpt_args) if load_rng else None
+    if rng_change:  # e.g. EP or DP changed: a layout change never fails on the RNG state
+        log.warning("%s: RNG state will be ignored", rng_change)
+        load_rng = False
     load_optim = (not finetune and not _flag(args, "no_load_optim")
                   and not getattr(ckpt_args, "no_save_optim", False) and optimizer is not None)
 

@@ -55,8 +55,8 @@ PATCHES: List[tuple] = [
      "explicit .cuda() calls (e.g. exchange utils, schedules, grad scaler, Megatron-LM's get_model)"),
     ("Tensor.type() on CPU tensors -> 'torch.cuda.<T>Tensor' (for Megatron callers)",
      "optimizer.py and distrib_optimizer.py accept only torch.cuda.*Tensor params"),
-    ("megatron.core.transformer.moe.router: te_general_gemm -> None when Transformer Engine is absent",
-     "0.16's router tests `te_general_gemm is not None`, a module global defined only when TE imports"),
+    ("megatron.core.transformer.moe.moe_utils: te_general_gemm -> None when Transformer Engine is absent",
+     "0.16's router gating tests `te_general_gemm is not None`, a module global defined only when TE imports"),
     ("logging filter on megatron.core.tensor_parallel.random: 'CPU RNG state changed within GPU RNG context'",
      "expected here: the 'CUDA' generator *is* the CPU generator, so every TP-RNG fork changes it"),
 ]
@@ -267,11 +267,11 @@ def _patch_megatron_internals() -> None:
     except ImportError:  # megatron-core not installed: nothing else to patch
         return
     try:
-        import megatron.core.transformer.moe.router as router
+        import megatron.core.transformer.moe.moe_utils as moe_utils
     except ImportError:
         return
-    if not hasattr(router, "te_general_gemm"):  # 0.16: referenced, defined only when TE imports
-        router.te_general_gemm = None  # type: ignore[attr-defined]
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16: referenced, defined only when TE imports
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
 class _RngForkWarningFilter(logging.Filter):

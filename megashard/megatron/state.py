@@ -340,8 +340,44 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     tracker.set_states(states)
 
 
+#: ``content_metadata`` entry recording the shape of the saved ``rng_state`` ShardedObject
+RNG_LAYOUT_KEY = "megashard_rng_layout"
+
+
+def rng_layout() -> List[int]:
+    """This run's ``rng_state`` layout: ``[pp, tp]``, or ``[pp, tp, dp]`` with expert parallelism
+    (every DP rank keeps its own state then: the expert-parallel RNG differs between EP ranks)."""
+    from megatron.core import parallel_state as mpu
+
+    layout = [mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()]
+    if mpu.get_expert_model_parallel_world_size() > 1:
+        layout.append(mpu.get_data_parallel_world_size(with_context_parallel=True))
+    return layout
+
+
+def rng_layout_change(content_metadata: Dict[str, Any], ckpt_args: Any) -> Optional[str]:
+    """Why the checkpoint's RNG state cannot be restored in this run's layout (None: it can).
+
+    Megatron restores RNG states only into the layout that saved them and ignores them,
+    with a warning, otherwise; so does megashard. Checkpoints that do not record their RNG
+    layout (converted ones) are trusted only without expert parallelism on either side."""
+    now = rng_layout()
+    saved = content_metadata.get(RNG_LAYOUT_KEY)
+    if saved is None:
+        ep = int(getattr(ckpt_args, "expert_model_parallel_size", 1) or 1)
+        if ep > 1 or len(now) > 2:
+            return "the checkpoint does not record the layout of its RNG state (expert parallelism)"
+        saved = [int(getattr(ckpt_args, "pipeline_model_parallel_size", 1) or 1),
+                 int(getattr(ckpt_args, "tensor_model_parallel_size", 1) or 1)]
+    if [int(x) for x in saved] != now:
+        names = ("PP", "TP", "DP")
+        fmt = lambda lay: "x".join(f"{n}{v}" for n, v in zip(names, lay)) + ("" if len(lay) > 2 else " (EP1)")
+        return f"RNG state layout changed ({fmt(saved)} in the checkpoint, {fmt(now)} in this run)"
+    return None
+
+
 def rng_sharded_object(data_parallel_random_init: bool = False) -> Any:
-    """Megatron's ``rng_state`` ShardedObject: one per (pp, tp) rank (per dp rank with EP>1)."""
+    """Megatron's ``rng_state`` ShardedObject, shaped as :func:`rng_layout`."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -353,14 +389,12 @@ def rng_sharded_object(data_parallel_random_init: bool = False) -> Any:
         states = Comm(mpu.get_data_parallel_group(with_context_parallel=True)).all_gather_json(rng)
     else:
         states = [rng]
-    pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
-    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
-    if mpu.get_expert_model_parallel_world_size() > 1:
-        dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
-        return ShardedObject("rng_state", states, (pp_size, tp_size, dp_size),
-                             (pp_rank, tp_rank, dp_rank), replica_id=0)
-    return ShardedObject("rng_state", states, (pp_size, tp_size), (pp_rank, tp_rank),
-                         replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+    layout = rng_layout()
+    offset = [mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()]
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    if len(layout) > 2:
+        return ShardedObject("rng_state", states, tuple(layout), (*offset, dp_rank), replica_id=0)
+    return ShardedObject("rng_state", states, tuple(layout), tuple(offset), replica_id=dp_rank)
 
 
 # --------------------------------------------------------------------------------------
@@ -541,6 +575,8 @@ def build_state_dict(
     if num_floating_point_operations_so_far is not None:
         sd["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
     sd["content_metadata"] = clean_metadata(request.metadata)
+    if request.rng and not request.is_loading:
+        sd["content_metadata"][RNG_LAYOUT_KEY] = rng_layout()
 
     for key, chunk in zip(model_keys(model), model):
         sd[key] = chunk.sharded_state_dict(metadata=request.metadata)
