@@ -46,7 +46,7 @@ def _train(tree, tmp_path, flags, layout):
 
 def _reshard(tree, src, dst, flags, layout):
     """Load ``src``'s iteration 2 in ``layout`` and save it again: the same global tensors."""
-    run, losses = mlm(tree, [*flags, *layout, *SAVE, "--train-iters", "2", "--load", str(src),
+    run, losses = mlm(tree, [*flags, *layout, *SAVE, "--train-iters", "2", "--save-interval", "1000", "--load", str(src),
                              "--ckpt-step", "2", "--save", str(dst)])
     assert losses == {} and "(optimizer loaded" in run.output
     _same(src / "iter_0000002", dst / "iter_0000002", f"reshard to {layout}")
