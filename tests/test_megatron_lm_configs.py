@@ -27,7 +27,10 @@ from test_megatron_lm_install import mlm, mlm_tree  # noqa: F401 - the fixture i
 
 LLAMA = ["--bf16", "--use-distributed-optimizer", "--normalization", "RMSNorm", "--swiglu",
          "--position-embedding-type", "rope", "--no-rope-fusion", "--group-query-attention",
-         "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+         "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         # the padded vocabulary (a multiple of this times TP) must not change from TP=2 to TP=1:
+         # 128 either way (core_v0.19 pads the default 128 x TP2 to 256)
+         "--make-vocab-size-divisible-by", "64"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather"]
 SAVE = ["--save-format", "tensors"]
 MODEL = ["embedding.", "decoder.", "output_layer."]
