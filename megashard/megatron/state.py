@@ -9,8 +9,10 @@ so that a megashard checkpoint holds the same top-level keys as a ``torch_dist``
 * model chunks are keyed by each chunk's ``vp_stage`` (``model{vp_stage}``), never by
   the deprecated global virtual-pipeline rank;
 * the RNG state is stored as JSON-able data (base64 for generator states) inside
-  Megatron's ``ShardedObject('rng_state', …, (pp, tp), (pp_rank, tp_rank))``, so no
-  pickle is ever needed to read it back;
+  Megatron's ``ShardedObject('rng_state', …, (pp, tp), (pp_rank, tp_rank))`` (with expert
+  parallelism one per DP rank as well, as core_v0.16 does; core_v0.19 dropped that), so no
+  pickle is ever needed to read it back; its layout is recorded in ``content_metadata``
+  and a load in another layout ignores it with a warning (:func:`rng_layout_change`);
 * ``args`` is reduced to JSON-representable values (anything else becomes its repr);
 * the distributed optimizer uses the ``fully_sharded_model_space`` sharding (flattened
   ShardedTensors per model parameter), which megashard reshards across TP/PP/DP.
