@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 
-
 from megatron_helpers.runner import REPO, TESTS
 
 LLAMA = textwrap.dedent(
