@@ -18,6 +18,7 @@ setup(
             "safetensors",
             "megatron-core>=0.16",
             "psutil",
+            "transformers",  # tests/test_cpu_compat.py: a Llama in the same process as cpu_compat
         ],
     },
     entry_points={"console_scripts": ["megashard=megashard.cli:main"]},

@@ -377,7 +377,7 @@ def rng_digest() -> str:
              {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()})
     draws = [random.random(), float(np.random.rand()), float(torch.rand(1))]
     with tensor_parallel.get_cuda_rng_tracker().fork():
-        draws.append(float(torch.rand(1, device=torch.cuda.current_device())))
+        draws.append(float(torch.rand(1, device="cuda" if torch.cuda.is_available() else "cpu")))
     random.setstate(saved[0]); np.random.set_state(saved[1]); torch.set_rng_state(saved[2])
     tensor_parallel.get_cuda_rng_tracker().set_states(saved[3])
     allv: List[Any] = [None] * torch.distributed.get_world_size()

@@ -12,12 +12,16 @@ from __future__ import annotations
 import os
 
 from megatron_helpers.runner import compare_checkpoints
-from test_megatron_lm_install import mlm, mlm_tree  # noqa: F401 - the fixture is used by name
+from test_megatron_lm_install import RELEASE, mlm, mlm_tree  # noqa: F401 - the fixture is used by name
+
+#: Megatron-LM core_v0.19 drives async saves through nvidia-resiliency-ext by default
+#: (``--async-strategy nvrx``); without it installed, megatron-core's own queue is the one to ask for
+STRATEGY = ["--async-strategy", "mcore"] if tuple(map(int, RELEASE.split("."))) >= (0, 19) else []
 
 
 def test_megatron_lm_async_save_and_bit_exact_resume(mlm_tree, tmp_path):  # noqa: F811
     a, b = tmp_path / "a", tmp_path / "b"
-    fmt = ["--save-format", "tensors", "--ckpt-format", "torch", "--async-save"]
+    fmt = ["--save-format", "tensors", "--ckpt-format", "torch", "--async-save", *STRATEGY]
     base, base_losses = mlm(mlm_tree, ["--train-iters", "6", "--save-interval", "3", "--save", str(a), *fmt])
     assert "megashard installed into" in base.output
     assert "--async-save is not supported" not in base.output

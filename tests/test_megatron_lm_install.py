@@ -1,15 +1,15 @@
 """``megashard.megatron.install()`` inside Megatron-LM's own training loop (``pretrain_gpt.py``).
 
-The megatron-core wheel ships only ``megatron/core``; Megatron-LM's training side (the
-code that parses ``--save-format``, calls ``save_checkpoint`` / ``load_checkpoint`` and
-runs ``pretrain()``) comes from ``<repo>/../shared/vendor/Megatron-LM-core_v0.16.1.tar.gz``
-(see ``docs/megatron-needs.md``), extracted once per test session into a temporary
-directory. ``MEGATRON_LM_DIR`` (a checkout of NVIDIA/Megatron-LM at the release matching
-the installed megatron-core) takes precedence. Neither present: the tests fail, they do
-not skip.
+Megatron-LM's training side (``pretrain_gpt.py`` and, before 0.19, ``megatron/training``: the
+code that parses ``--save-format``, calls ``save_checkpoint`` / ``load_checkpoint`` and runs
+``pretrain()``) of the installed megatron-core's release is found by
+:func:`megatron_helpers.mlm_tree.find_tree`: ``MEGATRON_LM_DIR``, then
+``<repo>/../shared/vendor/Megatron-LM-core_vX.Y.Z.tar.gz``, then a cache directory, then a
+``git`` fetch of the tag into it. None of these: the tests fail with the command that fixes
+it, they do not skip.
 
-The runs use Megatron-LM's real ``pretrain()``: its argument parser (with
-``extra_args_provider=megashard.megatron.add_arguments``), ``initialize_megatron``,
+The runs use Megatron-LM's real ``pretrain()``: its argument parser (with megashard's
+``extra_args_provider``), ``initialize_megatron``,
 ``setup_model_and_optimizer`` → ``load_checkpoint``, ``train()`` →
 ``save_checkpoint_and_time`` → ``save_checkpoint``, mock GPT data, on CPU with gloo. The
 tree is appended to the ranks' ``sys.path`` (after the installed packages), so
@@ -19,66 +19,27 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-
-import megashard
 import os
 import re
-import tarfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+import megashard
+from megatron_helpers.mlm_tree import TAG_COMMITS, Tree, TreeMissing, find_tree, tree_version
 from megatron_helpers.runner import REPO, TESTS, compare_checkpoints, torchrun
 
-ARCHIVE = Path(REPO).parent / "shared" / "vendor" / "Megatron-LM-core_v0.16.1.tar.gz"
-#: `git archive --prefix=Megatron-LM-<tag>/`: the tag names the megatron-core release
-TAG_DIR = re.compile(r"^Megatron-LM-core_v(\d+\.\d+\.\d+)$")
-#: the commit of each tag (NVIDIA/Megatron-LM); `git archive` records it in the tarball's pax header
-TAG_COMMITS = {"0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6"}
-
-
-@dataclass(frozen=True)
-class Tree:
-    path: str
-    source: str  # where it came from, for messages
-    commit: str | None = None  # the archive's commit id (pax header), when extracted from it
-
-
-def _is_tree(d: str) -> bool:
-    return (os.path.isfile(os.path.join(d, "megatron", "training", "checkpointing.py"))
-            and os.path.isfile(os.path.join(d, "pretrain_gpt.py")))
-
-
-def _extract(archive: Path, dest: Path) -> tuple[str, str | None]:
-    """Extract the vendored tarball (regular files and directories only): its top directory and commit."""
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        tops = {m.name.split("/", 1)[0] for m in members}
-        bad = [m.name for m in members if not (m.isfile() or m.isdir()) or m.name.startswith("/")
-               or ".." in m.name.split("/")]
-        assert len(tops) == 1 and not bad, f"{archive}: unexpected layout (tops {sorted(tops)}, refused {bad[:5]})"
-        tar.extractall(dest, members=members, filter="data")
-        commit = tar.pax_headers.get("comment")
-    return str(dest / tops.pop()), commit
+#: the installed release; no import: megatron.core warns on import
+INSTALLED = importlib.metadata.version("megatron-core")
+RELEASE = re.match(r"\d+\.\d+\.\d+", INSTALLED).group(0)
 
 
 @pytest.fixture(scope="session")
 def mlm_tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
-    explicit = os.environ.get("MEGATRON_LM_DIR")
-    if explicit:
-        if not _is_tree(explicit):
-            pytest.fail(f"MEGATRON_LM_DIR={explicit} is not a Megatron-LM tree (needs "
-                        "megatron/training/checkpointing.py and pretrain_gpt.py); unset it to use the "
-                        f"vendored {ARCHIVE.name}")
-        return Tree(explicit, f"MEGATRON_LM_DIR={explicit}")
-    if not ARCHIVE.is_file():
-        pytest.fail(f"Megatron-LM's training code is missing: expected {ARCHIVE} (the repository's parent "
-                    "directory must hold shared/vendor/, see docs/megatron-needs.md), or set MEGATRON_LM_DIR "
-                    "to a Megatron-LM checkout matching the installed megatron-core")
-    path, commit = _extract(ARCHIVE, tmp_path_factory.mktemp("megatron-lm"))
-    assert _is_tree(path), f"{ARCHIVE} does not hold megatron/training and pretrain_gpt.py"
-    return Tree(path, str(ARCHIVE), commit)
+    try:
+        return find_tree(RELEASE, Path(REPO), lambda: tmp_path_factory.mktemp("megatron-lm"))
+    except TreeMissing as e:
+        pytest.fail(str(e))
 
 
 SCRIPT = os.path.join(TESTS, "megatron_helpers", "mlm_pretrain_gpt.py")
@@ -97,29 +58,19 @@ def mlm(tree: Tree, args):
     run = torchrun(SCRIPT, [*ARGS, *args], env=env, timeout=300)
     assert run.returncode == 0, run.output[-6000:]
     # the training code is the tree's, megatron.core the installed wheel's (mlm_pretrain_gpt.py prints both)
-    m = re.search(r"megatron\.core from (.+?) \| megatron\.training from (.+)", run.output)
+    m = re.search(r"megatron\.core from (.+?) \| megatron\.training from (.+?) \| pretrain_gpt from (.+)",
+                  run.output)
     assert m, run.output[-3000:]
-    core, training = (os.path.realpath(p.strip()) for p in m.groups())
-    assert training.startswith(os.path.realpath(tree.path) + os.sep), (training, tree)
-    assert not core.startswith(os.path.realpath(tree.path) + os.sep), (core, tree)
+    core, training, script = (os.path.realpath(p.strip()) for p in m.groups())
+    inside = os.path.realpath(tree.path) + os.sep
+    assert script.startswith(inside), (script, tree)
+    assert not core.startswith(inside), (core, tree)
+    # megatron/training: the tree's, unless the wheel ships it (0.19+), which then comes first on sys.path
+    wheel_training = os.path.join(os.path.dirname(core), "training")
+    assert training.startswith(inside) or training == wheel_training, (training, tree)
     losses = {int(m.group(1)): m.group(2) for m in
               re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|", run.output)}
     return run, losses
-
-
-def tree_version(path: str) -> str | None:
-    """The megatron-core release a Megatron-LM tree belongs to, or None when it cannot be told.
-
-    A full checkout carries ``megatron/core/package_info.py``; the vendored archive (no
-    ``megatron/core``) is named after its tag by ``git archive --prefix``.
-    """
-    info = os.path.join(path, "megatron", "core", "package_info.py")
-    if os.path.isfile(info):
-        text = open(info).read()
-        parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
-        return ".".join(p.group(1) for p in parts) if all(parts) else None
-    m = TAG_DIR.match(os.path.basename(os.path.normpath(path)))
-    return m.group(1) if m else None
 
 
 def test_version_matches_installed_megatron_core(mlm_tree):
@@ -128,9 +79,9 @@ def test_version_matches_installed_megatron_core(mlm_tree):
         f"cannot tell which release the Megatron-LM tree from {mlm_tree.source} is: it has no "
         "megatron/core/package_info.py and its directory is not named Megatron-LM-core_vX.Y.Z")
     installed = importlib.metadata.version("megatron-core")  # no import: megatron.core warns on import
-    assert re.match(rf"{re.escape(ver)}(\D|$)", installed), (
+    assert ver.split(".")[:2] == installed.split(".")[:2], (
         f"Megatron-LM tree {mlm_tree.source} is release {ver}, installed megatron-core is {installed}")
-    if mlm_tree.source == str(ARCHIVE):
+    if mlm_tree.source.endswith(".tar.gz"):
         # the archive's name is only a name; git archive's pax header holds the commit it was made from
         assert mlm_tree.commit == TAG_COMMITS.get(ver), (
             f"{mlm_tree.source} was made from commit {mlm_tree.commit}; tag core_v{ver} is "

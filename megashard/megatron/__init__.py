@@ -6,7 +6,8 @@ Two ways to use it:
 
       import megashard.megatron as msm
       msm.install()                                   # routes save/load (see hooks.py)
-      pretrain(..., extra_args_provider=msm.add_arguments)
+      # core_v0.16: pretrain(..., extra_args_provider=msm.add_arguments)
+      # core_v0.19: parse_and_validate_args(extra_args_provider=msm.with_arguments(<its provider>), ...)
       # then run with --save-format tensors
 
 * your own training loop (megatron-core only): :func:`save_checkpoint` and
@@ -17,7 +18,7 @@ megatron-core run on CPU (gloo); it is never applied when CUDA is available.
 """
 from __future__ import annotations
 
-from .args import add_arguments
+from .args import add_arguments, with_arguments
 from .checkpointing import (
     TRACKER_FILENAME,
     async_request,
@@ -54,6 +55,7 @@ register_megatron_enums()
 
 __all__ = [
     "add_arguments",
+    "with_arguments",
     "register_megatron_enums",
     "install",
     "uninstall",

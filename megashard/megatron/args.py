@@ -7,7 +7,7 @@ list and an unknown value crashes in ``save_checkpoint``), so megashard adds its
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 SAVE_FORMATS = ("torch_dist", "torch", "tensors")
 LOAD_MODES = ("auto", "own", "scatter")
@@ -67,6 +67,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  "checkpoint is committed (and the tracker written) when the save is finalized.",
         )
     return parser
+
+
+def with_arguments(provider: Optional[Callable[[argparse.ArgumentParser], Any]] = None
+                   ) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """An ``extra_args_provider`` that runs ``provider`` (if any), then :func:`add_arguments`.
+
+    For Megatron-LM scripts that already pass a provider of their own, e.g. core_v0.19's
+    ``pretrain_gpt.py``: ``parse_and_validate_args(extra_args_provider=msm.with_arguments(
+    add_modelopt_args if has_nvidia_modelopt else None), ...)``.
+    """
+    def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if provider is not None:
+            parser = provider(parser)
+        return add_arguments(parser)
+
+    return extra_args_provider
 
 
 def uses_megashard_save(args: Any) -> bool:

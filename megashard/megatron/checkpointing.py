@@ -470,6 +470,10 @@ def load_checkpoint(
             log.warning("(TP, PP) mismatch after resume (%s vs %s from checkpoint): RNG state will be ignored",
                         run_tp_pp, ckpt_tp_pp)
             load_rng = False
+        rng_change = st.rng_layout_change(content_md, ckpt_args) if load_rng else None
+        if rng_change:  # e.g. EP or DP changed: a layout change never fails on the RNG state
+            log.warning("%s: RNG state will be ignored", rng_change)
+            load_rng = False
         load_optim = (not finetune and not _flag(args, "no_load_optim")
                       and not getattr(ckpt_args, "no_save_optim", False) and optimizer is not None)
         plan["rng"], plan["optim"] = load_rng, load_optim

@@ -9,8 +9,10 @@ so that a megashard checkpoint holds the same top-level keys as a ``torch_dist``
 * model chunks are keyed by each chunk's ``vp_stage`` (``model{vp_stage}``), never by
   the deprecated global virtual-pipeline rank;
 * the RNG state is stored as JSON-able data (base64 for generator states) inside
-  Megatron's ``ShardedObject('rng_state', …, (pp, tp), (pp_rank, tp_rank))``, so no
-  pickle is ever needed to read it back;
+  Megatron's ``ShardedObject('rng_state', …, (pp, tp), (pp_rank, tp_rank))`` (with expert
+  parallelism one per DP rank as well, as core_v0.16 does; core_v0.19 dropped that), so no
+  pickle is ever needed to read it back; its layout is recorded in ``content_metadata``
+  and a load in another layout ignores it with a warning (:func:`rng_layout_change`);
 * ``args`` is reduced to JSON-representable values (anything else becomes its repr);
 * the distributed optimizer uses the ``fully_sharded_model_space`` sharding (flattened
   ShardedTensors per model parameter), which megashard reshards across TP/PP/DP.
@@ -40,6 +42,8 @@ import numpy as np
 import torch
 
 from megashard.errors import CheckpointError, StateDictError
+
+from .compat import CAT0_MERGES
 
 CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
@@ -338,8 +342,44 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
     tracker.set_states(states)
 
 
+#: ``content_metadata`` entry recording the shape of the saved ``rng_state`` ShardedObject
+RNG_LAYOUT_KEY = "megashard_rng_layout"
+
+
+def rng_layout() -> List[int]:
+    """This run's ``rng_state`` layout: ``[pp, tp]``, or ``[pp, tp, dp]`` with expert parallelism
+    (every DP rank keeps its own state then: the expert-parallel RNG differs between EP ranks)."""
+    from megatron.core import parallel_state as mpu
+
+    layout = [mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()]
+    if mpu.get_expert_model_parallel_world_size() > 1:
+        layout.append(mpu.get_data_parallel_world_size(with_context_parallel=True))
+    return layout
+
+
+def rng_layout_change(content_metadata: Dict[str, Any], ckpt_args: Any) -> Optional[str]:
+    """Why the checkpoint's RNG state cannot be restored in this run's layout (None: it can).
+
+    Megatron restores RNG states only into the layout that saved them and ignores them,
+    with a warning, otherwise; so does megashard. Checkpoints that do not record their RNG
+    layout (converted ones) are trusted only without expert parallelism on either side."""
+    now = rng_layout()
+    saved = content_metadata.get(RNG_LAYOUT_KEY)
+    if saved is None:
+        ep = int(getattr(ckpt_args, "expert_model_parallel_size", 1) or 1)
+        if ep > 1 or len(now) > 2:
+            return "the checkpoint does not record the layout of its RNG state (expert parallelism)"
+        saved = [int(getattr(ckpt_args, "pipeline_model_parallel_size", 1) or 1),
+                 int(getattr(ckpt_args, "tensor_model_parallel_size", 1) or 1)]
+    if [int(x) for x in saved] != now:
+        names = ("PP", "TP", "DP")
+        fmt = lambda lay: "x".join(f"{n}{v}" for n, v in zip(names, lay)) + ("" if len(lay) > 2 else " (EP1)")
+        return f"RNG state layout changed ({fmt(saved)} in the checkpoint, {fmt(now)} in this run)"
+    return None
+
+
 def rng_sharded_object(data_parallel_random_init: bool = False) -> Any:
-    """Megatron's ``rng_state`` ShardedObject: one per (pp, tp) rank (per dp rank with EP>1)."""
+    """Megatron's ``rng_state`` ShardedObject, shaped as :func:`rng_layout`."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -351,14 +391,12 @@ def rng_sharded_object(data_parallel_random_init: bool = False) -> Any:
         states = Comm(mpu.get_data_parallel_group(with_context_parallel=True)).all_gather_json(rng)
     else:
         states = [rng]
-    pp_rank, pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
-    tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
-    if mpu.get_expert_model_parallel_world_size() > 1:
-        dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
-        return ShardedObject("rng_state", states, (pp_size, tp_size, dp_size),
-                             (pp_rank, tp_rank, dp_rank), replica_id=0)
-    return ShardedObject("rng_state", states, (pp_size, tp_size), (pp_rank, tp_rank),
-                         replica_id=mpu.get_data_parallel_rank(with_context_parallel=True))
+    layout = rng_layout()
+    offset = [mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()]
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    if len(layout) > 2:
+        return ShardedObject("rng_state", states, tuple(layout), (*offset, dp_rank), replica_id=0)
+    return ShardedObject("rng_state", states, tuple(layout), tuple(offset), replica_id=dp_rank)
 
 
 # --------------------------------------------------------------------------------------
@@ -539,6 +577,8 @@ def build_state_dict(
     if num_floating_point_operations_so_far is not None:
         sd["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
     sd["content_metadata"] = clean_metadata(request.metadata)
+    if request.rng and not request.is_loading:
+        sd["content_metadata"][RNG_LAYOUT_KEY] = rng_layout()
 
     for key, chunk in zip(model_keys(model), model):
         sd[key] = chunk.sharded_state_dict(metadata=request.metadata)
@@ -685,10 +725,6 @@ def finish_load(loaded: Dict[str, Any], prepared: PreparedLoad) -> Dict[str, Any
     if "optimizer" in prepared.request and "optimizer" in loaded:
         restore_scalar_tensors(loaded["optimizer"], prepared.request["optimizer"])
     return loaded
-
-
-#: merges known to be ``torch.cat(parts)`` along dim 0: (module, qualified name) of Megatron's function
-CAT0_MERGES = {("megatron.core.transformer.mlp", "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn")}
 
 
 def _merges_to_run(x: Any, loaded: Any) -> Any:

@@ -2,19 +2,20 @@
 
 ``megashard.megatron.cpu_compat`` is enough for megatron-core; Megatron-LM's
 ``initialize_megatron`` additionally asserts ``torch.cuda.is_available()`` and its
-training loop queries CUDA memory statistics. These patches are applied only inside
-the Megatron-LM integration test process, after ``cpu_compat.apply()``.
+training loop queries CUDA memory statistics. These stand-ins go on the ``torch.cuda``
+view that Megatron's modules see (torch itself stays untouched), only inside the
+Megatron-LM integration test process, after ``cpu_compat.apply()``.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-
-import torch
+from megashard.megatron import cpu_compat
 
 
 def apply() -> None:
-    cuda = torch.cuda
+    cuda = cpu_compat.cuda_view()
+    assert cuda is not None, "cpu_compat.apply() first"
     cuda.is_available = lambda: True  # initialize_megatron: assert torch.cuda.is_available()
     cuda.device_count = lambda: 1
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):

@@ -2,17 +2,27 @@
 
 Run with torchrun; needs a Megatron-LM source tree matching the installed megatron-core
 in ``MEGATRON_LM_DIR`` (tests/test_megatron_lm_install.py extracts the vendored one).
-Identical to the stock script's ``__main__`` block except for the test-only switches of
-:func:`_test_hooks` (environment variables; unset, they do nothing) and::
+Each ``main_core_v0_*`` below is the stock script's ``__main__`` block of that release with
+the two lines a user adds (marked ``<- line``), plus the test-only switches of
+:func:`_test_hooks` (environment variables; unset, they do nothing); core_v0.16.x::
 
     import megashard.megatron as msm
     msm.install()
     pretrain(..., extra_args_provider=msm.add_arguments, ...)
+
+core_v0.19.x (arguments are parsed in the script)::
+
+    import megashard.megatron as msm
+    msm.install()
+    args = parse_and_validate_args(extra_args_provider=msm.with_arguments(<the script's provider>), ...)
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
+import types
+from functools import partial
 
 # torch.compile (Megatron's jit_fuser / JIT warm-up) would try to build kernels for the
 # fake "cuda" device; eager mode is what we test
@@ -38,7 +48,6 @@ if cpu_compat.apply():
     from megatron_helpers import mlm_cpu
 
     mlm_cpu.apply()  # Megatron-LM's training loop on CPU: test-only extra patches
-
 
 
 def _test_hooks() -> "callable":
@@ -81,10 +90,55 @@ def _test_hooks() -> "callable":
     return record
 
 
-if __name__ == "__main__":
-    import time
-    from functools import partial
+def main_core_v0_16(P: types.ModuleType) -> None:
+    """Megatron-LM core_v0.16.x's ``__main__``: ``pretrain()`` parses the arguments itself."""
+    import megashard.megatron as msm
 
+    msm.install()  # <- line 1 a Megatron-LM user adds
+
+    P.set_startup_timestamps(program_start=time.time(), main_entry=time.time())
+    P.train_valid_test_datasets_provider.is_distributed = True
+    P.pretrain(
+        P.train_valid_test_datasets_provider,
+        partial(P.model_provider, P.gpt_builder),
+        P.ModelType.encoder_or_decoder,
+        P.forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        extra_args_provider=msm.add_arguments,  # <- line 2 a Megatron-LM user adds
+        get_embedding_ranks=P.get_embedding_ranks,
+    )
+
+
+def main_core_v0_19(P: types.ModuleType) -> None:
+    """Megatron-LM core_v0.19.x's ``__main__``: arguments are parsed by ``parse_and_validate_args``
+    in the script and ``pretrain()`` takes the config container built from them."""
+    import megashard.megatron as msm
+
+    msm.install()  # <- line 1 a Megatron-LM user adds
+
+    P.set_startup_timestamps(program_start=time.time(), main_entry=time.time())
+    setattr(P.train_valid_test_datasets_provider, "is_distributed", True)
+    pretrain, store = P.inprocess_restart.maybe_wrap_for_inprocess_restart(P.pretrain)
+    args = P.parse_and_validate_args(
+        # <- line 2 a Megatron-LM user adds: megashard's flags beside the script's own provider
+        extra_args_provider=msm.with_arguments(P.add_modelopt_args if P.has_nvidia_modelopt else None),
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    )
+    if P.has_nvidia_modelopt:
+        P.maybe_enable_modelopt(args)
+    model_cfg = P.gpt_config_from_args(args)
+    full_config = P.pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(
+        full_config,
+        P.train_valid_test_datasets_provider,
+        P.ModelType.encoder_or_decoder,
+        P.forward_step,
+        store=store,
+        get_embedding_ranks=P.get_embedding_ranks,
+    )
+
+
+if __name__ == "__main__":
     record = _test_hooks()
 
     import megatron.core
@@ -92,26 +146,15 @@ if __name__ == "__main__":
 
     import pretrain_gpt as P  # Megatron-LM's script, imported (its __main__ does not run)
 
+    cpu_compat.cover(P)  # its get_batch calls .cuda(): the CPU stand-ins (no-op with CUDA)
+
     if os.environ.get("RANK", "0") == "0":  # the test checks where each part came from
         print(f"megatron.core from {os.path.dirname(megatron.core.__file__)} | "
-              f"megatron.training from {os.path.dirname(megatron.training.__file__)}", flush=True)
-
-    import megashard.megatron as msm
-
-    msm.install()  # <- line 1 a Megatron-LM user adds
-
-    P.set_startup_timestamps(program_start=time.time(), main_entry=time.time())
-    P.train_valid_test_datasets_provider.is_distributed = True
+              f"megatron.training from {os.path.dirname(megatron.training.__file__)} | "
+              f"pretrain_gpt from {os.path.abspath(P.__file__)}", flush=True)
+    # the script's own entry point tells the release apart (core_v0.19.0 parses in __main__)
     try:
-        P.pretrain(
-            P.train_valid_test_datasets_provider,
-            partial(P.model_provider, P.gpt_builder),
-            P.ModelType.encoder_or_decoder,
-            P.forward_step,
-            args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
-            extra_args_provider=msm.add_arguments,  # <- line 2 a Megatron-LM user adds
-            get_embedding_ranks=P.get_embedding_ranks,
-        )
+        (main_core_v0_19 if hasattr(P, "parse_and_validate_args") else main_core_v0_16)(P)
     except BaseException as e:
         record(e)
         raise
