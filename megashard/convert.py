@@ -556,6 +556,17 @@ def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence
 # entry point
 
 
+def _refuse_inside(dst: str, src: str, ckpt: str) -> None:
+    """DST inside SRC (or the checkpoint read), symbolic links resolved: convert would write
+    into what it reads (and a later save would find foreign files there)."""
+    real_dst = os.path.join(os.path.realpath(os.path.dirname(dst)), os.path.basename(dst))
+    for s in dict.fromkeys((src, ckpt)):
+        real_src = os.path.realpath(s)
+        if os.path.commonpath([real_dst, real_src]) == real_src:
+            raise ConvertInputError(f"{dst} is inside the source {s}: convert would write into the checkpoint "
+                                    "it reads; choose a DST outside it")
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -580,6 +591,7 @@ def convert(
     if not os.path.isdir(os.path.dirname(dst_s)):
         raise ConvertInputError(f"{os.path.dirname(dst_s)}: parent directory of DST does not exist")
     ckpt, fmt, it, root = resolve_source(os.fspath(src), iteration)
+    _refuse_inside(dst_s, os.path.abspath(os.fspath(src)), ckpt)
     if (fmt, to) not in (("torch_dist", "megashard"), ("megashard", "torch_dist"), ("megashard", "tensors"),
                          ("megashard", "safetensors")):
         hint = " (convert to megashard first)" if fmt == "torch_dist" else ""
