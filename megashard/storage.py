@@ -21,8 +21,8 @@ For a checkpoint whose final directory is ``<parent>/<name>/``:
 
 1. rank 0 checks the target, picks a ``token`` (``[A-Za-z0-9_-]+``) and creates
    ``<parent>/.<name>.tmp-<token>/`` with :func:`make_temp_dir`, which writes an owner
-   record (:data:`OWNER_NAME`: host, boot id, pid namespace, pid and process start time);
-   then it sends every rank the token.
+   record (:data:`OWNER_NAME`: host, boot id, pid namespace, pid and process start time;
+   removed right after the commit's rename); then it sends every rank the token.
 2. every other rank finds that directory with :func:`join_temp_dir` and never creates it:
    a rank that does not see it resolves the path to another directory (node-local disk,
    another mount, a relative path with another working directory) and the save fails on
@@ -35,7 +35,7 @@ For a checkpoint whose final directory is ``<parent>/<name>/``:
    A save that fails removes its own temp dir.
 
 Commit (:func:`commit_dir`, lock-free; needs only POSIX ``rename`` of directories, which
-NFS and Lustre provide): the owner record is dropped, then, while ``<name>`` is a
+NFS and Lustre provide): while ``<name>`` is a
 non-empty directory, the save renames it to its own ``.<name>.old-<token>[-n]`` (after
 checking it may be replaced, and again on what it moved) and renames its temp dir to
 ``<name>``. A rename onto a non-empty directory fails, so when another save published in
@@ -480,7 +480,7 @@ def check_reported_files(temp_dir: PathLike, files: Mapping[int, Mapping[str, in
 
 # --------------------------------------------------------------------------- ownership
 
-#: The owner record inside a save's temp dir (removed just before the commit renames it).
+#: The owner record inside a save's temp dir (removed right after the commit renames it).
 OWNER_NAME = ".megashard-owner.json"
 #: How long a temp dir that cannot be proven abandoned must sit unchanged before removal.
 DEFAULT_STALE_AGE_S = 24 * 3600.0
@@ -580,49 +580,47 @@ def is_checkpoint(path: PathLike) -> bool:
 
 
 def _megashard_member(name: str) -> bool:
-    """A name megashard writes into a checkpoint directory."""
+    """A name megashard writes into a checkpoint directory (the owner record only stays
+    there when a save is killed right after its commit's rename)."""
     from .manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
 
-    return name in (MANIFEST_NAME, MANIFEST_DIGEST_NAME, INDEX_NAME) or (
+    return name in (MANIFEST_NAME, MANIFEST_DIGEST_NAME, INDEX_NAME, OWNER_NAME) or (
         name.endswith(".tensors") and not name.startswith("."))
-
-
-def _foreign_entries(path: str) -> List[str]:
-    """Entries of directory ``path`` that megashard does not write (any non-regular file too)."""
-    out = []
-    with os.scandir(path) as it:
-        for e in it:
-            if not (_megashard_member(e.name) and e.is_file(follow_symlinks=False)):
-                out.append(e.name)
-    return sorted(out)
 
 
 def replace_problem(path: PathLike) -> Optional[str]:
     """Why a save (or a clean-up) may not replace or delete ``path``; None when it may: it
-    does not exist, is an empty directory, or is a checkpoint holding only megashard's names."""
+    does not exist, is an empty directory, or is a checkpoint holding only megashard's names.
+    Looks at one directory (by descriptor), whatever renames happen meanwhile."""
     path = os.fspath(path)
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is a file, not a directory"
-    try:
-        foreign = _foreign_entries(path)
-        has_manifest = _has_manifest(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as e:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return "it is a symbolic link"
+        if not stat.S_ISDIR(st.st_mode):
+            return "it is a file, not a directory"
+        return f"it cannot be opened ({e.strerror})"
+    try:
+        with os.scandir(fd) as it:
+            regular = {e.name: e.is_file(follow_symlinks=False) for e in it}
+    except OSError as e:
         return f"it cannot be listed ({e.strerror})"
-    if not has_manifest:
-        if not foreign:
-            return None if not os.listdir(path) else f"it has no {MANIFEST_NAME}"
-        shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 8 else "")
-        return f"it has no {MANIFEST_NAME} and holds {shown}"
+    finally:
+        os.close(fd)
+    foreign = sorted(n for n, reg in regular.items() if not (reg and _megashard_member(n)))
+    shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 8 else "")
+    if not regular.get(MANIFEST_NAME):
+        if not regular:
+            return None
+        return f"it has no {MANIFEST_NAME}" + (f" and holds {shown}" if foreign else "")
     if foreign:
-        shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 8 else "")
         return f"it holds files megashard did not write: {shown}"
     return None
 
@@ -707,10 +705,6 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
             f"refusing to commit {temp_dir}: it has no readable {MANIFEST_NAME} "
             "(write the manifest after all ranks' shards are durable)"
         )
-    try:
-        os.unlink(os.path.join(temp_dir, OWNER_NAME))
-    except FileNotFoundError:
-        pass
     fsync_path(temp_dir)
 
     m = _AUX_RE.match(os.path.basename(temp_dir))
@@ -751,6 +745,10 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
                               f"{MAX_COMMIT_ROUNDS} times in between; {temp_dir} is left for a retry")
     fsync_path(parent)
     logger.info("committed checkpoint %s", final)
+    try:  # kept up to the rename, so a temp dir of a killed save always names its owner
+        os.unlink(os.path.join(final, OWNER_NAME))
+    except OSError:
+        pass
     for old in olds:  # the new checkpoint is durable: the copies this save moved aside are garbage
         try:
             remove_checkpoint(old)
@@ -808,18 +806,18 @@ def locate(final_dir: PathLike) -> Optional[str]:
     """
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
-    # Listing a directory while a commit renames in it may miss the renamed entry: only
-    # three consistent looks that find nothing mean there is nothing.
+    # A commit running meanwhile renames <name> and its copies: a look may miss both (a
+    # listing can skip an entry renamed during it), so only three looks that find nothing
+    # mean there is nothing.
     for look in range(3):
         if _has_manifest(final):
             return final  # parsed (once) by the caller, which reports damage precisely
-        if os.path.lexists(final):
-            return None
-        candidates = _newest_first([o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)])
-        if candidates:
-            logger.warning("%s is missing; reading the complete copy %s left by an interrupted re-save "
-                           "(run `megashard recover %s` to restore it)", final, candidates[0], final)
-            return candidates[0]
+        if not os.path.lexists(final):
+            candidates = _newest_first([o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)])
+            if candidates:
+                logger.warning("%s is missing; reading the complete copy %s left by an interrupted re-save "
+                               "(run `megashard recover %s` to restore it)", final, candidates[0], final)
+                return candidates[0]
         time.sleep(0.001 * look)
     return None
 
@@ -937,7 +935,7 @@ def _temp_members_only(path: str) -> bool:
         with os.scandir(path) as it:
             for e in it:
                 m = _AUX_RE.match(e.name)
-                ours = (_megashard_member(e.name) or e.name == OWNER_NAME
+                ours = (_megashard_member(e.name)
                         or (m is not None and m.group("kind") == "tmp" and _megashard_member(m.group("name"))))
                 if not (ours and e.is_file(follow_symlinks=False)):
                     return False

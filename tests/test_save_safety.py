@@ -284,18 +284,23 @@ def test_a_save_that_loses_the_race_commits_after_the_winner(tmp_path, monkeypat
 SAVER = textwrap.dedent("""
     import os, sys, torch, megashard
     from megashard.sharded import ShardedTensor
-    path, tag, n, ready = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    for i in range(n):
-        v = float(tag * 1000 + i)
+    path, tag, ready, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    i = 0
+    while True:
+        last = os.path.exists(stop)
+        v = float(tag * 1000 + (999 if last else i % 900))
         megashard.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32) + v),
                         "v": v}, path)
-        if i == 1:
+        if last:
+            break
+        i += 1
+        if i == 2:
             open(ready, "w").close()
 """)
 
 
-def _start_saver(path: Path, tag: int, n: int, ready: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(tag), str(n), str(ready)], env=ENV,
+def _start_saver(path: Path, tag: int, ready: Path, stop: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(tag), str(ready), str(stop)], env=ENV,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -309,11 +314,13 @@ def _check_complete(path: Path, tags=(1, 2)) -> float:
 
 
 def test_two_concurrent_savers_and_a_sigkill_leave_a_complete_checkpoint(tmp_path):
+    """Two processes re-save one name as fast as they can; A is SIGKILLed at a random
+    moment (between its commits or inside one). A complete checkpoint is always found
+    (B frozen anywhere too), B never fails, and B's last save is what remains."""
     path = tmp_path / "ckpt"
     megashard.save(state(0), path)
-    rng = random.Random()
-    ra, rb = tmp_path / "ready-a", tmp_path / "ready-b"
-    a, b = _start_saver(path, 1, 400, ra), _start_saver(path, 2, 40, rb)
+    ra, rb, stop = tmp_path / "ready-a", tmp_path / "ready-b", tmp_path / "stop"
+    a, b = _start_saver(path, 1, ra, tmp_path / "never"), _start_saver(path, 2, rb, stop)
     misses = 0
     try:
         deadline = time.monotonic() + 60
@@ -323,22 +330,26 @@ def test_two_concurrent_savers_and_a_sigkill_leave_a_complete_checkpoint(tmp_pat
             assert time.monotonic() < deadline, "savers never got going"
             misses += storage.locate(path) is None
             time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 0.2))
-        a.send_signal(signal.SIGKILL)  # between its commits, or in the middle of one
-        a.wait()
-        _check_complete(path)
-        deadline = time.monotonic() + 120
-        while b.poll() is None and time.monotonic() < deadline:
+        end = time.monotonic() + random.uniform(0.05, 0.5)
+        while time.monotonic() < end:
             misses += storage.locate(path) is None
-            time.sleep(0.005)
-        assert b.wait(timeout=5) == 0, b.stderr.read()  # B never fails because of A's leftovers
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        b.send_signal(signal.SIGSTOP)  # B frozen wherever it is, as if it had died too
+        _check_complete(path)
+        b.send_signal(signal.SIGCONT)
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            misses += storage.locate(path) is None
+        stop.touch()
+        assert b.wait(timeout=120) == 0, b.stderr.read()  # B never fails because of A or its remains
     finally:
         for p in (a, b):
             if p.poll() is None:
                 p.kill()
                 p.wait()
     assert misses == 0
-    assert _check_complete(path) == 2039.0  # B's last save is the last commit
+    assert _check_complete(path) == 2999.0  # B's last save is the last commit
     assert storage.recover(path) == str(path)
     storage.cleanup_stale_temps(tmp_path)  # A's remains: its owner is dead
     assert aux_entries(tmp_path) == []
