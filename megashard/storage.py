@@ -452,25 +452,40 @@ def check_reported_files(temp_dir: PathLike, files: Mapping[int, Mapping[str, in
                 bad.setdefault(r, []).append("its temporary directory is another directory than rank 0's "
                                              f"on the same machine (device/inode {w[1]}/{w[2]}, rank 0: "
                                              f"{mine[1]}/{mine[2]})")
+    wanted = [(r, check_member_name(name, temp_dir), size)
+              for r, names in sorted(files.items()) for name, size in sorted(names.items())]
     dfd = os.open(temp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def problem(item: Tuple[int, str, int]) -> Optional[str]:
+        _r, name, size = item
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return f"{name} (missing here, {size} bytes written)"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} (not a regular file here, {size} bytes written)"
+        if st.st_size != size:
+            return f"{name} ({st.st_size} bytes here, {size} bytes written)"
+        return None
+
     try:
-        for r, names in sorted(files.items()):
-            for name, size in sorted(names.items()):
-                check_member_name(name, temp_dir)
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    bad.setdefault(r, []).append(f"{name} (missing here, {size} bytes written)")
-                    continue
-                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                    kind = f"{st.st_size} bytes here" if stat.S_ISREG(st.st_mode) else "not a regular file here"
-                    bad.setdefault(r, []).append(f"{name} ({kind}, {size} bytes written)")
+        if len(wanted) > 256:  # one stat per rank's file: in parallel on a network filesystem
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(32) as pool:
+                found = list(pool.map(problem, wanted))
+        else:
+            found = [problem(w) for w in wanted]
     finally:
         os.close(dfd)
+    for (r, _name, _size), why in zip(wanted, found):
+        if why is not None:
+            bad.setdefault(r, []).append(why)
     if bad:
-        ranks = ", ".join(str(r) for r in bad)
-        shown = "; ".join(f"rank {r}: {', '.join(v[:5])}{' ...' if len(v) > 5 else ''}"
-                          for r, v in list(bad.items())[:16])
+        order = sorted(bad)
+        ranks = ", ".join(str(r) for r in order[:20]) + (f", ... ({len(order)} ranks)" if len(order) > 20 else "")
+        shown = "; ".join(f"rank {r}: {', '.join(bad[r][:5])}{' ...' if len(bad[r]) > 5 else ''}"
+                          for r in order[:16])
         raise CheckpointError(
             f"{temp_dir}: files reported by rank(s) {ranks} are not in the directory being committed "
             f"as written ({shown}); the ranks do not write into one shared directory (node-local disks, "

@@ -218,6 +218,17 @@ def test_commit_checks_every_reported_file(tmp_path):
                                            3: {"m-r00003.tensors": 5}})
     msg = str(ei.value)
     assert "rank(s) 1, 3" in msg and "m-r00003.tensors" in msg and "8 bytes written" in msg and "shared" in msg, msg
+    # two ranks of one machine in different directories (device/inode differ)
+    with pytest.raises(CheckpointError, match=r"rank\(s\) 2 .*another directory than rank 0's"):
+        storage.check_reported_files(tmp, {0: {}, 2: {}}, {0: ["m", 5, 7], 1: ["other", 5, 8], 2: ["m", 5, 8]})
+    # many files: checked in parallel, same verdict
+    many = {r: {f"m-r{r:05d}.tensors": 3} for r in range(300)}
+    for r in range(300):
+        (tmp / f"m-r{r:05d}.tensors").write_bytes(b"abc")
+    storage.check_reported_files(tmp, many)
+    os.unlink(tmp / "m-r00299.tensors")
+    with pytest.raises(CheckpointError, match=r"rank\(s\) 299 .*m-r00299.tensors \(missing here"):
+        storage.check_reported_files(tmp, many)
 
 
 # --------------------------------------------------------------------------- defect 3: concurrent saves
