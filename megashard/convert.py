@@ -560,6 +560,17 @@ def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: 
 # entry point
 
 
+def _refuse_inside(dst: str, src: str, ckpt: str) -> None:
+    """DST inside SRC (or the checkpoint read), symbolic links resolved: convert would write
+    into what it reads (and a later save would find foreign files there)."""
+    real_dst = os.path.join(os.path.realpath(os.path.dirname(dst)), os.path.basename(dst))
+    for s in dict.fromkeys((src, ckpt)):
+        real_src = os.path.realpath(s)
+        if os.path.commonpath([real_dst, real_src]) == real_src:
+            raise ConvertInputError(f"{dst} is inside the source {s}: convert would write into the checkpoint "
+                                    "it reads; choose a DST outside it")
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -593,6 +604,7 @@ def convert(
         from .hf.importer import is_hf_dir
 
         if is_hf_dir(os.fspath(src)):
+            _refuse_inside(dst_s, os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(src)))
             try:
                 return _hf_import(os.fspath(src), dst_s, keys, progress, t0)
             except HFMappingError as e:
@@ -600,6 +612,7 @@ def convert(
     if to != "hf" and (vocab_size is not None or tokenizer is not None or hf_tensors):
         raise ConvertInputError("--vocab-size, --tokenizer and --tensors apply to --to hf")
     ckpt, fmt, it, root = resolve_source(os.fspath(src), iteration)
+    _refuse_inside(dst_s, os.path.abspath(os.fspath(src)), ckpt)
     if to == "hf" and fmt == "megashard":
         if keys is not None:
             raise ConvertInputError("--keys does not apply to --to hf (the export writes the whole model)")

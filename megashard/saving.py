@@ -5,10 +5,19 @@ Collectives per save, whatever the world size (none per tensor):
      rank 0, which validates the whole (:func:`megashard.plan.coordinate_save`) and sends
      each rank only its own writer assignment;
   2. every rank writes its files into a shared temporary directory and fsyncs them;
-  3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 writes the
-     index (:mod:`megashard.index`) and commits by rename; every rank learns the outcome.
+  3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 checks that
+     every reported file is in the directory with its size, writes the index
+     (:mod:`megashard.index`) and commits by rename; every rank learns the outcome.
 A rank receives O(its own metadata); only rank 0 receives everybody's. A failure
 anywhere raises on every rank.
+
+Where a save writes (:mod:`megashard.storage`): the target must be absent, an empty
+directory or a megashard checkpoint holding only megashard's files (rank 0 checks while
+planning, so a refused save writes nothing anywhere). Rank 0 creates the temporary
+directory; the other ranks must find it, so ranks whose path is another directory (node-
+local disks, another mount, a relative path with per-rank working directories) make the
+save fail on every rank: saving needs one directory every rank shares. A failed save
+removes its temporary directory; a commit removes the abandoned ones of dead saves beside it.
 """
 from __future__ import annotations
 
@@ -189,6 +198,7 @@ class _Coordinator:
     """What rank 0 keeps between planning and commit."""
 
     tensors: Dict[str, Tuple[str, Tuple[int, ...]]] = field(default_factory=dict)
+    temp_dir: Optional[str] = None  # created by this save (rank 0): removed if the save fails
 
 
 @contextlib.contextmanager
@@ -220,21 +230,41 @@ def coordinate(messages: List[Dict[str, Any]], token: str, keep: Optional[_Coord
 def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordinator, temp_dir: str,
                  final_dir: str, layout: Optional[Mapping[str, Any]], t0: float, fsync: bool,
                  is_async: bool = False) -> None:
-    """Gather every rank's records on rank 0, which writes the index and commits; every
-    rank learns the outcome."""
+    """Gather every rank's records on rank 0, which checks them against the directory,
+    writes the index and commits; every rank learns the outcome."""
     def commit(results: List[Dict[str, Any]]) -> List[Any]:
+        storage.check_reported_files(temp_dir, {r: {n: f["bytes"] for n, f in res["files"].items()}
+                                                for r, res in enumerate(results)},
+                                     {r: res.get("where") for r, res in enumerate(results)})
         write_index(temp_dir, *build_index(results, keep.tensors, comm.world_size, layout))
         storage.commit_dir(temp_dir, final_dir)
-        try:  # leftovers of saves that crashed long ago (never a save in progress: age check)
-            storage.cleanup_stale_temps(os.path.dirname(final_dir), os.path.basename(final_dir))
-        except OSError as e:
+        keep.temp_dir = None  # committed: it is the checkpoint now
+        try:  # leftovers of dead saves beside it, of any name (never a save in progress)
+            storage.cleanup_stale_temps(os.path.dirname(final_dir))
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed; clean-up is best effort
             log.warning("%scould not remove stale temporary directories: %s", rank_prefix(comm), e)
         total = sum(f["bytes"] for r in results for f in r["files"].values())
         return [total] * len(results)
 
-    total = comm.coordinate("save", err, result, commit)
+    with _discard_on_failure(keep):
+        total = comm.coordinate("save", err, result, commit)
     log_summary(log, comm, "saved", final_dir, total, time.perf_counter() - t0,
                 f"{'async, ' if is_async else ''}{comm.world_size} rank(s), fsync={fsync}")
+
+
+@contextlib.contextmanager
+def _discard_on_failure(keep: _Coordinator) -> Any:
+    """Rank 0: a save that fails removes the temporary directory it created (and nothing else)."""
+    try:
+        yield
+    except BaseException:
+        tmp, keep.temp_dir = keep.temp_dir, None
+        if tmp is not None:
+            try:
+                storage.remove_checkpoint(tmp)
+            except Exception as e:  # noqa: BLE001 - the save's own error is what the caller needs
+                log.warning("could not remove %s of the failed save: %s", tmp, e)
+        raise
 
 
 def save(
@@ -287,14 +317,22 @@ def save(
     msg, err = comm.run("save/prepare", prepare)
     keep = _Coordinator()
     token = secrets.token_hex(6) if comm.rank == 0 else ""
-    reply = comm.coordinate("save", err, msg, partial(coordinate, token=token, keep=keep))  # collective 1
+
+    def plan_save(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        storage.check_save_target(final_dir)  # before any rank writes a byte
+        replies = coordinate(messages, token, keep)
+        keep.temp_dir = storage.make_temp_dir(final_dir, token)
+        return replies
+
+    with _discard_on_failure(keep):
+        reply = comm.coordinate("save", err, msg, plan_save)  # collective 1
     temp_dir = storage.temp_dir_name(final_dir, reply["token"])
     finish = partial(_finish_save, keep=keep, temp_dir=temp_dir, final_dir=final_dir, layout=layout,
                      t0=t0, fsync=fsync, is_async=async_save)
     write = partial(_write_tensors, direct=direct_io)
     if not async_save:
-        result, err = comm.run("save/write", lambda: _write_job(_select(st, reply), storage.make_temp_dir(
-            final_dir, reply["token"]), comm.rank, align, fsync, threads, write=write))
+        result, err = comm.run("save/write", lambda: _write_into(_select(st, reply), final_dir, reply["token"],
+                                                                 comm.rank, align, fsync, threads, write))
         finish(comm, err, result)
         return None
 
@@ -311,13 +349,13 @@ def save(
     job, err = comm.run("save/snapshot", snapshot)
     t_copy = time.perf_counter()
     st = _SaveState(comm.rank)  # drop every reference to the caller's tensors
-    comm.agree(err, "save")  # every rank holds its snapshot
+    with _discard_on_failure(keep):
+        comm.agree(err, "save")  # every rank holds its snapshot
     t_snap = time.perf_counter()
     log.debug("%sasync save %s: snapshot in %.3f s", rank_prefix(comm), final_dir, t_snap - t0)
     handle = async_save_mod.start(
         async_save_mod._Commit(comm, final_dir, temp_dir, finish),
-        lambda: _write_job(job, storage.make_temp_dir(final_dir, reply["token"]), comm.rank, align, fsync, threads,
-                           write=write))
+        lambda: _write_into(job, final_dir, reply["token"], comm.rank, align, fsync, threads, write))
     handle.timings = {"plan_s": t_plan - t0, "copy_s": t_copy - t_plan, "agree_s": t_snap - t_copy}
     return handle
 
@@ -432,6 +470,16 @@ def _write_tensors(tensors: Mapping[str, torch.Tensor], path: str, align: int, f
                    threads: Optional[int], direct: bool = False) -> Tuple[List[Any], int]:
     infos = write_file(tensors, path, align=align, fsync=fsync, threads=threads, direct=direct)
     return infos, os.path.getsize(path)
+
+
+def _write_into(job: _WriteJob, final_dir: str, token: str, rank: int, align: int, fsync: bool,
+                threads: Optional[int], write: Callable[..., Tuple[List[Any], int]]) -> Dict[str, Any]:
+    """Write this rank's files into the temp dir rank 0 created (found, never created, here:
+    a rank that does not see it is in another directory) and say which directory it was."""
+    temp_dir = storage.join_temp_dir(final_dir, token)
+    out = _write_job(job, temp_dir, rank, align, fsync, threads, write=write)
+    out["where"] = storage.dir_identity(temp_dir)
+    return out
 
 
 def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool, threads: Optional[int],

@@ -2,22 +2,47 @@
 
 Pure filesystem code (no torch, no torch.distributed); the save orchestration calls it.
 
+What a save may replace
+-----------------------
+A save only ever replaces a *megashard checkpoint*: a directory holding ``manifest.json``
+and nothing but the names megashard writes there (``manifest.json``, ``manifest.sha256``,
+``manifest.index`` and ``*.tensors`` files). An empty directory is a target too (it is
+replaced by the rename itself). Anything else at the target — a Megatron save root, a
+torch_dist checkpoint, a file, a symbolic link, or a checkpoint a user added files to —
+is refused with a :class:`CheckpointError` naming it (:func:`check_save_target`), before
+any rank writes, and again at the commit on what was actually moved aside. A replace
+deletes the whole old directory, so a directory with files megashard did not write is
+never replaced: move them out first. The same rule guards every deletion here (old
+copies, recovery, retention): megashard deletes only directories it could have written.
+
 Save protocol
 -------------
 For a checkpoint whose final directory is ``<parent>/<name>/``:
 
-1. rank 0 picks a ``token`` (``[A-Za-z0-9_-]+``) and broadcasts it; it calls
-   :func:`make_temp_dir`, creating ``<parent>/.<name>.tmp-<token>/``. Other ranks
-   compute the same path with :func:`temp_dir_name`.
-2. every rank writes its ``.tensors`` files into the temp dir and fsyncs them.
-3. after a barrier (all ranks durable), rank 0 writes ``manifest.json`` with
-   :func:`write_file_atomic` and calls :func:`commit_dir`, which fsyncs the temp dir
-   and renames it to ``<parent>/<name>/``, then fsyncs ``<parent>``.
-   If ``<name>`` already exists (re-saving an iteration), it is first renamed to
-   ``<parent>/.<name>.old-<token>/``, the new dir is renamed into place, and the
-   old one is deleted.
-4. rank 0 writes the tracker ``latest_checkpointed_iteration.txt`` last
-   (:func:`write_tracker`).
+1. rank 0 checks the target, picks a ``token`` (``[A-Za-z0-9_-]+``) and creates
+   ``<parent>/.<name>.tmp-<token>/`` with :func:`make_temp_dir`, which writes an owner
+   record (:data:`OWNER_NAME`: host, boot id, pid namespace, pid and process start time;
+   removed right after the commit's rename); then it sends every rank the token.
+2. every other rank finds that directory with :func:`join_temp_dir` and never creates it:
+   a rank that does not see it resolves the path to another directory (node-local disk,
+   another mount, a relative path with another working directory) and the save fails on
+   every rank before anything is committed. Every rank writes its ``.tensors`` files
+   there, fsyncs them and reports their names and sizes and the directory's identity
+   (:func:`dir_identity`).
+3. rank 0 checks that every reported file is in the temp dir with its reported size
+   (:func:`check_reported_files`), writes the index with :func:`write_file_atomic` and
+   calls :func:`commit_dir` (below), then writes the tracker last (:func:`write_tracker`).
+   A save that fails removes its own temp dir.
+
+Commit (:func:`commit_dir`, lock-free; needs only POSIX ``rename`` of directories, which
+NFS and Lustre provide): while ``<name>`` is a
+non-empty directory, the save renames it to its own ``.<name>.old-<token>[-n]`` (after
+checking it may be replaced, and again on what it moved) and renames its temp dir to
+``<name>``. A rename onto a non-empty directory fails, so when another save published in
+between, this one moves that checkpoint aside too and commits after it (last commit
+wins). Only then does it delete the ``.old-*`` names *it* created, nothing else. Two
+saves of one name therefore both commit, one after the other; at every instant
+``<name>`` or an ``.old-*`` copy holds the latest committed checkpoint.
 
 Invariants: a directory is a checkpoint iff it holds a readable, parseable
 ``manifest.json`` (:func:`is_checkpoint`); ``manifest.json`` is only ever created by
@@ -26,16 +51,26 @@ directories are never checkpoints, whatever they contain.
 
 Recovery rule (:func:`recover`; :func:`locate` finds the same checkpoint read-only)
 ------------------------------------------------------------------------------------
-* ``<name>`` is a checkpoint: use it; any ``.<name>.old-*`` leftovers are deleted.
+* ``<name>`` is a checkpoint: use it; ``.<name>.old-*`` copies that were there before it
+  was checked (and hold only megashard's names) are superseded and deleted.
 * ``<name>`` is absent but a ``.<name>.old-*`` directory is a checkpoint (a crash
   between moving the old checkpoint aside and renaming the new one in): rename the
-  newest such directory back to ``<name>`` and use it.
+  newest such directory (by its manifest's mtime) back to ``<name>`` and use it.
 * otherwise there is no checkpoint called ``<name>``.
 
-A crash at any point of :func:`commit_dir` therefore leaves the old or the new
-complete checkpoint discoverable. Deleting a checkpoint (old dirs, retention)
-removes ``manifest.json`` first, so a half-deleted directory is never mistaken for
-a checkpoint.
+Deleting a directory renames it to ``.<name>.del-<random>`` first and then removes its
+manifest, so a half-deleted directory is never mistaken for a checkpoint.
+
+Abandoned temporaries (:func:`cleanup_stale_temps`; every commit runs it on its parent,
+for every name, and the Megatron adapter on its save root): a ``.<name>.tmp-*``
+directory is removed when provably abandoned — its owner record names a process of this
+machine (same boot id, hostname and pid namespace) that no longer runs (no such pid, or
+one started at another time); or it has no such record or one from another machine, holds
+only names megashard writes, and nothing in it changed for ``older_than_s`` (24 h by
+default: another machine's save may still be running, or waiting for an async commit).
+A temp dir holding anything else is never removed. ``.<name>.old-*`` copies go once
+``<name>`` is a checkpoint, ``.<name>.del-<uuid>`` directories (interrupted deletions) at
+once, the atomic writes' temporary files once old. Nothing else in the parent is touched.
 """
 from __future__ import annotations
 
@@ -46,10 +81,11 @@ import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import time
 import uuid
-from typing import Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import CheckpointError
 
@@ -62,7 +98,12 @@ __all__ = [
     "fsync_file",
     "write_file_atomic",
     "make_temp_dir",
+    "join_temp_dir",
     "temp_dir_name",
+    "dir_identity",
+    "check_reported_files",
+    "check_save_target",
+    "replace_problem",
     "commit_dir",
     "is_checkpoint",
     "recover",
@@ -72,6 +113,7 @@ __all__ = [
     "CheckpointFiles",
     "MANIFEST_DIGEST_NAME",
     "cleanup_stale_temps",
+    "OWNER_NAME",
     "write_tracker",
     "read_tracker",
     "iteration_dir_name",
@@ -341,17 +383,203 @@ def _aux_dirs(parent: str, name: str, kind: str) -> List[str]:
 
 
 def make_temp_dir(final_dir: PathLike, token: str) -> str:
-    """Create (with parents) the temp dir of a save and return its path.
+    """Create (with parents) the temp dir of a save, with its owner record; return its path.
 
-    Idempotent, so every node's writer may call it on node-local storage. The token
-    must be the same on all ranks: rank 0 picks it, the caller broadcasts it.
+    Called once per save, by the coordinator (rank 0): the directory must not exist (a
+    save owns exactly the temp dir it created). Other ranks find it with
+    :func:`join_temp_dir`.
     """
     tmp = temp_dir_name(final_dir, token)
     parent = os.path.dirname(tmp)
     os.makedirs(parent, exist_ok=True)
-    os.makedirs(tmp, exist_ok=True)
+    try:
+        os.mkdir(tmp)
+    except FileExistsError:
+        raise CheckpointError(f"{tmp} already exists: another save uses the token {token!r}") from None
+    fd = os.open(os.path.join(tmp, OWNER_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, json.dumps(_owner_record(), sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_path(tmp)
     fsync_path(parent)
     return tmp
+
+
+#: How long a rank waits for rank 0's temp dir to appear (a cache of a network filesystem).
+JOIN_WAIT_S = 1.0
+
+
+def join_temp_dir(final_dir: PathLike, token: str, wait_s: float = JOIN_WAIT_S) -> str:
+    """The temp dir rank 0 created for this save, as this rank sees it (never created here).
+
+    Not finding it means this rank's ``final_dir`` is another directory than rank 0's:
+    the save is refused (a commit would lack this rank's files).
+    """
+    tmp = temp_dir_name(final_dir, token)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if stat.S_ISDIR(os.stat(tmp).st_mode):
+                return tmp
+        except FileNotFoundError:
+            pass
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    raise CheckpointError(
+        f"{tmp}: the temporary directory rank 0 created for this save is not here; "
+        f"{os.fspath(final_dir)} on this host ({socket.gethostname()}) is another directory than on rank 0 "
+        "(node-local disk, a different mount, or a relative path with another working directory). "
+        "Every rank must write into one directory: save to a shared filesystem every rank sees, "
+        "with an absolute path")
+
+
+def dir_identity(path: PathLike) -> List[Any]:
+    """``[machine, st_dev, st_ino]`` of a directory: equal on two ranks of one machine (and
+    mount namespace) iff they see the same directory."""
+    st = os.stat(path)
+    ident = _host_identity()
+    return [f"{ident['host']}/{ident['boot_id']}/{ident['mntns']}", st.st_dev, st.st_ino]
+
+
+def check_reported_files(temp_dir: PathLike, files: Mapping[int, Mapping[str, int]],
+                         where: Optional[Mapping[int, Sequence[Any]]] = None) -> None:
+    """Coordinator, before the index is written: every file every rank reported
+    (``{rank: {name: bytes}}``) is a regular file in ``temp_dir`` of that size, and ranks
+    on one machine wrote into the same directory (``where``: :func:`dir_identity` by rank).
+    A CheckpointError names the ranks and files otherwise: nothing is committed."""
+    temp_dir = os.fspath(temp_dir)
+    bad: Dict[int, List[str]] = {}
+    if where:
+        mine = where.get(0)
+        for r, w in sorted(where.items()):
+            if mine and w and w[0] == mine[0] and list(w[1:]) != list(mine[1:]):
+                bad.setdefault(r, []).append("its temporary directory is another directory than rank 0's "
+                                             f"on the same machine (device/inode {w[1]}/{w[2]}, rank 0: "
+                                             f"{mine[1]}/{mine[2]})")
+    wanted = [(r, check_member_name(name, temp_dir), size)
+              for r, names in sorted(files.items()) for name, size in sorted(names.items())]
+    dfd = os.open(temp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def problem(item: Tuple[int, str, int]) -> Optional[str]:
+        _r, name, size = item
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return f"{name} (missing here, {size} bytes written)"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} (not a regular file here, {size} bytes written)"
+        if st.st_size != size:
+            return f"{name} ({st.st_size} bytes here, {size} bytes written)"
+        return None
+
+    try:
+        if len(wanted) > 256:  # one stat per rank's file: in parallel on a network filesystem
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(32) as pool:
+                found = list(pool.map(problem, wanted))
+        else:
+            found = [problem(w) for w in wanted]
+    finally:
+        os.close(dfd)
+    for (r, _name, _size), why in zip(wanted, found):
+        if why is not None:
+            bad.setdefault(r, []).append(why)
+    if bad:
+        order = sorted(bad)
+        ranks = ", ".join(str(r) for r in order[:20]) + (f", ... ({len(order)} ranks)" if len(order) > 20 else "")
+        shown = "; ".join(f"rank {r}: {', '.join(bad[r][:5])}{' ...' if len(bad[r]) > 5 else ''}"
+                          for r in order[:16])
+        raise CheckpointError(
+            f"{temp_dir}: files reported by rank(s) {ranks} are not in the directory being committed "
+            f"as written ({shown}); the ranks do not write into one shared directory (node-local disks, "
+            "different mounts, or a relative path with per-rank working directories). Nothing was "
+            "committed: save to a shared filesystem every rank sees, with an absolute path")
+
+
+# --------------------------------------------------------------------------- ownership
+
+#: The owner record inside a save's temp dir (removed right after the commit renames it).
+OWNER_NAME = ".megashard-owner.json"
+#: How long a temp dir that cannot be proven abandoned must sit unchanged before removal.
+DEFAULT_STALE_AGE_S = 24 * 3600.0
+
+
+def _read_small(path: str, limit: int = 4096) -> Optional[str]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, limit + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", "replace") if len(data) <= limit else None
+
+
+def _host_identity() -> Dict[str, str]:
+    """What makes pids comparable: the same kernel boot, hostname and pid namespace."""
+    def link(p: str) -> str:
+        try:
+            return os.readlink(p)
+        except OSError:
+            return ""
+
+    return {"host": socket.gethostname(), "boot_id": (_read_small("/proc/sys/kernel/random/boot_id") or "").strip(),
+            "pidns": link("/proc/self/ns/pid"), "mntns": link("/proc/self/ns/mnt")}
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """A process's start time (clock ticks since boot), or None if it is not visible."""
+    text = _read_small(f"/proc/{pid}/stat", 1 << 16)
+    if text is None or ")" not in text:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _owner_record() -> Dict[str, Any]:
+    ident = _host_identity()
+    return {"host": ident["host"], "boot_id": ident["boot_id"], "pidns": ident["pidns"], "pid": os.getpid(),
+            "start": _start_time(os.getpid()), "created": time.time()}
+
+
+def _owner_alive(path: str) -> Optional[bool]:
+    """Whether the save that owns temp dir ``path`` may still run: True, False (its process
+    on this machine is gone), or None (no readable record, or another machine's)."""
+    text = _read_small(os.path.join(path, OWNER_NAME))
+    try:
+        rec = json.loads(text) if text is not None else None
+    except ValueError:
+        rec = None
+    if not isinstance(rec, dict):
+        return None
+    me = _host_identity()
+    if not me["boot_id"] or any(rec.get(k) != me[k] for k in ("host", "boot_id", "pidns")):
+        return None
+    pid, start = rec.get("pid"), rec.get("start")
+    if type(pid) is not int or pid <= 0 or not (start is None or type(start) is int):
+        return None
+    now = _start_time(pid)
+    if now is None:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True  # exists, but hidden from us (another user, hidepid): assume it runs
+        return True
+    return start is None or now == start
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -373,12 +601,75 @@ def is_checkpoint(path: PathLike) -> bool:
     return True
 
 
-def remove_checkpoint(path: PathLike) -> None:
-    """Delete a checkpoint directory so that no crash leaves a half-deleted *checkpoint*.
+def _megashard_member(name: str) -> bool:
+    """A name megashard writes into a checkpoint directory (the owner record only stays
+    there when a save is killed right after its commit's rename)."""
+    from .manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
 
-    ``manifest.json`` goes first (made durable), then the directory is renamed to
-    ``.<name>.del-<random>`` (so an interrupted deletion is recognisably garbage for
-    :func:`cleanup_stale_temps`) and removed.
+    return name in (MANIFEST_NAME, MANIFEST_DIGEST_NAME, INDEX_NAME, OWNER_NAME) or (
+        name.endswith(".tensors") and not name.startswith("."))
+
+
+def replace_problem(path: PathLike) -> Optional[str]:
+    """Why a save (or a clean-up) may not replace or delete ``path``; None when it may: it
+    does not exist, is an empty directory, or is a checkpoint holding only megashard's names.
+    Looks at one directory (by descriptor), whatever renames happen meanwhile."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return "it is a symbolic link"
+        if not stat.S_ISDIR(st.st_mode):
+            return "it is a file, not a directory"
+        return f"it cannot be opened ({e.strerror})"
+    try:
+        with os.scandir(fd) as it:
+            regular = {e.name: e.is_file(follow_symlinks=False) for e in it}
+    except OSError as e:
+        return f"it cannot be listed ({e.strerror})"
+    finally:
+        os.close(fd)
+    foreign = sorted(n for n, reg in regular.items() if not (reg and _megashard_member(n)))
+    shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 8 else "")
+    if not regular.get(MANIFEST_NAME):
+        if not regular:
+            return None
+        return f"it has no {MANIFEST_NAME}" + (f" and holds {shown}" if foreign else "")
+    if foreign:
+        return f"it holds files megashard did not write: {shown}"
+    return None
+
+
+def check_save_target(final_dir: PathLike) -> None:
+    """Refuse (CheckpointError naming it) a save target that is not a megashard checkpoint
+    with only megashard's files, an empty directory, or absent (see the module docstring)."""
+    final = os.path.abspath(os.fspath(final_dir))
+    why = replace_problem(final)
+    if why is None:
+        return
+    if why.startswith("it holds files"):
+        raise CheckpointError(
+            f"refusing to save to {final}: {why}. A save replaces the whole directory and would delete them; "
+            "move them out of the checkpoint directory, or save elsewhere")
+    raise CheckpointError(
+        f"refusing to save to {final}: it is not a megashard checkpoint ({why}), and a save only ever replaces "
+        "a megashard checkpoint. Save to a new directory (for a Megatron save root, its iter_XXXXXXX "
+        "subdirectory), or move it away first")
+
+
+def remove_checkpoint(path: PathLike) -> None:
+    """Delete a checkpoint (or a save's temporary) directory so that no crash leaves a
+    half-deleted *checkpoint*: it is renamed to ``.<name>.del-<random>`` first (recognisably
+    garbage for :func:`cleanup_stale_temps`), its manifest removed, then the rest.
+
+    Callers decide what may be deleted (:func:`replace_problem`); this only deletes.
     """
     path = os.path.abspath(os.fspath(path))
     # FileNotFoundError anywhere means another process is deleting it too: fine.
@@ -386,21 +677,32 @@ def remove_checkpoint(path: PathLike) -> None:
         if not (os.path.isdir(path) and not os.path.islink(path)):
             os.unlink(path)
             return
+        parent, base = os.path.split(path)
+        m = _AUX_RE.match(base)
+        if not (m and m.group("kind") == "del"):
+            trash = os.path.join(parent, f".{m.group('name') if m else base}.del-{uuid.uuid4().hex}")
+            os.rename(path, trash)
+            path = trash
         try:
             os.unlink(os.path.join(path, MANIFEST_NAME))
         except FileNotFoundError:
             pass
-        fsync_path(path)
-        parent, base = os.path.split(path)
-        if not _AUX_RE.match(base):
-            trash = os.path.join(parent, f".{base}.del-{uuid.uuid4().hex}")
-            os.rename(path, trash)
-            path = trash
     except FileNotFoundError:
         return
     shutil.rmtree(path, ignore_errors=True)
     if os.path.lexists(path):
         shutil.rmtree(path)  # retry without ignore_errors so a persistent failure is reported
+
+
+#: Publishing gives up after this many rounds of other saves committing the same name in between.
+MAX_COMMIT_ROUNDS = 32
+
+
+def _fresh_old_name(final: str, token: str, n: int) -> str:
+    old = _old_dir_name(final, token if n == 0 else f"{token}-{n}")
+    while os.path.lexists(old):
+        old = _old_dir_name(final, f"{token}-{uuid.uuid4().hex[:8]}")
+    return old
 
 
 def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
@@ -409,8 +711,9 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
     Requires ``manifest.json`` in ``temp_dir``: a directory without it is never a
     checkpoint, so publishing it would be a bug in the caller. Shard files must
     already be fsynced by their writers; this fsyncs the directories involved.
-    If an existing ``final_dir`` cannot be replaced, it is restored and
-    CheckpointError is raised.
+    An existing ``final_dir`` that is not a megashard checkpoint is refused; one that
+    cannot be replaced is restored, and CheckpointError is raised. Deletes only the
+    ``.old-*`` copies this commit created.
     """
     temp_dir = os.path.abspath(os.fspath(temp_dir))
     parent, name = _split_final(final_dir)
@@ -428,29 +731,78 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
 
     m = _AUX_RE.match(os.path.basename(temp_dir))
     token = m.group("token") if m else uuid.uuid4().hex
-    old: Optional[str] = None
-    if os.path.lexists(final):
-        old = _old_dir_name(final, token)
-        if os.path.lexists(old):
-            old = _old_dir_name(final, uuid.uuid4().hex)
-        os.rename(final, old)
-        fsync_path(parent)
-        logger.debug("moved existing %s aside to %s", final, old)
-    try:
-        os.rename(temp_dir, final)
-    except OSError as e:
-        if old is not None:
+    olds: List[str] = []  # what this commit moved aside: the only names it deletes
+    for _round in range(MAX_COMMIT_ROUNDS):
+        if _occupied(final):
+            check_save_target(final)
+            old = _fresh_old_name(final, token, len(olds))
             try:
-                os.rename(old, final)
-            except OSError:
-                logger.exception("could not move %s back to %s; recover() will", old, final)
-        raise CheckpointError(f"could not rename {temp_dir} to {final}: {e}") from e
+                os.rename(final, old)
+            except FileNotFoundError:
+                continue  # another save moved it aside just now
+            olds.append(old)
+            fsync_path(parent)
+            logger.debug("moved existing %s aside to %s", final, old)
+            why = replace_problem(old)
+            if why is not None:  # replaced by something else since it was checked: put it back
+                olds.pop()
+                _put_back(old, final)
+                raise CheckpointError(f"refusing to replace {final}: it is no longer a megashard checkpoint "
+                                      f"({why}); left it as it was")
+        try:
+            os.rename(temp_dir, final)
+            break
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                continue  # another save published in between: commit after it
+            if olds and not os.path.lexists(final):
+                _put_back(olds.pop(), final)
+            _drop_superseded(olds, final)
+            if e.errno == errno.ENOTDIR:
+                check_save_target(final)
+            raise CheckpointError(f"could not rename {temp_dir} to {final}: {e}") from e
+    else:
+        _drop_superseded(olds, final)
+        raise CheckpointError(f"could not commit {temp_dir} as {final}: other saves committed that name "
+                              f"{MAX_COMMIT_ROUNDS} times in between; {temp_dir} is left for a retry")
     fsync_path(parent)
     logger.info("committed checkpoint %s", final)
-    # The new checkpoint is durable: older copies (this one's and any left by
-    # earlier crashes) are now garbage.
-    for stale in _aux_dirs(parent, name, "old"):
-        remove_checkpoint(stale)
+    try:  # kept up to the rename, so a temp dir of a killed save always names its owner
+        os.unlink(os.path.join(final, OWNER_NAME))
+    except OSError:
+        pass
+    for old in olds:  # the new checkpoint is durable: the copies this save moved aside are garbage
+        try:
+            remove_checkpoint(old)
+        except OSError as e:  # committed all the same; recover() or a later clean-up removes it
+            logger.warning("committed %s, but could not remove %s: %s", final, old, e)
+
+
+def _occupied(path: str) -> bool:
+    """Something a rename of a directory cannot replace: anything but an empty directory."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return True
+        with os.scandir(path) as it:
+            return next(it, None) is not None
+    except FileNotFoundError:
+        return False
+
+
+def _put_back(old: str, final: str) -> None:
+    try:
+        os.rename(old, final)
+        fsync_path(os.path.dirname(final))
+    except OSError:
+        logger.exception("could not move %s back to %s; recover() will", old, final)
+
+
+def _drop_superseded(olds: List[str], final: str) -> None:
+    """After a failed commit: this save's moved-aside copies are garbage once ``final`` is a
+    checkpoint again (another save's); otherwise they stay for :func:`recover`."""
+    if olds and _has_manifest(final):
+        for old in olds:
+            remove_checkpoint(old)
 
 
 def _has_manifest(path: str) -> bool:
@@ -471,21 +823,35 @@ def locate(final_dir: PathLike) -> Optional[str]:
     ``final_dir`` itself when it holds a manifest (the caller parses it); the newest ``.<name>.old-*`` checkpoint
     when ``final_dir`` is absent (a re-save crashed mid-commit: :func:`recover`, the next
     save or ``megashard recover`` puts it back); else None. Read paths use this, so
-    loading or inspecting never renames or deletes.
+    loading or inspecting never renames or deletes. A commit running meanwhile moves
+    ``final_dir`` aside and back in: looking again then finds it.
     """
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
-    if _has_manifest(final):
-        return final  # parsed (once) by the caller, which reports damage precisely
-    if os.path.lexists(final):
-        return None
-    candidates = [o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)]
-    if not candidates:
-        return None
-    candidates.sort(key=lambda p: os.stat(os.path.join(p, MANIFEST_NAME)).st_mtime, reverse=True)
-    logger.warning("%s is missing; reading the complete copy %s left by an interrupted re-save "
-                   "(run `megashard recover %s` to restore it)", final, candidates[0], final)
-    return candidates[0]
+    # A commit running meanwhile renames <name> and its copies: a look may miss both (a
+    # listing can skip an entry renamed during it), so only three looks that find nothing
+    # mean there is nothing.
+    for look in range(3):
+        if _has_manifest(final):
+            return final  # parsed (once) by the caller, which reports damage precisely
+        if not os.path.lexists(final):
+            candidates = _newest_first([o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)])
+            if candidates:
+                logger.warning("%s is missing; reading the complete copy %s left by an interrupted re-save "
+                               "(run `megashard recover %s` to restore it)", final, candidates[0], final)
+                return candidates[0]
+        time.sleep(0.001 * look)
+    return None
+
+
+def _newest_first(checkpoints: List[str]) -> List[str]:
+    def mtime(p: str) -> float:
+        try:
+            return os.stat(os.path.join(p, MANIFEST_NAME)).st_mtime
+        except FileNotFoundError:
+            return float("-inf")
+
+    return sorted(checkpoints, key=mtime, reverse=True)
 
 
 def checkpoint_location(checkpoint_dir: PathLike) -> str:
@@ -520,17 +886,15 @@ def recover(final_dir: PathLike) -> Optional[str]:
 
     The one function that repairs a checkpoint's directory (``megashard recover DIR``);
     read paths use :func:`locate` and change nothing. It only renames an ``.old-*``
-    back when ``<name>`` is missing, and only deletes ``.old-*`` copies once ``<name>``
-    is a checkpoint. Concurrent calls are tolerated, but on a shared filesystem call it
-    from one process.
+    back when ``<name>`` is missing, and only deletes ``.old-*`` copies (holding only
+    megashard's names) that existed before ``<name>`` was found to be a checkpoint, so
+    a copy a concurrent save moves aside later is never touched.
     """
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
-    olds = _aux_dirs(parent, name, "old")
+    olds = _aux_dirs(parent, name, "old")  # listed before <name> is checked (see above)
     if is_checkpoint(final):
-        for stale in olds:
-            logger.info("removing superseded %s", stale)
-            remove_checkpoint(stale)
+        _remove_superseded(olds)
         return final
     if os.path.lexists(final):
         if any(is_checkpoint(o) for o in olds):
@@ -539,22 +903,31 @@ def recover(final_dir: PathLike) -> Optional[str]:
                 final, MANIFEST_NAME, olds,
             )
         return None
-    candidates = [o for o in olds if is_checkpoint(o)]
+    candidates = _newest_first([o for o in olds if is_checkpoint(o)])
     if not candidates:
         return None
-    candidates.sort(key=lambda p: os.stat(os.path.join(p, MANIFEST_NAME)).st_mtime, reverse=True)
     best = candidates[0]
     try:
         os.rename(best, final)
-    except FileNotFoundError:
-        # Another process recovered it concurrently.
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        # another process recovered it, or a save committed, meanwhile
         return final if is_checkpoint(final) else None
     fsync_path(parent)
     logger.warning("restored %s from %s (a save crashed mid-commit)", final, best)
-    for stale in olds:
-        if stale != best:
-            remove_checkpoint(stale)
+    _remove_superseded([o for o in olds if o != best])
     return final
+
+
+def _remove_superseded(olds: List[str]) -> None:
+    for stale in olds:
+        why = replace_problem(stale)
+        if why is not None:
+            logger.warning("leaving %s: not a copy megashard made (%s)", stale, why)
+            continue
+        logger.info("removing superseded %s", stale)
+        remove_checkpoint(stale)
 
 
 def _newest_mtime(path: str) -> float:
@@ -574,42 +947,87 @@ def _newest_mtime(path: str) -> float:
     return newest
 
 
-def cleanup_stale_temps(
-    parent: PathLike, name: Optional[str] = None, older_than_s: float = 3600.0
-) -> List[str]:
-    """Remove leftovers of crashed saves in ``parent``; return the removed paths.
+_ATOMIC_TEMP_TOKEN = re.compile(r"[0-9a-f]{32}\Z")  # write_file_atomic's uuid4().hex
 
-    Removes ``.X.tmp-*`` (unfinished saves, also temp files of write_file_atomic) and
-    ``.X.del-*`` (interrupted deletions) whose newest mtime (the entry's own or, for a
-    directory, any direct child's) is at least ``older_than_s`` seconds old, and
-    ``.X.old-*`` only when ``X`` itself is a checkpoint (otherwise the old copy is
-    what :func:`recover` restores). ``name`` restricts this to one checkpoint name.
-    The age check protects saves still running; pass 0 when none can be.
+
+def _temp_members_only(path: str) -> bool:
+    """A temp dir holding nothing but what a save writes there (files, owner record,
+    write_file_atomic's temporaries of the index)."""
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                m = _AUX_RE.match(e.name)
+                ours = (_megashard_member(e.name)
+                        or (m is not None and m.group("kind") == "tmp" and _megashard_member(m.group("name"))))
+                if not (ours and e.is_file(follow_symlinks=False)):
+                    return False
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def cleanup_stale_temps(
+    parent: PathLike, name: Optional[str] = None, older_than_s: float = DEFAULT_STALE_AGE_S
+) -> List[str]:
+    """Remove the leftovers of dead saves in ``parent``; return the removed paths.
+
+    The rule (module docstring): ``.X.tmp-*`` directories whose owner record names a
+    process of this machine that is gone; those without a record of this machine that
+    hold only megashard's names and whose newest mtime (their own or any entry's) is
+    ``older_than_s`` old; ``.X.del-*`` directories (interrupted deletions); the
+    tracker/index temporaries of :func:`write_file_atomic` once that old; ``.X.old-*`` copies holding only megashard's
+    names once ``X`` is a checkpoint. Nothing else. ``name`` restricts this to one
+    checkpoint name. For a Megatron save root: call it with the root.
     """
     parent = os.fspath(parent)
     removed: List[str] = []
     try:
-        entries = sorted(os.listdir(parent))
+        entries = sorted(os.listdir(parent))  # before any <name> is checked (see recover)
     except FileNotFoundError:
         return removed
     now = time.time()
+
+    def old_enough(p: str) -> bool:
+        try:
+            return now - _newest_mtime(p) >= older_than_s
+        except FileNotFoundError:
+            return False
+
     for e in entries:
         m = _AUX_RE.match(e)
         if not m or (name is not None and m.group("name") != name):
             continue
         p = os.path.join(parent, e)
-        if m.group("kind") == "old":
-            # Superseded as soon as <name> is a checkpoint (no age needed); otherwise
-            # it may be the copy recover() restores, so it is never removed here.
-            if not is_checkpoint(os.path.join(parent, m.group("name"))):
+        kind = m.group("kind")
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if kind == "old":
+            # superseded as soon as <name> is a checkpoint (no age needed); otherwise it
+            # may be the copy recover() restores
+            if not is_dir or replace_problem(p) is not None or not is_checkpoint(os.path.join(parent, m.group("name"))):
                 continue
-        else:
-            try:
-                if now - _newest_mtime(p) < older_than_s:
-                    continue
-            except FileNotFoundError:
+        elif kind == "del":
+            # garbage by construction (remove_checkpoint's own names): no age needed, and
+            # removing it alongside a deletion still running is harmless
+            if not (is_dir and _ATOMIC_TEMP_TOKEN.match(m.group("token"))):
                 continue
-        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+            if os.path.lexists(p):
+                continue
+            logger.info("removed stale %s", p)
+            removed.append(p)
+            continue
+        elif is_dir:
+            alive = _owner_alive(p)
+            if alive or (alive is None and not (_temp_members_only(p) and old_enough(p))):
+                continue
+        elif not (stat.S_ISREG(st.st_mode) and _ATOMIC_TEMP_TOKEN.match(m.group("token"))
+                  and (m.group("name") == TRACKER_NAME or _megashard_member(m.group("name"))) and old_enough(p)):
+            continue
+        if is_dir:
             remove_checkpoint(p)
         else:
             try:
@@ -691,7 +1109,8 @@ def apply_retention(
     """Delete the oldest ``iter_*`` checkpoints beyond the newest ``keep_last``.
 
     Never deletes the checkpoint the tracker names, nor any in ``protect`` (directory
-    names or paths), nor directories that are not checkpoints (not ours to judge).
+    names or paths), nor directories that are not checkpoints or hold files megashard
+    did not write (not ours to judge).
     A garbage tracker raises CheckpointError rather than risk deleting the latest.
     Returns the deleted paths, oldest first.
     """
@@ -714,6 +1133,10 @@ def apply_retention(
     for e in entries:
         it = parse_iteration_dir_name(e)
         if isinstance(it, int) and is_checkpoint(os.path.join(root, e)):
+            why = replace_problem(os.path.join(root, e))
+            if why is not None:
+                logger.warning("retention: keeping %s: %s", os.path.join(root, e), why)
+                continue
             found.append((it, e))
     found.sort()
     doomed = found[: max(0, len(found) - keep_last)]
@@ -722,9 +1145,9 @@ def apply_retention(
         if e in protected:
             continue
         p = os.path.join(root, e)
+        olds = _aux_dirs(root, e, "old")
         remove_checkpoint(p)
-        for stale in _aux_dirs(root, e, "old"):
-            remove_checkpoint(stale)
+        _remove_superseded(olds)
         logger.info("retention: deleted %s", p)
         deleted.append(p)
     if deleted:

@@ -150,8 +150,12 @@ def test_temp_dir_names(tmp_path):
     assert name == str(tmp_path / "a" / "b" / ".iter_0000100.tmp-abc_12-X")
     assert not os.path.exists(name) and not (tmp_path / "a").exists()  # pure
     assert make_temp_dir(str(final) + "/", "abc_12-X") == name
-    assert os.path.isdir(name)
-    assert make_temp_dir(final, "abc_12-X") == name  # idempotent
+    assert os.path.isdir(name) and os.listdir(name) == [storage.OWNER_NAME]
+    with pytest.raises(CheckpointError, match="already exists"):  # a save owns the temp dir it created
+        make_temp_dir(final, "abc_12-X")
+    assert storage.join_temp_dir(final, "abc_12-X") == name  # what the other ranks do
+    with pytest.raises(CheckpointError, match="shared filesystem"):
+        storage.join_temp_dir(final, "other", wait_s=0)
     assert not is_checkpoint(name)
     for bad in ["", "a.b", "a/b", "..", "x y", None]:
         with pytest.raises(CheckpointError, match="token"):
@@ -328,9 +332,8 @@ def test_sigkill_during_shard_writes_leaves_previous_checkpoint(tmp_path):
     assert not is_checkpoint(tmp)
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert recover(final) == str(final) and ckpt_version(final) == "old"
-    # Too fresh for the default age threshold; removed when told nothing is running.
-    assert cleanup_stale_temps(parent) == []
-    assert cleanup_stale_temps(parent, older_than_s=0) == [str(tmp)]
+    # Its owner record names a process of this machine that is gone: removed at once.
+    assert cleanup_stale_temps(parent) == [str(tmp)]
     assert sorted(os.listdir(parent)) == ["iter_0000100"]
 
 
@@ -344,11 +347,11 @@ def test_cleanup_stale_temps(tmp_path):
     make_ckpt(parent / ".iter_0000002.old-x", "only")  # the only copy of iter 2: kept
     (parent / ".iter_0000003.tmp-y").mkdir()
     (parent / ".iter_0000003.tmp-y" / "s.tensors").write_bytes(b"x")
-    (parent / f".{TRACKER_NAME}.tmp-abc").write_text("5")
-    (parent / ".iter_0000009.del-q").mkdir()
+    (parent / f".{TRACKER_NAME}.tmp-{'a' * 32}").write_text("5")
+    (parent / f".iter_0000009.del-{'b' * 32}").mkdir()
     (parent / ".hidden").mkdir()
     (parent / "notes.tmp-x").write_text("not ours")
-    old = time.time() - 7200
+    old = time.time() - 2 * 86400  # no owner record: removed once a day old
     for e in os.listdir(parent):
         os.utime(parent / e, (old, old))
     for sub in (parent / ".iter_0000003.tmp-y").iterdir():
@@ -357,7 +360,8 @@ def test_cleanup_stale_temps(tmp_path):
     assert cleanup_stale_temps(parent, name="iter_0000003") == [str(parent / ".iter_0000003.tmp-y")]
     removed = cleanup_stale_temps(parent)
     assert sorted(removed) == sorted(
-        str(parent / e) for e in [".iter_0000001.old-x", f".{TRACKER_NAME}.tmp-abc", ".iter_0000009.del-q"]
+        str(parent / e) for e in [".iter_0000001.old-x", f".{TRACKER_NAME}.tmp-{'a' * 32}",
+                                  f".iter_0000009.del-{'b' * 32}"]
     )
     assert sorted(os.listdir(parent)) == sorted(
         [".hidden", ".iter_0000002.old-x", "iter_0000001", "notes.tmp-x"]
@@ -369,7 +373,7 @@ def test_cleanup_respects_recent_activity_inside_temp(tmp_path):
     tmpd = tmp_path / ".iter_0000003.tmp-y"
     tmpd.mkdir()
     (tmpd / "s.tensors").write_bytes(b"x")
-    old = time.time() - 7200
+    old = time.time() - 2 * 86400
     os.utime(tmpd, (old, old))  # the dir looks old, but a shard was written just now
     assert cleanup_stale_temps(tmp_path) == []
     assert tmpd.exists()

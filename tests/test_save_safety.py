@@ -1,0 +1,456 @@
+"""A save never destroys what it did not create, and a commit is complete or does not happen.
+
+Issue 19, defects 1-4 and 17: a save over something that is not a megashard checkpoint is
+refused before any rank writes; ranks that do not share the checkpoint directory are refused
+and the previous checkpoint stays; concurrent saves of one name (plus a SIGKILL) always leave
+a complete checkpoint; temporaries of dead saves are removed, those of live ones kept;
+``convert`` refuses a destination inside its source.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import megashard
+from megashard import storage
+from megashard.convert import ConvertInputError, convert
+from megashard.errors import CheckpointError, DistributedError, MegashardError
+from megashard.sharded import ShardedTensor
+
+from distributed import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def tree(root: Path) -> dict:
+    """Every entry under ``root`` with its kind and (for files) bytes: 'nothing changed' is equality."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = Path(d) / n
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = ("link", os.readlink(p))
+            elif p.is_dir():
+                out[rel] = ("dir", None)
+            else:
+                out[rel] = ("file", p.read_bytes())
+    return out
+
+
+def state(v: float) -> dict:
+    """A one-rank state: a global tensor (so convert has something to export) and a value."""
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32) + v), "v": v}
+
+
+def loaded_w(path) -> torch.Tensor:
+    out = megashard.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(64))}, path)
+    return out["w"].data
+
+
+def aux_entries(parent: Path) -> list:
+    return sorted(n for n in os.listdir(parent) if ".tmp-" in n or ".old-" in n or ".del-" in n)
+
+
+def megatron_root(root: Path) -> None:
+    """A Megatron save root as a user has it: two iterations, the tracker, notes."""
+    megashard.save(state(100), root / "iter_0000100")
+    megashard.save(state(200), root / "iter_0000200")
+    storage.write_tracker(root, 200)
+    (root / "NOTES.md").write_text("lr sweep, do not delete\n")
+
+
+# --------------------------------------------------------------------------- defect 1: only a checkpoint is replaced
+
+
+def test_save_to_a_megatron_save_root_is_refused_and_deletes_nothing(tmp_path):
+    root = tmp_path / "run1"
+    megatron_root(root)
+    before, parent_before = tree(root), sorted(os.listdir(tmp_path))
+    with pytest.raises(CheckpointError) as ei:
+        megashard.save(state(1), root)
+    msg = str(ei.value)
+    assert str(root) in msg and "not a megashard checkpoint" in msg, msg
+    assert tree(root) == before
+    assert sorted(os.listdir(tmp_path)) == parent_before  # no temp dir: nothing was written
+    assert torch.equal(loaded_w(root / "iter_0000200"), state(200)["w"].data)
+
+
+def test_save_over_a_plain_file_or_a_symlink_is_refused(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"precious")
+    with pytest.raises(CheckpointError, match="model.bin"):
+        megashard.save(state(1), f)
+    assert f.read_bytes() == b"precious"
+    real = tmp_path / "real"
+    megashard.save(state(2), real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match="link"):
+        megashard.save(state(3), link)
+    assert tree(tmp_path) == before
+
+
+def test_checkpoint_with_unrelated_files_is_not_replaced(tmp_path):
+    ck = tmp_path / "ckpt"
+    megashard.save(state(1), ck)
+    (ck / "NOTES.md").write_text("mine")
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError) as ei:
+        megashard.save(state(2), ck)
+    assert "NOTES.md" in str(ei.value) and str(ck) in str(ei.value)
+    assert tree(tmp_path) == before
+
+
+def test_resave_replaces_atomically_and_an_empty_directory_is_a_target(tmp_path):
+    ck = tmp_path / "ckpt"
+    megashard.save(state(1), ck)
+    megashard.save(state(2), ck)
+    assert torch.equal(loaded_w(ck), state(2)["w"].data)
+    assert aux_entries(tmp_path) == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    megashard.save(state(3), empty)
+    assert torch.equal(loaded_w(empty), state(3)["w"].data)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "empty"]
+
+
+def _refused_body(rank, world, target):
+    try:
+        megashard.save(_split_rows(rank, world, 0.0), target)
+    except CheckpointError as e:
+        return ("CheckpointError", isinstance(e, DistributedError), str(e))
+    return ("saved", False, "")
+
+
+def test_refusal_reaches_every_rank_before_anything_is_written(tmp_path):
+    root = tmp_path / "run1"
+    megatron_root(root)
+    before, parent_before = tree(root), sorted(os.listdir(tmp_path))
+    res = run_ranks(_refused_body, 2, str(root), timeout=120)
+    for ok, (kind, dist, msg) in res:
+        assert ok and kind == "CheckpointError" and dist, (kind, msg)
+        assert str(root) in msg and "not a megashard checkpoint" in msg, msg
+    assert tree(root) == before and sorted(os.listdir(tmp_path)) == parent_before
+
+
+def test_recover_and_cleanup_never_delete_a_non_checkpoint_old_copy(tmp_path):
+    ck = tmp_path / "ckpt"
+    megashard.save(state(1), ck)
+    junk = tmp_path / ".ckpt.old-user1"  # someone's directory that happens to use our pattern
+    junk.mkdir()
+    (junk / "data.txt").write_text("mine")
+    mixed = tmp_path / ".ckpt.old-user2"  # a checkpoint a user added notes to
+    megashard.save(state(0), tmp_path / "x")
+    os.rename(tmp_path / "x", mixed)
+    (mixed / "NOTES.md").write_text("notes")
+    before = tree(tmp_path)
+    assert storage.recover(ck) == str(ck)
+    storage.cleanup_stale_temps(tmp_path, older_than_s=0)
+    assert tree(tmp_path) == before
+
+
+# --------------------------------------------------------------------------- defect 2: complete commits only
+
+
+def _split_rows(rank, world, v):
+    full = torch.arange(64, dtype=torch.float32).reshape(8, 8) + v
+    rows = 8 // world
+    return {"w": ShardedTensor.from_rank_offsets("w", full[rank * rows:(rank + 1) * rows].clone(), (0, rank, world)),
+            "v": v}
+
+
+def _different_dirs_body(rank, world, dirs):
+    os.chdir(dirs[rank])  # the same relative path names a different directory on each rank
+    out = []
+    for async_save in (False, True):
+        try:
+            h = megashard.save(_split_rows(rank, world, 2.0), "ckpt", async_save=async_save)
+            if h is not None:
+                h.result()
+            out.append(("saved", False, ""))
+        except MegashardError as e:
+            out.append((type(e).__name__, isinstance(e, DistributedError), str(e)))
+    return out
+
+
+def test_ranks_that_do_not_share_the_directory_are_refused(tmp_path):
+    """Sync and async saves; the previous checkpoint stays bit-exact, nothing is left behind."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    megashard.save(_split_rows(0, 1, 1.0), a / "ckpt")  # the previous checkpoint
+    before_a, before_b = tree(a), tree(b)
+    res = run_ranks(_different_dirs_body, 2, [str(a), str(b)], timeout=180)
+    for ok, attempts in res:
+        assert ok, attempts
+        for kind, dist, msg in attempts:
+            assert kind != "saved" and dist, (kind, msg)
+            assert "rank(s) 1" in msg and "shared filesystem" in msg and str(b) in msg, msg
+    assert tree(a) == before_a and tree(b) == before_b  # nothing committed, nothing left behind
+    out = megashard.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(8, 8))}, a / "ckpt")
+    assert torch.equal(out["w"].data, torch.arange(64, dtype=torch.float32).reshape(8, 8) + 1.0)
+
+
+def test_commit_checks_every_reported_file(tmp_path):
+    tmp = Path(storage.make_temp_dir(tmp_path / "ckpt", "tok"))
+    (tmp / "m-r00000.tensors").write_bytes(b"x" * 10)
+    (tmp / "m-r00001.tensors").write_bytes(b"x" * 7)
+    storage.check_reported_files(tmp, {0: {"m-r00000.tensors": 10}})
+    with pytest.raises(CheckpointError) as ei:
+        storage.check_reported_files(tmp, {0: {"m-r00000.tensors": 10}, 1: {"m-r00001.tensors": 8},
+                                           3: {"m-r00003.tensors": 5}})
+    msg = str(ei.value)
+    assert "rank(s) 1, 3" in msg and "m-r00003.tensors" in msg and "8 bytes written" in msg and "shared" in msg, msg
+    # two ranks of one machine in different directories (device/inode differ)
+    with pytest.raises(CheckpointError, match=r"rank\(s\) 2 .*another directory than rank 0's"):
+        storage.check_reported_files(tmp, {0: {}, 2: {}}, {0: ["m", 5, 7], 1: ["other", 5, 8], 2: ["m", 5, 8]})
+    # many files: checked in parallel, same verdict
+    many = {r: {f"m-r{r:05d}.tensors": 3} for r in range(300)}
+    for r in range(300):
+        (tmp / f"m-r{r:05d}.tensors").write_bytes(b"abc")
+    storage.check_reported_files(tmp, many)
+    os.unlink(tmp / "m-r00299.tensors")
+    with pytest.raises(CheckpointError, match=r"rank\(s\) 299 .*m-r00299.tensors \(missing here"):
+        storage.check_reported_files(tmp, many)
+
+
+# --------------------------------------------------------------------------- defect 3: concurrent saves
+
+
+def _mk(path: Path, v: float) -> Path:
+    """A complete checkpoint at ``path`` (a temp dir of a save, or a final directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    megashard.save(state(v), path.parent / "_build")
+    os.rename(path.parent / "_build", path)
+    return path
+
+
+def test_a_commit_deletes_only_its_own_old_copy(tmp_path, monkeypatch):
+    """A publishes, B moves A's checkpoint aside and is SIGKILLed before publishing: A's
+    clean-up must not delete B's copy, the only complete one."""
+    final = tmp_path / "ckpt"
+    _mk(final, 1)
+    tmp_a = _mk(Path(storage.temp_dir_name(final, "aaaa")), 2)
+    real = os.rename
+    done = []
+
+    def rename(src, dst, *a, **k):
+        real(src, dst, *a, **k)
+        if Path(src) == tmp_a and not done:  # A just published: B moves it aside, then dies
+            done.append(1)
+            real(final, tmp_path / ".ckpt.old-bbbb")
+
+    monkeypatch.setattr(os, "rename", rename)
+    storage.commit_dir(tmp_a, final)
+    monkeypatch.undo()
+    assert done
+    found = storage.locate(final)
+    assert found is not None, os.listdir(tmp_path)
+    assert torch.equal(loaded_w(found), state(2)["w"].data)
+    assert storage.recover(final) == str(final) and torch.equal(loaded_w(final), state(2)["w"].data)
+
+
+def test_a_save_that_loses_the_race_commits_after_the_winner(tmp_path, monkeypatch):
+    """A moves the old checkpoint aside; B publishes in between; A then commits after B."""
+    final = tmp_path / "ckpt"
+    _mk(final, 1)
+    tmp_a = _mk(Path(storage.temp_dir_name(final, "aaaa")), 2)
+    tmp_b = _mk(Path(storage.temp_dir_name(final, "bbbb")), 3)
+    real = os.rename
+    done = []
+
+    def rename(src, dst, *a, **k):
+        real(src, dst, *a, **k)
+        if Path(src) == final and ".old-aaaa" in str(dst) and not done:
+            done.append(1)
+            monkeypatch.setattr(os, "rename", real)
+            storage.commit_dir(tmp_b, final)  # B, all of it
+            monkeypatch.setattr(os, "rename", rename)
+
+    monkeypatch.setattr(os, "rename", rename)
+    storage.commit_dir(tmp_a, final)
+    monkeypatch.undo()
+    assert done
+    assert torch.equal(loaded_w(final), state(2)["w"].data)
+    assert aux_entries(tmp_path) == []
+
+
+SAVER = textwrap.dedent("""
+    import os, sys, torch, megashard
+    from megashard.sharded import ShardedTensor
+    path, tag, ready, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    i = 0
+    while True:
+        last = os.path.exists(stop)
+        v = float(tag * 1000 + (999 if last else i % 900))
+        megashard.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32) + v),
+                        "v": v}, path)
+        if last:
+            break
+        i += 1
+        if i == 2:
+            open(ready, "w").close()
+""")
+
+
+def _start_saver(path: Path, tag: int, ready: Path, stop: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SAVER, str(path), str(tag), str(ready), str(stop)], env=ENV,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _check_complete(path: Path, tags=(1, 2)) -> float:
+    found = storage.locate(path)
+    assert found is not None, os.listdir(path.parent)
+    v = megashard.load_common(found, ["v"])["v"]
+    assert int(v) // 1000 in tags
+    assert torch.equal(loaded_w(found), torch.arange(64, dtype=torch.float32) + v)
+    return v
+
+
+def test_two_concurrent_savers_and_a_sigkill_leave_a_complete_checkpoint(tmp_path):
+    """Two processes re-save one name as fast as they can; A is SIGKILLed at a random
+    moment (between its commits or inside one). A complete checkpoint is always found
+    (B frozen anywhere too), B never fails, and B's last save is what remains."""
+    path = tmp_path / "ckpt"
+    megashard.save(state(0), path)
+    ra, rb, stop = tmp_path / "ready-a", tmp_path / "ready-b", tmp_path / "stop"
+    a, b = _start_saver(path, 1, ra, tmp_path / "never"), _start_saver(path, 2, rb, stop)
+    misses = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not (ra.exists() and rb.exists()):
+            assert a.poll() is None, a.stderr.read()
+            assert b.poll() is None, b.stderr.read()
+            assert time.monotonic() < deadline, "savers never got going"
+            misses += storage.locate(path) is None
+            time.sleep(0.005)
+        end = time.monotonic() + random.uniform(0.05, 0.5)
+        while time.monotonic() < end:
+            misses += storage.locate(path) is None
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        b.send_signal(signal.SIGSTOP)  # B frozen wherever it is, as if it had died too
+        _check_complete(path)
+        b.send_signal(signal.SIGCONT)
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            misses += storage.locate(path) is None
+        stop.touch()
+        assert b.wait(timeout=120) == 0, b.stderr.read()  # B never fails because of A or its remains
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert misses == 0
+    assert _check_complete(path) == 2999.0  # B's last save is the last commit
+    assert storage.recover(path) == str(path)
+    storage.cleanup_stale_temps(tmp_path)  # A's remains: its owner is dead
+    assert aux_entries(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- defect 4: abandoned temporaries
+
+
+DEAD_SAVER = textwrap.dedent("""
+    import os, sys
+    from megashard import storage
+    tmp = storage.make_temp_dir(sys.argv[1], "deadbeef")
+    with open(os.path.join(tmp, "model-r00000.tensors"), "wb") as f:
+        f.write(b"x" * 4096)
+    os.kill(os.getpid(), 9)
+""")
+
+
+def test_a_save_removes_abandoned_temporaries_of_any_name_and_keeps_live_ones(tmp_path):
+    root = tmp_path / "save"
+    subprocess.run([sys.executable, "-c", DEAD_SAVER, str(root / "iter_0000100")], env=ENV, timeout=60)
+    dead = root / ".iter_0000100.tmp-deadbeef"
+    assert dead.is_dir() and (dead / "model-r00000.tensors").exists()
+    live = Path(storage.make_temp_dir(root / "iter_0000300", "alive"))  # this process: alive
+    foreign = Path(storage.make_temp_dir(root / "iter_0000400", "elsewhere"))
+    owner = json.loads((foreign / storage.OWNER_NAME).read_text())
+    owner.update(host="another-host-" + socket.gethostname(), boot_id="0" * 32)
+    (foreign / storage.OWNER_NAME).write_text(json.dumps(owner))
+    megashard.save(state(1), root / "iter_0000200")
+    assert sorted(os.listdir(root)) == [".iter_0000300.tmp-alive", ".iter_0000400.tmp-elsewhere",
+                                        "iter_0000200"]
+    assert live.is_dir() and foreign.is_dir()
+    # another host's save: only once nothing in it changed for longer than the limit
+    old = time.time() - 3 * 86400
+    for p in [foreign, *foreign.iterdir()]:
+        os.utime(p, (old, old))
+    assert storage.cleanup_stale_temps(root) == [str(foreign)]
+    assert storage.cleanup_stale_temps(root, older_than_s=0) == []  # the live one stays
+    assert live.is_dir()
+
+
+def test_temporaries_that_are_not_provably_ours_stay(tmp_path):
+    old = time.time() - 30 * 86400
+    other = tmp_path / ".cache.tmp-1234"  # another program's temp dir: no owner record
+    other.mkdir()
+    (other / "blob").write_bytes(b"x")
+    stray = tmp_path / ".notes.txt.tmp-abc"  # a file that is not one of our atomic writes
+    stray.write_text("x")
+    ours = tmp_path / f".{storage.TRACKER_NAME}.tmp-{'a' * 32}"  # an interrupted tracker write
+    ours.write_text("5")
+    for p in (other, other / "blob", stray, ours):
+        os.utime(p, (old, old))
+    assert storage.cleanup_stale_temps(tmp_path, older_than_s=0) == [str(ours)]
+    assert other.is_dir() and stray.exists()
+
+
+def test_pid_reuse_does_not_keep_a_dead_save_alive(tmp_path):
+    tmp = Path(storage.make_temp_dir(tmp_path / "ckpt", "tok"))
+    rec = json.loads((tmp / storage.OWNER_NAME).read_text())
+    rec["start"] = int(rec["start"]) + 12345  # same pid (ours), another process's start time
+    (tmp / storage.OWNER_NAME).write_text(json.dumps(rec))
+    assert storage.cleanup_stale_temps(tmp_path) == [str(tmp)]
+
+
+def test_a_failed_save_removes_its_own_temp_dir(tmp_path, monkeypatch):
+    from megashard import saving
+
+    def fail(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saving, "_write_tensors", fail)
+    with pytest.raises(MegashardError, match="No space"):
+        megashard.save(state(1), tmp_path / "ckpt")
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- defect 17: convert into its source
+
+
+@pytest.mark.parametrize("where", ["inside", "inside-root", "via-symlink"])
+def test_convert_refuses_a_destination_inside_the_source(tmp_path, where):
+    root = tmp_path / "run1"
+    megatron_root(root)
+    src = root / "iter_0000200"
+    (tmp_path / "alias").symlink_to(src)
+    dst, source = {"inside": (src / "out.tensors", src), "inside-root": (root / "export", root),
+                   "via-symlink": (tmp_path / "alias" / "out.tensors", src)}[where]
+    before = tree(tmp_path)
+    with pytest.raises(ConvertInputError) as ei:
+        convert(source, dst, to="tensors")
+    msg = str(ei.value)
+    assert "inside" in msg and str(dst) in msg and str(source) in msg, msg
+    assert tree(tmp_path) == before
