@@ -148,6 +148,7 @@ class Listener:
             self._expect = sender_pid
             for pid in [p for p in self._held if p != sender_pid]:
                 self._held.pop(pid).close()
+                self.strangers += 1
             while sender_pid not in self._held:
                 left = deadline - time.monotonic()
                 if sender_pid in self._dropped:

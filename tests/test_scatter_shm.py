@@ -434,6 +434,11 @@ def test_fdpass_checks_peer_and_counts(tmp_path) -> None:
         lst.close()
         lst = fdpass.Listener()
         fdpass.send(lst.name, me, [fd])  # not the reader's pid: closed, the wait goes on
+        for _ in range(1000):  # the accept thread holds it first (slow on a loaded machine)
+            with lst._cond:
+                if me in lst._held:
+                    break
+            time.sleep(0.01)
         with pytest.raises(fdpass.FdPassError, match=r"no connection .* 1 other connection\(s\) closed"):
             lst.receive(me + 1, 1, timeout=0.3)
         lst.close()
