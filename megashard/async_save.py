@@ -180,6 +180,7 @@ class _Job:
         self.done = threading.Event()
         self.result: Any = None
         self.error: Optional[str] = None
+        self.what = ""  # the checkpoint it writes, for messages
         self._lock = threading.Lock()
         self._then: List[Callable[[], None]] = []
 
@@ -377,18 +378,22 @@ def start(commit: _Commit, write: Callable[[], Any]) -> AsyncSaveHandle:
     """Hand ``write`` to the background thread; the returned handle is in flight."""
     global _IN_FLIGHT, _LAST_JOB
     job = _LAST_JOB = _Job(write)
+    job.what = commit.final_dir
     handle = AsyncSaveHandle(commit, job)
     _IN_FLIGHT = handle
     _WRITER.submit(job)
     return handle
 
 
-def wait_idle() -> None:
-    """Block until no background write runs (before staging memory is reused): a save
-    whose ``result()`` timed out may still be writing from it."""
+def wait_idle(timeout: Optional[float] = None) -> None:
+    """Wait until no background write runs (before staging memory is reused): a save
+    whose ``result()`` timed out may still be writing from it. Bounded by ``timeout``
+    (the save's): a write stuck in storage must not hang this rank forever."""
     job = _LAST_JOB
-    if job is not None:
-        job.done.wait()
+    if job is not None and not job.done.wait(timeout):
+        raise CheckpointError(
+            f"an earlier async save to {job.what} is still writing after {timeout:g} s (its result() timed "
+            "out); its staging memory cannot be reused yet: check that storage, or save later")
 
 
 def all_done(comm: Optional[Comm] = None) -> bool:

@@ -338,7 +338,7 @@ def save(
 
     def snapshot() -> _WriteJob:
         job = _select(st, reply)
-        async_save_mod.wait_idle()
+        async_save_mod.wait_idle(comm.timeout)
         keys = job.tensors()
         copies = async_save_mod.staging().snapshot([job.groups[s][n] for s, n in keys], threads)
         for (s, n), c in zip(keys, copies):

@@ -366,3 +366,47 @@ def test_writer_niceness_stays_off_training_path_threads(tmp_path, load_threads)
         assert not wrong, f"{ph}: I/O on threads at the wrong niceness (want {want}): {wrong}"
     for ph in ("s1", "a1", "s2", "a2"):  # the direct writes really went through pooled threads
         assert any(n.startswith("megashard-io") for n, _ in by_phase[ph]), (ph, by_phase[ph])
+
+
+def test_next_save_waits_for_a_stuck_write_only_until_its_timeout(tmp_path, monkeypatch):
+    """A save whose result() timed out may still be writing from the staging memory; the next
+    async save waits for it (it reuses that memory), but only up to its own ``timeout``: then it
+    raises, naming the stuck write, instead of hanging this rank forever."""
+    import threading
+
+    from megashard import MegashardError, saving
+
+    release = threading.Event()
+    real = saving._write_into
+
+    def stuck(*a, **k):
+        release.wait(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(saving, "_write_into", stuck)
+    w = torch.randn(1 << 12)
+    h = megashard.save({"w": w}, str(tmp_path / "a"), async_save=True)
+    with pytest.raises(DistributedError, match="did not finish within"):
+        h.result(timeout=0.2)
+    outcome: dict = {}
+
+    def second() -> None:
+        t0 = time.monotonic()
+        try:
+            megashard.save({"w": w}, str(tmp_path / "b"), async_save=True, timeout=1.0)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertions below
+            outcome["error"] = e
+        outcome["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=second, daemon=True)
+    t.start()
+    t.join(20)
+    try:
+        assert not t.is_alive(), "the next save hung on the stuck background write"
+        assert isinstance(outcome.get("error"), MegashardError), outcome
+        assert "still writing" in str(outcome["error"]) and str(tmp_path / "a") in str(outcome["error"])
+        assert outcome["s"] < 15
+    finally:
+        release.set()
+        t.join(30)
+    assert not (tmp_path / "b").exists()
