@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any, Sequence, TextIO
 
+from . import storage
 from .errors import MegashardError
 
 
@@ -136,8 +137,6 @@ def _checkpoint_tools() -> Any:
 
 def _is_moved_checkpoint(path: str) -> bool:
     """A checkpoint whose directory is missing but whose interrupted re-save left a complete copy."""
-    from . import storage
-
     return not os.path.lexists(path) and storage.locate(path) is not None
 
 
@@ -234,8 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    from . import storage
-
     found = storage.recover(args.path)
     if found is None:
         print(f"{args.path}: no complete checkpoint found", file=sys.stderr)
@@ -247,6 +244,13 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for attr in ("path", "src", "dst"):
+        if isinstance(getattr(args, attr, None), str):
+            try:
+                storage.local_path(getattr(args, attr))
+            except MegashardError as e:
+                print(f"megashard {args.command}: error: {e}", file=sys.stderr)
+                return 2
     if args.command in ("inspect", "verify") and not os.path.exists(args.path) and not _is_moved_checkpoint(args.path):
         print(f"megashard {args.command}: error: {args.path}: no such file or directory", file=sys.stderr)
         return 1

@@ -593,7 +593,8 @@ def convert(
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise ConvertInputError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
-    dst_s = os.path.abspath(os.fspath(dst))
+    dst_s = storage.local_path(dst)
+    storage.local_path(src)
     if os.path.lexists(dst_s):
         raise ConvertInputError(f"{dst_s} exists; choose a new DST (convert never overwrites)")
     if not os.path.isdir(os.path.dirname(dst_s)):

@@ -587,7 +587,7 @@ def load(
     if scatter_transport not in readers.SCATTER_TRANSPORTS:
         raise ValueError(f"scatter_transport must be one of {readers.SCATTER_TRANSPORTS}, got {scatter_transport!r}")
     comm = Comm(process_group, timeout)
-    base = os.path.abspath(os.fspath(checkpoint_dir))
+    base = storage.local_path(checkpoint_dir)
     t0 = time.perf_counter()
     stats = LoadStats()
 
@@ -660,7 +660,7 @@ def load_common(
     an unregistered enum raises CheckpointError instead of loading as a placeholder.
     """
     comm = Comm(process_group, timeout)
-    base = os.path.abspath(os.fspath(checkpoint_dir))
+    base = storage.local_path(checkpoint_dir)
 
     def read() -> Any:
         if comm.rank != 0 and comm.world_size > 1:

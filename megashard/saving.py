@@ -303,11 +303,12 @@ def save(
     if previous is not None:
         previous.result()  # at most one save in flight (collective, like this save)
     comm = Comm(process_group, timeout)
-    final_dir = os.path.abspath(os.fspath(checkpoint_dir))
+    final_dir = os.path.abspath(os.fspath(checkpoint_dir))  # a URL is refused in prepare (agreed)
     t0 = time.perf_counter()
     st = _SaveState(comm.rank)
 
     def prepare() -> Dict[str, Any]:
+        storage.local_path(checkpoint_dir)
         if not isinstance(state_dict, Mapping):
             raise StateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         st.tree = jsonstate.encode(dict(state_dict), hook=_make_save_hook(st, file_stems))

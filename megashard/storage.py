@@ -342,9 +342,29 @@ def write_file_atomic(path: PathLike, data: Union[bytes, str]) -> None:
 
 # --------------------------------------------------------------------------- naming
 
+_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: object) -> bool:
+    """``scheme://...``: an object-store or other URL, never a local path."""
+    return isinstance(path, str) and _URL_RE.match(path) is not None
+
+
+def local_path(path: PathLike) -> str:
+    """``path`` made absolute, refusing a URL: ``os.path.abspath("s3://b/x")`` is the local
+    directory ``./s3:/b/x``, where a save would land silently (object storage is not supported
+    yet)."""
+    p = os.fspath(path)
+    if is_url(p):
+        raise CheckpointError(f"{p}: a URL, not a local path; megashard reads and writes checkpoints on a "
+                              "file system only (object storage is not supported yet): use a mounted path")
+    return os.path.abspath(p)
+
+
+
 
 def _split_final(final_dir: PathLike) -> Tuple[str, str]:
-    final = os.path.abspath(os.fspath(final_dir))
+    final = local_path(final_dir)
     parent, name = os.path.split(final)
     if not name or name in (".", ".."):
         raise CheckpointError(f"checkpoint directory {os.fspath(final_dir)!r} has no usable name")
@@ -857,7 +877,7 @@ def _newest_first(checkpoints: List[str]) -> List[str]:
 def checkpoint_location(checkpoint_dir: PathLike) -> str:
     """The directory that holds the complete checkpoint ``checkpoint_dir`` (read-only: an
     interrupted re-save's ``.old-*`` copy is read in place, never renamed)."""
-    path = os.path.abspath(os.fspath(checkpoint_dir))
+    path = local_path(checkpoint_dir)
     found = locate(path)
     if found is None:
         raise CheckpointError(

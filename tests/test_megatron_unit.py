@@ -148,3 +148,23 @@ def test_tiles_in_order_checks_memory_order_and_shape():
     assert not st._tiles_in_order(list(torch.chunk(w, 2, dim=1)), w)  # dim 1 halves are not a dim 0 cat
     flat = torch.arange(10.0)
     assert st._tiles_in_order(list(torch.chunk(flat, 2)), flat)  # DistributedOptimizer's flat fragments
+
+
+def test_a_url_is_never_taken_for_a_local_load_directory(monkeypatch):
+    """``--load s3://...`` used to read no tracker at ``./s3:/...`` and start from random init;
+    megashard's own load refuses it, and install() routing hands URLs (Megatron's msc:// for
+    torch_dist) to Megatron's loader untouched."""
+    from megashard import MegashardError
+    from megashard.megatron import hooks
+
+    with pytest.raises(MegashardError, match="URL"):
+        ck.resolve_load("s3://bucket/run")
+    calls = []
+
+    def original(*a, **k):
+        calls.append(a)
+        return "megatron's"
+
+    monkeypatch.setattr(hooks, "_megatron_args", lambda: types.SimpleNamespace(load="msc://profile/run",
+                                                                                 pretrained_checkpoint=None))
+    assert hooks.make_load_wrapper(original)(None, None, None) == "megatron's" and len(calls) == 1

@@ -111,6 +111,7 @@ class LoadTarget:
 def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
     if not root:
         return {"tracker": None, "direct": False}
+    storage.local_path(root)  # a URL is refused (agreed), never taken for a local directory
     named = os.path.basename(os.path.abspath(root)) not in ("", ".", "..")  # "/" is no checkpoint
     return {"tracker": storage.read_tracker(root), "direct": named and storage.locate(root) is not None}
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from megashard import storage
+
 from . import checkpointing as ms_ckpt
 from .args import megatron_save_format, uses_megashard_save
 from .state import get_logger
@@ -75,6 +77,9 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
     def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                         strict: bool = True, *args: Any, **kwargs: Any) -> Any:
         margs = _megatron_args()
+        if any(storage.is_url(getattr(margs, a, None)) for a in (load_arg, "pretrained_checkpoint")):
+            # a URL (e.g. Megatron's msc:// for torch_dist) is Megatron's: megashard reads file systems only
+            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
         # collective: every rank routes the same way, also ranks that cannot see the
         # directory (scatter mode) and when only an interrupted re-save's .old-* copy exists
         target = ms_ckpt.resolve_load_target(margs, load_arg)
