@@ -106,6 +106,20 @@ def test_export_tp2_logits_equal_transformers(tmp_path, flags):
     assert np.abs(ref - bad).max() > 1e-2
 
 
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--pp", "2", "--layers", "4"], id="pp2"),
+    pytest.param(["--pp", "2", "--vp", "2", "--layers", "4"], id="pp2-vp2"),
+])
+def test_export_pipeline_layouts_logits_equal_transformers(tmp_path, layout):
+    # layers spread over stages (and model chunks): the export must put each at its global index
+    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--bias", *layout)
+    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    assert json.load(open(tmp_path / "hf" / "config.json"))["num_hidden_layers"] == 4
+    got = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    assert ref.shape == got.shape == (2, 8, 100)
+    assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
+
+
 def test_export_tensors_file_equals_safetensors_and_loads(tmp_path):
     from tensorizer import TensorDeserializer
 
