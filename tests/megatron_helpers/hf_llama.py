@@ -47,6 +47,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rotary-base", type=int, default=10000)
     p.add_argument("--eps", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--experts", type=int, default=0, help="MoE: experts per layer (SequentialMLP, allgather)")
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
     return p.parse_args()
 
 
@@ -60,12 +63,24 @@ def megatron_args(o: argparse.Namespace, padded: int) -> argparse.Namespace:
         untie_embeddings_and_output_weights=not o.tied, add_bias_linear=o.bias, add_qkv_bias=o.bias,
         padded_vocab_size=padded, vocab_size=o.vocab, make_vocab_size_divisible_by=128,
         max_position_embeddings=o.seq, seq_length=o.seq, params_dtype=torch.float32, bf16=False, fp16=False,
-        tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp, num_experts=None,
-        virtual_pipeline_model_parallel_size=o.vp,
+        tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+        virtual_pipeline_model_parallel_size=o.vp, expert_model_parallel_size=o.ep, **moe_args(o),
         num_layers_per_virtual_pipeline_stage=o.layers // (o.pp * o.vp) if o.vp else None,
         no_save_optim=True, no_save_rng=True, no_load_optim=True, no_load_rng=True,
         save=o.dir, load=o.dir, finetune=True, ckpt_format="tensors", save_format="tensors",
     )
+
+
+def moe_args(o: argparse.Namespace) -> dict:
+    """Megatron-LM's MoE arguments (also TransformerConfig's names, but ``num_experts``)."""
+    if not o.experts:
+        return {"num_experts": None}
+    return {"num_experts": o.experts, "moe_router_topk": o.topk, "moe_ffn_hidden_size": o.ffn,
+            "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none",
+            "moe_router_score_function": "softmax", "moe_router_pre_softmax": False, "moe_layer_freq": 1,
+            "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+            "moe_router_topk_scaling_factor": None, "moe_expert_capacity_factor": None,
+            "moe_grouped_gemm": False, "moe_aux_loss_coeff": 0.0}
 
 
 def build(o: argparse.Namespace, padded: int) -> list:
@@ -81,7 +96,9 @@ def build(o: argparse.Namespace, padded: int) -> list:
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=o.bias,
         add_qkv_bias=o.bias, rotary_interleaved=o.interleaved, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp, pipeline_dtype=torch.float32,
-        virtual_pipeline_model_parallel_size=o.vp,
+        virtual_pipeline_model_parallel_size=o.vp, expert_model_parallel_size=o.ep,
+        **({k if k != "num_experts" else "num_moe_experts": v for k, v in moe_args(o).items()
+            if k != "moe_layer_freq"}),
         params_dtype=torch.float32, use_cpu_initialization=True, sequence_parallel=False,
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
@@ -90,7 +107,8 @@ def build(o: argparse.Namespace, padded: int) -> list:
     for c in range(o.vp or 1):
         vp = c if o.vp else None
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                num_experts=o.experts or None, moe_grouped_gemm=False, normalization="RMSNorm"),
             vocab_size=padded, max_sequence_length=o.seq,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -106,7 +124,9 @@ def randomize(chunks: list, o: argparse.Namespace) -> None:
 
     for c, name, p in sorted((c, n, p) for c, m in enumerate(chunks) for n, p in m.named_parameters()):
         split = bool(getattr(p, "tensor_model_parallel", False))
+        expert = getattr(p, "allreduce", True) is False  # an expert's weights: this EP rank's own experts
         seed = zlib.crc32(f"{name}|{mpu.get_pipeline_model_parallel_rank()}|{c}|"
+                          f"{mpu.get_expert_model_parallel_rank() if expert else 0}|"
                           f"{mpu.get_tensor_model_parallel_rank() if split else 0}|{o.seed}".encode())
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -164,7 +184,7 @@ def main() -> int:
 
     dist.init_process_group("gloo")
     mpu.initialize_model_parallel(tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
-                                  virtual_pipeline_model_parallel_size=o.vp)
+                                  virtual_pipeline_model_parallel_size=o.vp, expert_model_parallel_size=o.ep)
     torch.manual_seed(o.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(o.seed)
     mult = 128 * o.tp
