@@ -230,8 +230,8 @@ def plan_export(src: str, vocab_size: Optional[int] = None, tokenizer: Optional[
     unknown = [k for k in m.tensors if k not in known and not k.startswith("optimizer.")
                and not k.endswith("._extra_state") and "rotary_pos_emb" not in k]
     if unknown:
-        raise HFMappingError(f"{base}: model tensors the Llama / Mixtral mapping does not cover: {', '.join(unknown[:8])}; "
-                             "nothing was written")
+        raise HFMappingError(f"{base}: model tensors the Llama / Mixtral mapping does not cover: "
+                             f"{', '.join(unknown[:8])}; nothing was written")
     h = s.hidden
     steps = [Step([(M.EMBED, (0, 0), (s.vocab, h))], [("model.embed_tokens.weight", (s.vocab, h))], lambda g: g)]
     for i in range(s.num_layers):

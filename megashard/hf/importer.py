@@ -143,7 +143,8 @@ def plan_import(src: str) -> ImportPlan:
         extra = [n for n in where if n not in names and not (spec.tied and n == "lm_head.weight")
                  and "rotary_emb.inv_freq" not in n]
         if extra:
-            raise HFMappingError(f"{base}: tensors the Llama / Mixtral mapping does not cover: {', '.join(sorted(extra)[:8])}")
+            raise HFMappingError(f"{base}: tensors the Llama / Mixtral mapping does not cover: "
+                                 f"{', '.join(sorted(extra)[:8])}")
         dtypes = set()
         for n, shape in want:
             if n not in where:

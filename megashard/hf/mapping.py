@@ -172,7 +172,8 @@ _REFUSE_MOE: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
     "moe_layer_freq": ("--moe-layer-freq", lambda v: v in (None, 1) or (isinstance(v, list) and set(v) == {1})),
     "moe_apply_probs_on_input": ("--moe-apply-probs-on-input", lambda v: not v),
     "moe_latent_size": ("--moe-latent-size", lambda v: v is None),
-    "add_bias_linear": ("--add-bias-linear", lambda v: v is False),  # Mixtral has no biases
+    "add_bias_linear": ("--add-bias-linear (Megatron's default; Mixtral has no biases: --disable-bias-linear)",
+                        lambda v: v is False),
 }
 
 
@@ -207,7 +208,7 @@ def spec_from_megatron_args(args: Any, vocab: int, padded_rows: int, dtype: torc
     topk = int(_get(args, "moe_router_topk", 2)) if experts else 0
     if experts:
         for attr, (flag, ok) in _REFUSE_MOE.items():
-            v = getattr(args, attr, True if attr == "add_bias_linear" else None)
+            v = _get(args, attr, True) if attr == "add_bias_linear" else getattr(args, attr, None)
             if not ok(v):
                 raise HFMappingError(f"{where}: saved with --num-experts {experts} and {flag} {v!r}: the Hugging "
                                      "Face Mixtral mapping does not cover it (every layer MoE, softmax top-k router "
