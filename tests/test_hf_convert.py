@@ -64,7 +64,15 @@ def leftovers(parent) -> list:
     ({"normalization": "LayerNorm"}, "--normalization"),
     ({"swiglu": False}, "--swiglu"),
     ({"position_embedding_type": "learned_absolute"}, "--position-embedding-type"),
-    ({"num_experts": 8}, "--num-experts"),
+    ({"num_experts": 8, "moe_shared_expert_intermediate_size": 64}, "--moe-shared-expert-intermediate-size"),
+    ({"num_experts": 8, "moe_router_score_function": "sigmoid"}, "--moe-router-score-function"),
+    ({"num_experts": 8, "moe_router_pre_softmax": True}, "--moe-router-pre-softmax"),
+    ({"num_experts": 8, "moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),
+    ({"num_experts": 8, "moe_router_num_groups": 2, "moe_router_group_topk": 1}, "--moe-router-num-groups"),
+    ({"num_experts": 8, "moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor"),
+    ({"num_experts": 8, "moe_layer_freq": [1, 0]}, "--moe-layer-freq"),
+    ({"num_experts": 8, "add_bias_linear": True}, "--add-bias-linear"),
+    ({"num_experts": 8, "moe_router_topk": 9}, "--moe-router-topk"),
     ({"qk_layernorm": True}, "--qk-layernorm"),
     ({"add_bias_linear": False, "add_qkv_bias": True}, "--add-qkv-bias"),
 ])
@@ -124,6 +132,45 @@ def test_hf_round_trip_bytes_and_tokenizer_copied(tmp_path):
     assert sorted(a) == sorted(b) == sorted(idx["weight_map"])
     assert all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in a.values())
+
+
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+           "num_experts_per_tok": 2}
+
+
+def test_mixtral_round_trip_bytes_and_refusals(tmp_path):
+    write_hf(tmp_path / "hf", **MIXTRAL)
+    res = convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    assert res.tensors == 2 * (7 + 3 * 4) + 3
+    # the experts are one expert-stacked global tensor per projection, [layers, experts, ...]
+    m = megashard.load_consolidated(str(tmp_path / "ms" / "release"))
+    assert m["decoder.layers.mlp.experts.experts.linear_fc1.weight"].shape == (2, 4, 192, 64)
+    assert m["decoder.layers.mlp.router.weight"].shape == (2, 4, 64)
+    convert(str(tmp_path / "ms"), str(tmp_path / "back"), to="hf", shard_bytes=50_000)
+    cfg = json.load(open(tmp_path / "back" / "config.json"))
+    assert {k: cfg[k] for k in MIXTRAL} == MIXTRAL and cfg["intermediate_size"] == 96
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    idx = json.load(open(tmp_path / "back" / "model.safetensors.index.json"))
+    b = {}
+    for f in sorted(set(idx["weight_map"].values())):
+        b.update(load_file(str(tmp_path / "back" / f)))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    w1 = a["model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+    assert torch.equal(m["decoder.layers.mlp.experts.experts.linear_fc1.weight"][1, 2, :96], w1)
+    # what the Mixtral mapping does not cover is refused before anything is written
+    import shutil
+
+    for name, extra, msg in (("sw", {"sliding_window": 4096}, "sliding_window"),
+                             ("k", {"num_experts_per_tok": 5}, "num_experts_per_tok 5 > num_local_experts 4"),
+                             ("bias", {"attention_bias": True, "mlp_bias": True}, "Mixtral with biases")):
+        shutil.copytree(tmp_path / "hf", tmp_path / name)
+        json.dump({**json.load(open(tmp_path / "hf" / "config.json")), **extra},
+                  open(tmp_path / name / "config.json", "w"))
+        with pytest.raises(ConvertInputError, match=msg):
+            convert(str(tmp_path / name), str(tmp_path / f"{name}.out"))
+        assert not os.path.exists(tmp_path / f"{name}.out")
 
 
 def test_hostile_hf_directories_refused(tmp_path):

@@ -60,6 +60,11 @@ def tensors_of(d) -> dict:
 
 def swap_gate_up(src, dst) -> None:
     """The negative control: the same directory with every layer's gate and up projections swapped."""
+    swap_names(src, dst, "gate_proj", "up_proj")
+
+
+def swap_names(src, dst, a: str, b: str) -> None:
+    """A copy of an HF directory with the tensors whose names differ by ``a`` <-> ``b`` swapped."""
     import shutil
 
     from megashard.hf.safetensors import SafetensorsWriter
@@ -75,7 +80,7 @@ def swap_gate_up(src, dst) -> None:
         names = list(f.entries)
         w = SafetensorsWriter(os.path.join(dst, name), [(n, f.entries[n][0], f.entries[n][1]) for n in names])
         for n in names:
-            other = n.replace("gate_proj", "@").replace("up_proj", "gate_proj").replace("@", "up_proj")
+            other = n.replace(a, "@").replace(b, a).replace("@", b)
             w.write(n, where[other].tensor(other))
         w.close()
     for f in files.values():
@@ -104,6 +109,20 @@ def test_export_tp2_logits_equal_transformers(tmp_path, flags):
     swap_gate_up(tmp_path / "hf", tmp_path / "swapped")
     bad = hf(tmp_path / "swapped", tmp_path / "bad.logits", out=tmp_path / "bad.logits")
     assert np.abs(ref - bad).max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["--pp", "2", "--layers", "4"], id="pp2"),
+    pytest.param(["--pp", "2", "--vp", "2", "--layers", "4"], id="pp2-vp2"),
+])
+def test_export_pipeline_layouts_logits_equal_transformers(tmp_path, layout):
+    # layers spread over stages (and model chunks): the export must put each at its global index
+    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--bias", *layout)
+    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    assert json.load(open(tmp_path / "hf" / "config.json"))["num_hidden_layers"] == 4
+    got = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    assert ref.shape == got.shape == (2, 8, 100)
+    assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
 
 
 def test_export_tensors_file_equals_safetensors_and_loads(tmp_path):
@@ -157,3 +176,55 @@ def test_megashard_hf_megashard_same_model_tensors(tmp_path):
     for k in a:
         x = a[k][:100] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else a[k]
         assert x.dtype == b[k].dtype and x.shape == b[k].shape and torch.equal(x, b[k]), k
+
+
+MOE = ["--experts", "4", "--topk", "2"]
+
+
+def test_export_moe_ep2_logits_equal_mixtral(tmp_path):
+    # 4 experts over EP=2 (2 per rank), top-2 softmax router, allgather dispatcher, SequentialMLP experts
+    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", *MOE, "--ep", "2")
+    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100, shard_bytes=100_000)
+    cfg = json.load(open(tmp_path / "hf" / "config.json"))
+    assert (cfg["architectures"], cfg["model_type"]) == (["MixtralForCausalLM"], "mixtral")
+    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"]) == (4, 2, 96)
+    names = tensors_of(tmp_path / "hf")
+    assert names["model.layers.1.block_sparse_moe.gate.weight"][1] == (4, 64)
+    assert names["model.layers.1.block_sparse_moe.experts.3.w1.weight"][1] == (96, 64)
+    assert names["model.layers.1.block_sparse_moe.experts.3.w2.weight"][1] == (64, 96)
+    assert not any(".mlp." in n for n in names)
+    got = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    assert ref.shape == got.shape == (2, 8, 100)
+    assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
+    # negative controls: an expert of EP rank 0 swapped with one of rank 1; gate (w1) and up (w3) swapped
+    for a, b in ((".experts.0.", ".experts.2."), (".w1.", ".w3.")):
+        swap_names(tmp_path / "hf", tmp_path / f"bad{a}", a, b)
+        bad = hf(tmp_path / f"bad{a}", tmp_path / "bad.logits", out=tmp_path / "bad.logits")
+        assert np.abs(ref - bad).max() > 1e-2, (a, b)
+    # megashard -> HF -> megashard: the same model tensors (the embedding and output layer without padding)
+    import torch
+
+    import megashard
+
+    convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    x = megashard.load_consolidated(str(tmp_path / "ckpt" / "iter_0000001"))
+    y = megashard.load_consolidated(str(tmp_path / "ms" / "release"))
+    assert set(x) == set(y) and any(".experts." in k for k in x)
+    for k in x:
+        v = x[k][:100] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else x[k]
+        assert v.dtype == y[k].dtype and torch.equal(v, y[k]), k
+
+
+def test_import_mixtral_loads_in_megatron_ep2_and_ep1_and_round_trips(tmp_path):
+    hf(tmp_path / "hf", "--make", "--vocab", "100", *MOE)
+    ref = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in tensors_of(tmp_path / "hf")  # the Hub's names
+    res = convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    assert res.source_format == "hf"
+    for layout in (["--ep", "2"], ["--ep", "1"]):
+        got = megatron("load", tmp_path / "ms", tmp_path / "mg.logits", *MOE, *layout,
+                       "--rotary-base", "1000000")  # MixtralConfig's default rope_theta
+        assert np.abs(ref - got).max() < TOL, (layout, np.abs(ref - got).max())
+    convert(str(tmp_path / "ms"), str(tmp_path / "back"), to="hf")
+    a, b = tensors_of(tmp_path / "hf"), tensors_of(tmp_path / "back")
+    assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)

@@ -1,11 +1,12 @@
-"""megashard checkpoint -> Hugging Face Llama directory, streamed layer by layer.
+"""megashard checkpoint -> Hugging Face Llama / Mixtral directory, streamed layer by layer.
 
 :func:`plan_export` checks everything before anything is written (the saved ``args``
 against the mapping, every tensor's global shape, the vocabulary); :func:`write_export`
 then reads one layer at a time through the slice planner (only that layer's boxes of the
 stacked global tensors, only the real vocabulary rows), transforms it, and writes it to
 ``model-0000k-of-0000n.safetensors`` shards (or one ``model.tensors`` file), while the
-next layer is read in the background. Memory: about two layers plus one write buffer;
+next layer is read in the background (an MoE layer: its attention and router, then one
+expert at a time). Memory: about two layers (experts) plus one write buffer;
 the whole model is never held, and no stacked global tensor is ever assembled.
 """
 from __future__ import annotations
@@ -119,6 +120,29 @@ def tokenizer_vocab_size(directory: str) -> Tuple[int, List[str]]:
     return max(ids) + 1, files
 
 
+def _moe_layer_steps(s: LlamaSpec, i: int, keys: Dict[str, str]) -> List[Step]:
+    """MoE layer ``i``: attention, norms and router in one step, then one step per expert."""
+    per = M.megatron_layer_shapes(s)
+    order = [M.NORM_IN[0], M.QKV_W, M.PROJ_W, M.NORM_POST[0], M.ROUTER_W]
+    reads: List[Box] = [(keys[k], (i,) + (0,) * len(per[k]), (1, *per[k])) for k in order]
+
+    def make(got: List[torch.Tensor]) -> List[torch.Tensor]:
+        norm_in, qkv, proj, norm_post, router = (g[0] for g in got)
+        return [norm_in, *M.qkv_to_hf(qkv, s), proj, norm_post, router]
+
+    names = M.layer_hf_names(i, s)
+    steps = [Step(reads, names[:len(order) + 2], make)]
+    f, h = s.ffn, s.hidden
+    for e in range(s.experts):
+        def expert(got: List[torch.Tensor]) -> List[torch.Tensor]:
+            fc1, fc2 = got[0][0, 0], got[1][0, 0]
+            return [fc1[:f], fc2, fc1[f:]]  # w1 (gate), w2 (down), w3 (up)
+
+        steps.append(Step([(keys[M.EXP_FC1], (i, e, 0, 0), (1, 1, 2 * f, h)),
+                           (keys[M.EXP_FC2], (i, e, 0, 0), (1, 1, h, f))], M.expert_hf_names(i, e, s), expert))
+    return steps
+
+
 def _layer_step(m: Manifest, s: LlamaSpec, i: int, keys: Dict[str, str], fc1_split: bool) -> Step:
     """Layer ``i``: read its row of every stacked tensor, produce its HF tensors."""
     per = M.megatron_layer_shapes(s)
@@ -154,7 +178,7 @@ def _layer_step(m: Manifest, s: LlamaSpec, i: int, keys: Dict[str, str], fc1_spl
 
 
 def plan_export(src: str, vocab_size: Optional[int] = None, tokenizer: Optional[str] = None) -> ExportPlan:
-    """Check the checkpoint against the Llama mapping; nothing is read but the index and ``args``."""
+    """Check the checkpoint against the Llama / Mixtral mapping; nothing is read but the index and ``args``."""
     base = checkpoint_location(src)
     m = read_manifest(base)
     args = load_common(base, ["args"]).get("args")
@@ -206,11 +230,12 @@ def plan_export(src: str, vocab_size: Optional[int] = None, tokenizer: Optional[
     unknown = [k for k in m.tensors if k not in known and not k.startswith("optimizer.")
                and not k.endswith("._extra_state") and "rotary_pos_emb" not in k]
     if unknown:
-        raise HFMappingError(f"{base}: model tensors the Llama mapping does not cover: {', '.join(unknown[:8])}; "
-                             "nothing was written")
+        raise HFMappingError(f"{base}: model tensors the Llama / Mixtral mapping does not cover: "
+                             f"{', '.join(unknown[:8])}; nothing was written")
     h = s.hidden
     steps = [Step([(M.EMBED, (0, 0), (s.vocab, h))], [("model.embed_tokens.weight", (s.vocab, h))], lambda g: g)]
-    steps += [_layer_step(m, s, i, keys, fc1_split) for i in range(s.num_layers)]
+    for i in range(s.num_layers):
+        steps += _moe_layer_steps(s, i, keys) if s.moe else [_layer_step(m, s, i, keys, fc1_split)]
     tail: List[Box] = [(M.FINAL_NORM, (0,), (h,))]
     outs = [("model.norm.weight", (h,))]
     if not s.tied:

@@ -1,4 +1,4 @@
-"""Hugging Face Llama directory -> megashard checkpoint of global tensors (any layout loads it).
+"""Hugging Face Llama / Mixtral directory -> megashard checkpoint of global tensors (any layout loads it).
 
 :func:`plan_import` validates ``config.json`` and every safetensors header (bounded, byte
 ranges inside the file, no symbolic links) and checks each expected tensor's shape and
@@ -8,7 +8,9 @@ of the source files (norms, ``o_proj``, ``down_proj``, and ``gate`` / ``up`` as 
 halves of ``linear_fc1``), and only ``linear_qkv`` (the grouped interleave of q, k and v)
 assembled, into memory the caller provides (a file-backed scratch). Megatron pads the
 vocabulary for the layout that loads it; the import saves the real rows, and the padded
-embedding and output-layer shards load them (``allow_shape_mismatch``).
+embedding and output-layer shards load them (``allow_shape_mismatch``). Mixtral's experts
+(the Hub's per-expert ``w1`` / ``w2`` / ``w3``) become shards of the expert-stacked
+``linear_fc1`` / ``linear_fc2``, which any expert-parallel layout loads.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ INDEX = "model.safetensors.index.json"
 #: linears; Transformer Engine's modules accept ``None`` as "nothing saved")
 EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
                "mlp.linear_fc1", "mlp.linear_fc2")
+#: ... and an MoE layer (layers, experts)
+EXTRA_STATE_EXPERTS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 SINGLE = "model.safetensors"
 
 
@@ -110,7 +114,7 @@ def expected(s: LlamaSpec) -> List[Tuple[str, Tuple[int, ...]]]:
 
 
 def plan_import(src: str) -> ImportPlan:
-    """Validate an HF Llama directory; the returned plan holds its files open."""
+    """Validate an HF Llama / Mixtral directory; the returned plan holds its files open."""
     base = os.path.abspath(src)
     try:
         dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -139,7 +143,8 @@ def plan_import(src: str) -> ImportPlan:
         extra = [n for n in where if n not in names and not (spec.tied and n == "lm_head.weight")
                  and "rotary_emb.inv_freq" not in n]
         if extra:
-            raise HFMappingError(f"{base}: tensors the Llama mapping does not cover: {', '.join(sorted(extra)[:8])}")
+            raise HFMappingError(f"{base}: tensors the Llama / Mixtral mapping does not cover: "
+                                 f"{', '.join(sorted(extra)[:8])}")
         dtypes = set()
         for n, shape in want:
             if n not in where:
@@ -169,7 +174,7 @@ def import_state(plan: ImportPlan, alloc: Callable[[torch.dtype, Sequence[int]],
     ``alloc(dtype, shape)`` provides memory for the tensors that must be assembled (qkv).
     """
     s = plan.spec
-    L = s.num_layers
+    L, E = s.num_layers, s.experts
     model: Dict[str, Any] = {}
 
     def put(key: str, data: torch.Tensor, gshape: Tuple[int, ...], offset: Tuple[int, ...], prepend: int = 0) -> None:
@@ -188,10 +193,24 @@ def import_state(plan: ImportPlan, alloc: Callable[[torch.dtype, Sequence[int]],
                                    t(p + "self_attn.v_proj.weight"), s, alloc(s.dtype, (s.qkv_rows, s.hidden))), i)
         layer(M.PROJ_W, t(p + "self_attn.o_proj.weight"), i)
         layer(M.NORM_POST[0], t(p + "post_attention_layernorm.weight"), i)
-        layer(M.FC1_W, t(p + "mlp.gate_proj.weight"), i, 0)
-        layer(M.FC1_W, t(p + "mlp.up_proj.weight"), i, s.ffn)
-        layer(M.FC2_W, t(p + "mlp.down_proj.weight"), i)
+        if s.moe:
+            layer(M.ROUTER_W, t(p + "block_sparse_moe.gate.weight"), i)
+            fc1, fc2 = (E, 2 * s.ffn, s.hidden), (E, s.hidden, s.ffn)
+            for e in range(E):
+                x = f"{p}block_sparse_moe.experts.{e}."
+                put(M.LAYER + M.EXP_FC1, t(x + "w1.weight"), (L, *fc1), (i, e, 0, 0), prepend=2)
+                put(M.LAYER + M.EXP_FC1, t(x + "w3.weight"), (L, *fc1), (i, e, s.ffn, 0), prepend=2)
+                put(M.LAYER + M.EXP_FC2, t(x + "w2.weight"), (L, *fc2), (i, e, 0, 0), prepend=2)
+                for name in EXTRA_STATE_EXPERTS:
+                    o = ShardedObject(f"{M.LAYER}{name}._extra_state", None, (L, E), (i, e))
+                    model[o.unique_key] = o  # type: ignore[assignment]
+        else:
+            layer(M.FC1_W, t(p + "mlp.gate_proj.weight"), i, 0)
+            layer(M.FC1_W, t(p + "mlp.up_proj.weight"), i, s.ffn)
+            layer(M.FC2_W, t(p + "mlp.down_proj.weight"), i)
         for name in EXTRA_STATE:  # Megatron's strict load asks for them; an HF directory has none
+            if s.moe and name.startswith("mlp."):
+                continue
             o = ShardedObject(f"{M.LAYER}{name}._extra_state", None, (L,), (i,))
             model[o.unique_key] = o  # type: ignore[assignment]
         if s.bias:

@@ -1,4 +1,4 @@
-"""Megatron GPTModel <-> Hugging Face Llama: the model description, names and tensor transforms.
+"""Megatron GPTModel <-> Hugging Face Llama / Mixtral: the model description, names and tensor transforms.
 
 Checked against megatron-core 0.16's code and transformers 5.x (logits equal in the tests):
 
@@ -16,6 +16,14 @@ Checked against megatron-core 0.16's code and transformers 5.x (logits equal in 
   the pairs are ``(2i, 2i+1)``, HF's ``(i, i + d/2)``: q and k rows are permuted per head.
 * layers are stacked: a layer's tensor is row ``l`` of a ``[num_layers, ...]`` global tensor.
 * the vocabulary is padded in the checkpoint; the real size comes from the user.
+* Mixture-of-Experts (every layer an MoE layer, softmax top-k router, no shared experts) is
+  Mixtral: ``mlp.router.weight`` ``[experts, hidden]`` is ``block_sparse_moe.gate.weight``;
+  the experts are saved (SequentialMLP, TEGroupedMLP and the legacy GroupedMLP alike) as
+  ``mlp.experts.experts.linear_fc1.weight`` ``[layers, experts, 2 * ffn, hidden]`` (``[gate; up]``
+  = ``[w1; w3]``) and ``...linear_fc2.weight`` ``[layers, experts, hidden, ffn]`` (``w2``).
+  Megatron's router (top-k of the logits, softmax over those k) equals Mixtral's (softmax,
+  top-k, renormalised). The files use the Hub's per-expert names, which transformers 5.x
+  fuses on load (and writes back on save) and vLLM reads.
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ import torch
 from ..errors import CheckpointError
 
 __all__ = ["HFMappingError", "LlamaSpec", "spec_from_megatron_args", "spec_from_hf_config", "qkv_to_hf",
-           "hf_to_qkv", "LAYER", "layer_hf_names"]
+           "hf_to_qkv", "LAYER", "layer_hf_names", "expert_hf_names"]
 
 LAYER = "decoder.layers."
 
@@ -54,9 +62,15 @@ class LlamaSpec:
     tied: bool
     bias: bool
     interleaved: bool = False
+    experts: int = 0  # MoE (Mixtral) when > 0; ``ffn`` is then each expert's hidden size
+    topk: int = 0
     rope_scaling: Optional[Dict[str, Any]] = None
     dtype: torch.dtype = torch.float32
     extra: Dict[str, Any] = field(default_factory=dict)  # HF config keys carried through (bos/eos ids)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def qkv_rows(self) -> int:
@@ -91,6 +105,12 @@ class LlamaSpec:
             "torch_dtype": _DTYPE_NAMES[self.dtype],
             "use_cache": True,
         }
+        if self.moe:
+            for k in ("attention_bias", "mlp_bias"):
+                del cfg[k]
+            cfg.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                        "num_local_experts": self.experts, "num_experts_per_tok": self.topk,
+                        "sliding_window": None, "router_jitter_noise": 0.0, "output_router_logits": False})
         cfg.update(self.extra)
         return cfg
 
@@ -107,6 +127,9 @@ class LlamaSpec:
             "untie_embeddings_and_output_weights": not self.tied, "add_bias_linear": self.bias,
             "add_qkv_bias": self.bias, "vocab_size": self.vocab, "max_position_embeddings": self.max_positions,
             "bf16": self.dtype == torch.bfloat16, "fp16": self.dtype == torch.float16,
+            "num_experts": self.experts or None,
+            **({"moe_router_topk": self.topk, "moe_ffn_hidden_size": self.ffn, "moe_layer_freq": 1,
+                "moe_router_score_function": "softmax", "moe_router_pre_softmax": False} if self.moe else {}),
         }
 
 
@@ -116,7 +139,6 @@ _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 # Megatron-LM flags the Llama mapping does not cover, with the value that is fine
 # (attribute -> (flag, ok value or predicate)); anything else is refused, naming the flag.
 _REFUSE: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
-    "num_experts": ("--num-experts (MoE export is not implemented)", lambda v: not v),
     "multi_latent_attention": ("--multi-latent-attention", lambda v: not v),
     "qk_layernorm": ("--qk-layernorm", lambda v: not v),
     "qk_l2_norm": ("--qk-l2-norm", lambda v: not v),
@@ -131,6 +153,27 @@ _REFUSE: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
     "softmax_scale": ("--softmax-scale", lambda v: v is None),
     "rotary_percent": ("--rotary-percent", lambda v: v is None or float(v) == 1.0),
     "embedding_multiplier_scale": ("--embedding-multiplier-scale", lambda v: v in (None, 1.0)),
+}
+
+
+# MoE flags (with --num-experts) beyond Mixtral's: every layer MoE, softmax top-k renormalised, no shared
+# experts, no token dropping, experts without bias
+_REFUSE_MOE: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
+    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size", lambda v: not v),
+    "moe_router_score_function": ("--moe-router-score-function", lambda v: v in (None, "softmax")),
+    "moe_router_pre_softmax": ("--moe-router-pre-softmax", lambda v: not v),
+    "moe_router_enable_expert_bias": ("--moe-router-enable-expert-bias", lambda v: not v),
+    "moe_router_topk_scaling_factor": ("--moe-router-topk-scaling-factor", lambda v: v in (None, 1.0)),
+    "moe_router_num_groups": ("--moe-router-num-groups", lambda v: not v),
+    "moe_router_group_topk": ("--moe-router-group-topk", lambda v: not v),
+    "moe_router_topk_limited_devices": ("--moe-router-topk-limited-devices", lambda v: not v),
+    "moe_router_force_load_balancing": ("--moe-router-force-load-balancing", lambda v: not v),
+    "moe_expert_capacity_factor": ("--moe-expert-capacity-factor", lambda v: v is None),
+    "moe_layer_freq": ("--moe-layer-freq", lambda v: v in (None, 1) or (isinstance(v, list) and set(v) == {1})),
+    "moe_apply_probs_on_input": ("--moe-apply-probs-on-input", lambda v: not v),
+    "moe_latent_size": ("--moe-latent-size", lambda v: v is None),
+    "add_bias_linear": ("--add-bias-linear (Megatron's default; Mixtral has no biases: --disable-bias-linear)",
+                        lambda v: v is False),
 }
 
 
@@ -161,6 +204,18 @@ def spec_from_megatron_args(args: Any, vocab: int, padded_rows: int, dtype: torc
         v = getattr(args, attr, None)
         if not ok(v):
             raise refuse(flag, v)
+    experts = int(_get(args, "num_experts", 0))
+    topk = int(_get(args, "moe_router_topk", 2)) if experts else 0
+    if experts:
+        for attr, (flag, ok) in _REFUSE_MOE.items():
+            v = _get(args, attr, True) if attr == "add_bias_linear" else getattr(args, attr, None)
+            if not ok(v):
+                raise HFMappingError(f"{where}: saved with --num-experts {experts} and {flag} {v!r}: the Hugging "
+                                     "Face Mixtral mapping does not cover it (every layer MoE, softmax top-k router "
+                                     "renormalised over the k, no shared experts, no token dropping, no biases); "
+                                     "nothing was written")
+        if not 1 <= topk <= experts:
+            raise refuse("--moe-router-topk", topk, f" (with {experts} experts)")
     bias = bool(_get(args, "add_bias_linear", True))
     if bool(_get(args, "add_qkv_bias", False)) and not bias:
         raise refuse("--add-qkv-bias", True, " without --add-bias-linear (Llama's attention_bias also "
@@ -185,8 +240,11 @@ def spec_from_megatron_args(args: Any, vocab: int, padded_rows: int, dtype: torc
     if vocab > padded_rows:
         raise HFMappingError(f"{where}: vocabulary of {vocab} is larger than the checkpoint's {padded_rows} "
                              "embedding rows; check --vocab-size / --tokenizer")
+    ffn = int(_get(args, "ffn_hidden_size", 4 * hidden))
+    if experts:
+        ffn = int(_get(args, "moe_ffn_hidden_size", ffn))
     return LlamaSpec(
-        num_layers=int(_get(args, "num_layers")), hidden=hidden, ffn=int(_get(args, "ffn_hidden_size", 4 * hidden)),
+        num_layers=int(_get(args, "num_layers")), hidden=hidden, ffn=ffn, experts=experts, topk=topk,
         heads=heads, groups=groups, head_dim=head_dim, vocab=vocab, eps=float(_get(args, "norm_epsilon", 1e-5)),
         rope_theta=float(_get(args, "rotary_base", 10000)),
         max_positions=int(_get(args, "max_position_embeddings", 0) or _get(args, "seq_length", 2048)),
@@ -208,11 +266,11 @@ def spec_from_hf_config(cfg: Dict[str, Any], where: str) -> LlamaSpec:
     if not isinstance(cfg, dict):
         raise HFMappingError(f"{where}: config.json is not a JSON object")
     mt = cfg.get("model_type")
-    if mt not in ("llama", "mistral") or cfg.get("architectures", ["LlamaForCausalLM"]) not in (
-            ["LlamaForCausalLM"], ["MistralForCausalLM"]):
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}.get(mt)
+    if arch is None or cfg.get("architectures", [arch]) != [arch]:
         raise HFMappingError(f"{where}: model_type {mt!r} / architectures {cfg.get('architectures')!r}: the import "
-                             "covers Llama-family (LlamaForCausalLM) models")
-    if cfg.get("sliding_window") not in (None, 0) and mt == "mistral":
+                             "covers Llama-family (LlamaForCausalLM) and Mixtral (MixtralForCausalLM) models")
+    if cfg.get("sliding_window") not in (None, 0) and mt in ("mistral", "mixtral"):
         raise HFMappingError(f"{where}: sliding_window {cfg['sliding_window']!r} is not covered")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
@@ -253,6 +311,13 @@ def spec_from_hf_config(cfg: Dict[str, Any], where: str) -> LlamaSpec:
         else:
             scaling = {"rope_type": "llama3", "factor": float(scaling["factor"]), "low_freq_factor": 1.0,
                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    experts = topk = 0
+    if mt == "mixtral":
+        experts, topk = num("num_local_experts"), num("num_experts_per_tok")
+        if topk > experts:
+            raise HFMappingError(f"{where}: num_experts_per_tok {topk} > num_local_experts {experts}")
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise HFMappingError(f"{where}: a Mixtral with biases is not covered")
     dname = cfg.get("dtype", cfg.get("torch_dtype", "float32"))
     extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     return LlamaSpec(
@@ -260,7 +325,7 @@ def spec_from_hf_config(cfg: Dict[str, Any], where: str) -> LlamaSpec:
         head_dim=head_dim, vocab=num("vocab_size"), eps=num("rms_norm_eps", 1e-6, float),
         rope_theta=float(num("rope_theta", theta, float)) if "rope_theta" in cfg else float(theta),
         max_positions=num("max_position_embeddings", 2048), tied=bool(cfg.get("tie_word_embeddings", False)),
-        bias=bool(cfg.get("attention_bias", False)), rope_scaling=scaling,
+        bias=bool(cfg.get("attention_bias", False)), rope_scaling=scaling, experts=experts, topk=topk,
         dtype=_DTYPES.get(dname, torch.float32), extra=extra)
 
 
@@ -328,6 +393,11 @@ def layer_hf_names(i: int, s: LlamaSpec) -> List[Tuple[str, Tuple[int, ...]]]:
     if s.bias:
         out.append((p + "self_attn.o_proj.bias", (h,)))
     out.append((p + "post_attention_layernorm.weight", (h,)))
+    if s.moe:
+        out.append((p + "block_sparse_moe.gate.weight", (s.experts, h)))
+        for e in range(s.experts):
+            out += expert_hf_names(i, e, s)
+        return out
     for name in ("gate_proj", "up_proj"):
         out.append((f"{p}mlp.{name}.weight", (f, h)))
         if s.bias:
@@ -338,6 +408,13 @@ def layer_hf_names(i: int, s: LlamaSpec) -> List[Tuple[str, Tuple[int, ...]]]:
     return out
 
 
+def expert_hf_names(i: int, e: int, s: LlamaSpec) -> List[Tuple[str, Tuple[int, ...]]]:
+    """Mixtral's (the Hub's) names of layer ``i``'s expert ``e``: w1 = gate, w2 = down, w3 = up."""
+    p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+    return [(p + "w1.weight", (s.ffn, s.hidden)), (p + "w2.weight", (s.hidden, s.ffn)),
+            (p + "w3.weight", (s.ffn, s.hidden))]
+
+
 # Megatron's stacked layer keys (suffix after "decoder.layers.") -> (accepted aliases)
 NORM_IN = ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
 NORM_POST = ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
@@ -345,14 +422,19 @@ QKV_W, QKV_B = "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bi
 PROJ_W, PROJ_B = "self_attention.linear_proj.weight", "self_attention.linear_proj.bias"
 FC1_W, FC1_B = "mlp.linear_fc1.weight", "mlp.linear_fc1.bias"
 FC2_W, FC2_B = "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"
+ROUTER_W = "mlp.router.weight"
+EXP_FC1, EXP_FC2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
 EMBED, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
 
 
 def megatron_layer_shapes(s: LlamaSpec) -> Dict[str, Tuple[int, ...]]:
     """Per-layer shapes of Megatron's tensors (without the stacked layer axis)."""
     h, f = s.hidden, s.ffn
-    out = {NORM_IN[0]: (h,), QKV_W: (s.qkv_rows, h), PROJ_W: (h, s.heads * s.head_dim), NORM_POST[0]: (h,),
-           FC1_W: (2 * f, h), FC2_W: (h, f)}
+    out = {NORM_IN[0]: (h,), QKV_W: (s.qkv_rows, h), PROJ_W: (h, s.heads * s.head_dim), NORM_POST[0]: (h,)}
+    if s.moe:  # experts stacked on the axis after the layers' (expert parallelism splits it)
+        out.update({ROUTER_W: (s.experts, h), EXP_FC1: (s.experts, 2 * f, h), EXP_FC2: (s.experts, h, f)})
+        return out
+    out.update({FC1_W: (2 * f, h), FC2_W: (h, f)})
     if s.bias:
         out.update({QKV_B: (s.qkv_rows,), PROJ_B: (h,), FC1_B: (2 * f,), FC2_B: (h,)})
     return out

@@ -3,7 +3,7 @@ process-wide): load an HF directory (or a tensorizer file of HF-named tensors wi
 config.json) and write the logits of the same fixed tokens hf_llama.py uses.
 
     python hf_logits.py DIR OUT [--tensors FILE] [--seq N] [--vocab V]
-    python hf_logits.py --make DIR [--layers ...]   # a random HF Llama (save_pretrained)
+    python hf_logits.py --make DIR [--layers ...] [--experts E --topk K]   # a random HF Llama / Mixtral
 """
 from __future__ import annotations
 
@@ -35,16 +35,21 @@ def main() -> int:
     p.add_argument("--tied", action="store_true")
     p.add_argument("--bias", action="store_true")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--experts", type=int, default=0, help="--make: a MixtralForCausalLM with this many experts")
+    p.add_argument("--topk", type=int, default=2)
     o = p.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig
 
     if o.make:
         torch.manual_seed(11)
-        cfg = LlamaConfig(vocab_size=o.vocab, hidden_size=o.hidden, intermediate_size=o.ffn,
-                          num_hidden_layers=o.layers, num_attention_heads=o.heads, num_key_value_heads=o.groups,
-                          max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=o.tied,
-                          attention_bias=o.bias, mlp_bias=o.bias)
-        model = LlamaForCausalLM(cfg)
+        common = dict(vocab_size=o.vocab, hidden_size=o.hidden, intermediate_size=o.ffn,
+                      num_hidden_layers=o.layers, num_attention_heads=o.heads, num_key_value_heads=o.groups,
+                      max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=o.tied)
+        if o.experts:
+            cfg = MixtralConfig(**common, num_local_experts=o.experts, num_experts_per_tok=o.topk)
+            model = AutoModelForCausalLM.from_config(cfg)
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=o.bias, mlp_bias=o.bias))
         with torch.no_grad():
             for _, prm in sorted(model.named_parameters()):
                 prm.copy_(prm + 0.1 * torch.randn(prm.shape))  # norms and biases not trivially 1 / 0
@@ -66,7 +71,8 @@ def main() -> int:
         # non-persistent buffers (rotary inv_freq) live on meta: rebuild them
         model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     else:
-        model = LlamaForCausalLM.from_pretrained(o.dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(o.dir, dtype=torch.float32)
+        assert type(model).__name__ == AutoConfig.from_pretrained(o.dir).architectures[0], type(model)
     model.eval()
     with torch.no_grad():
         out = model(tokens(model.config.vocab_size, o.seq)).logits.float().contiguous()

@@ -33,6 +33,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--logits", required=True)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vp", type=int, default=None, help="virtual pipeline stages (model chunks) per rank")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -46,6 +47,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--rotary-base", type=int, default=10000)
     p.add_argument("--eps", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--experts", type=int, default=0, help="MoE: experts per layer (SequentialMLP, allgather)")
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--ep", type=int, default=1)
     return p.parse_args()
 
 
@@ -59,13 +63,28 @@ def megatron_args(o: argparse.Namespace, padded: int) -> argparse.Namespace:
         untie_embeddings_and_output_weights=not o.tied, add_bias_linear=o.bias, add_qkv_bias=o.bias,
         padded_vocab_size=padded, vocab_size=o.vocab, make_vocab_size_divisible_by=128,
         max_position_embeddings=o.seq, seq_length=o.seq, params_dtype=torch.float32, bf16=False, fp16=False,
-        tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp, num_experts=None,
+        tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+        virtual_pipeline_model_parallel_size=o.vp, expert_model_parallel_size=o.ep, **moe_args(o),
+        num_layers_per_virtual_pipeline_stage=o.layers // (o.pp * o.vp) if o.vp else None,
         no_save_optim=True, no_save_rng=True, no_load_optim=True, no_load_rng=True,
         save=o.dir, load=o.dir, finetune=True, ckpt_format="tensors", save_format="tensors",
     )
 
 
-def build(o: argparse.Namespace, padded: int):
+def moe_args(o: argparse.Namespace) -> dict:
+    """Megatron-LM's MoE arguments (also TransformerConfig's names, but ``num_experts``)."""
+    if not o.experts:
+        return {"num_experts": None}
+    return {"num_experts": o.experts, "moe_router_topk": o.topk, "moe_ffn_hidden_size": o.ffn,
+            "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none",
+            "moe_router_score_function": "softmax", "moe_router_pre_softmax": False, "moe_layer_freq": 1,
+            "moe_shared_expert_intermediate_size": None, "moe_router_enable_expert_bias": False,
+            "moe_router_topk_scaling_factor": None, "moe_expert_capacity_factor": None,
+            "moe_grouped_gemm": False, "moe_aux_loss_coeff": 0.0}
+
+
+def build(o: argparse.Namespace, padded: int) -> list:
+    """The model chunks of this rank (one, or ``--vp`` with a virtual pipeline)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -77,26 +96,37 @@ def build(o: argparse.Namespace, padded: int):
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=o.bias,
         add_qkv_bias=o.bias, rotary_interleaved=o.interleaved, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp, pipeline_dtype=torch.float32,
+        virtual_pipeline_model_parallel_size=o.vp, expert_model_parallel_size=o.ep,
+        **({k if k != "num_experts" else "num_moe_experts": v for k, v in moe_args(o).items()
+            if k != "moe_layer_freq"}),
         params_dtype=torch.float32, use_cpu_initialization=True, sequence_parallel=False,
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
     )
-    model = GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=padded, max_sequence_length=o.seq, pre_process=mpu.is_pipeline_first_stage(),
-        post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=o.tied,
-        position_embedding_type="rope", rotary_base=o.rotary_base,
-    )
-    return model
+    chunks = []
+    for c in range(o.vp or 1):
+        vp = c if o.vp else None
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                num_experts=o.experts or None, moe_grouped_gemm=False, normalization="RMSNorm"),
+            vocab_size=padded, max_sequence_length=o.seq,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=o.tied, position_embedding_type="rope", rotary_base=o.rotary_base,
+            vp_stage=vp,
+        ))
+    return chunks
 
 
-def randomize(model, o: argparse.Namespace) -> None:
+def randomize(chunks: list, o: argparse.Namespace) -> None:
     """Every parameter random, different on every TP rank where it is split (norms too)."""
     from megatron.core import parallel_state as mpu
 
-    for name, p in sorted(model.named_parameters()):
+    for c, name, p in sorted((c, n, p) for c, m in enumerate(chunks) for n, p in m.named_parameters()):
         split = bool(getattr(p, "tensor_model_parallel", False))
-        seed = zlib.crc32(f"{name}|{mpu.get_pipeline_model_parallel_rank()}|"
+        expert = getattr(p, "allreduce", True) is False  # an expert's weights: this EP rank's own experts
+        seed = zlib.crc32(f"{name}|{mpu.get_pipeline_model_parallel_rank()}|{c}|"
+                          f"{mpu.get_expert_model_parallel_rank() if expert else 0}|"
                           f"{mpu.get_tensor_model_parallel_rank() if split else 0}|{o.seed}".encode())
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -108,8 +138,9 @@ def randomize(model, o: argparse.Namespace) -> None:
         raise SystemExit("tied embeddings with PP > 1 are not set up by this helper")
 
 
-def logits(model, o: argparse.Namespace, padded: int) -> torch.Tensor | None:
-    """Forward of fixed tokens through the pipeline (p2p between stages); full logits on the last stage."""
+def logits(chunks: list, o: argparse.Namespace, padded: int) -> torch.Tensor | None:
+    """Forward of fixed tokens through the pipeline (p2p between stages, chunk by chunk around the ring
+    with a virtual pipeline); full logits on the last stage."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -119,16 +150,19 @@ def logits(model, o: argparse.Namespace, padded: int) -> torch.Tensor | None:
     pos = torch.arange(s).unsqueeze(0).expand(b, s)
     mask = torch.tril(torch.ones((1, 1, s, s))) < 0.5
     pp, stage = mpu.get_pipeline_model_parallel_world_size(), mpu.get_pipeline_model_parallel_rank()
-    model.eval()
     with torch.no_grad():
-        if stage > 0:
-            inp = torch.empty((s, b, o.hidden))
-            dist.recv(inp, src=mpu.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(inp)
-        out = model(tokens, pos, mask)
-        if stage < pp - 1:
-            dist.send(out.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank())
-            return None
+        for c, model in enumerate(chunks):
+            model.eval()
+            first, last = stage == 0 and c == 0, stage == pp - 1 and c == len(chunks) - 1
+            if not first:  # from the previous stage (the last stage's previous chunk for stage 0)
+                inp = torch.empty((s, b, o.hidden))
+                dist.recv(inp, src=mpu.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(inp)
+            out = model(tokens, pos, mask)
+            if not last:
+                dist.send(out.contiguous(), dst=mpu.get_pipeline_model_parallel_next_rank())
+    if stage != pp - 1:
+        return None
     # out: [b, s, padded / tp] on each TP rank
     parts = [torch.empty_like(out) for _ in range(mpu.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, out.contiguous(), group=mpu.get_tensor_model_parallel_group())
@@ -149,20 +183,21 @@ def main() -> int:
     import megashard.megatron as msm
 
     dist.init_process_group("gloo")
-    mpu.initialize_model_parallel(tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=o.tp, pipeline_model_parallel_size=o.pp,
+                                  virtual_pipeline_model_parallel_size=o.vp, expert_model_parallel_size=o.ep)
     torch.manual_seed(o.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(o.seed)
     mult = 128 * o.tp
     padded = (o.vocab + mult - 1) // mult * mult
     args = megatron_args(o, padded)
-    model = build(o, padded)
+    chunks = build(o, padded)
     if o.mode == "save":
-        randomize(model, o)
-        msm.save_checkpoint(1, [model], None, None, args=args, save_dir=o.dir, async_save=False)
+        randomize(chunks, o)
+        msm.save_checkpoint(1, chunks, None, None, args=args, save_dir=o.dir, async_save=False)
     else:
-        it, _ = msm.load_checkpoint([model], None, None, args=args)
+        it, _ = msm.load_checkpoint(chunks, None, None, args=args)
         assert it == 0, it
-    out = logits(model, o, padded)
+    out = logits(chunks, o, padded)
     if out is not None:
         with open(o.logits, "wb") as f:
             f.write(out.float().numpy().tobytes())
