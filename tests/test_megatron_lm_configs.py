@@ -84,11 +84,18 @@ def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa
     ep1 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
     a, cmp = _train(mlm_tree, tmp_path, MOE, ep2)
     assert any(".experts." in k for k in cmp["compared"]) and any(".router." in k for k in cmp["compared"])
-    # the model reshards EP2 <-> EP1; the optimizer state does not (see the module docstring)
-    run = _reshard(mlm_tree, a, tmp_path / "ep1", MOE, ep1, model_only=True)
+    # EP2 -> EP1: two optimizers (dense, experts) become one; every model and optimizer tensor reshards
+    run = _reshard(mlm_tree, a, tmp_path / "ep1", MOE, ep1)
     assert "RNG state layout changed (PP1xTP1xDP2 in the checkpoint, PP1xTP1 (EP1) in this run): " \
            "RNG state will be ignored" in run.output
-    run = _reshard(mlm_tree, tmp_path / "ep1", tmp_path / "ep2", MOE, ep2, model_only=True)
+    # EP1 -> EP2, training on to iteration 4: the same checkpoint as the uninterrupted EP2 run's, so the
+    # optimizer's step and param groups came back into both optimizers too
+    ep2b = tmp_path / "ep2"
+    run, losses = mlm(mlm_tree, [*MOE, *ep2, *SAVE, "--train-iters", "4", "--save-interval", "2",
+                                 "--load", str(tmp_path / "ep1"), "--ckpt-step", "2", "--save", str(ep2b)])
+    assert "at iteration 2 (optimizer loaded, rng not loaded)" in run.output
     assert "RNG state layout changed (PP1xTP1 (EP1) in the checkpoint, PP1xTP1xDP2 in this run): " \
            "RNG state will be ignored" in run.output
-
+    assert sorted(losses) == [3, 4]
+    cmp = _same(a / "iter_0000004", ep2b / "iter_0000004", "EP2 -> EP1 -> EP2, trained on")
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") and ".experts." in k for k in cmp["compared"])
