@@ -88,14 +88,18 @@ def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa
     run = _reshard(mlm_tree, a, tmp_path / "ep1", MOE, ep1)
     assert "RNG state layout changed (PP1xTP1xDP2 in the checkpoint, PP1xTP1 (EP1) in this run): " \
            "RNG state will be ignored" in run.output
+    assert "optimizer state saved by 2 chained optimizers, loaded into one optimizer" in run.output
     # EP1 -> EP2, training on to iteration 4: the same checkpoint as the uninterrupted EP2 run's, so the
-    # optimizer's step and param groups came back into both optimizers too
+    # optimizer's step and param groups came back into both optimizers too (the scheduler's decay
+    # lengths follow --train-iters, which the EP1 run saved as 2)
     ep2b = tmp_path / "ep2"
     run, losses = mlm(mlm_tree, [*MOE, *ep2, *SAVE, "--train-iters", "4", "--save-interval", "2",
+                                 "--override-opt-param-scheduler",
                                  "--load", str(tmp_path / "ep1"), "--ckpt-step", "2", "--save", str(ep2b)])
     assert "at iteration 2 (optimizer loaded, rng not loaded)" in run.output
     assert "RNG state layout changed (PP1xTP1 (EP1) in the checkpoint, PP1xTP1xDP2 in this run): " \
            "RNG state will be ignored" in run.output
+    assert "optimizer state saved by one optimizer, loaded into 2 chained optimizers" in run.output
     assert sorted(losses) == [3, 4]
     cmp = _same(a / "iter_0000004", ep2b / "iter_0000004", "EP2 -> EP1 -> EP2, trained on")
     assert any(k.startswith("optimizer.state.exp_avg_sq.") and ".experts." in k for k in cmp["compared"])
