@@ -79,13 +79,15 @@ def test_llama_bf16_distributed_optimizer_tp2(mlm_tree, tmp_path):  # noqa: F811
     _reshard(mlm_tree, a, tmp_path / "tp1dp2", LLAMA, ["--tensor-model-parallel-size", "1"])
 
 
-def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa: F811
-    ep2 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
-    ep1 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
-    a, cmp = _train(mlm_tree, tmp_path, MOE, ep2)
-    assert any(".experts." in k for k in cmp["compared"]) and any(".router." in k for k in cmp["compared"])
-    # EP2 -> EP1: two optimizers (dense, experts) become one; every model and optimizer tensor reshards
-    run = _reshard(mlm_tree, a, tmp_path / "ep1", MOE, ep1)
+EP2 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
+EP1 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
+
+
+def _ep2_to_ep1_and_back(tree, a, tmp_path, flags):
+    """``a`` holds iterations 2 and 4 of an EP2 run. EP2 -> EP1 reshards every model and optimizer
+    tensor of iteration 2; EP1 -> EP2, training on to iteration 4, gives the EP2 run's iteration 4."""
+    # EP2 -> EP1: two optimizers (dense, experts) become one
+    run = _reshard(tree, a, tmp_path / "ep1", flags, EP1)
     assert "RNG state layout changed (PP1xTP1xDP2 in the checkpoint, PP1xTP1 (EP1) in this run): " \
            "RNG state will be ignored" in run.output
     assert "optimizer state saved by 2 chained optimizers, loaded into one optimizer" in run.output
@@ -93,9 +95,9 @@ def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa
     # optimizer's step and param groups came back into both optimizers too (the scheduler's decay
     # lengths follow --train-iters, which the EP1 run saved as 2)
     ep2b = tmp_path / "ep2"
-    run, losses = mlm(mlm_tree, [*MOE, *ep2, *SAVE, "--train-iters", "4", "--save-interval", "2",
-                                 "--override-opt-param-scheduler",
-                                 "--load", str(tmp_path / "ep1"), "--ckpt-step", "2", "--save", str(ep2b)])
+    run, losses = mlm(tree, [*flags, *EP2, *SAVE, "--train-iters", "4", "--save-interval", "2",
+                             "--override-opt-param-scheduler",
+                             "--load", str(tmp_path / "ep1"), "--ckpt-step", "2", "--save", str(ep2b)])
     assert "at iteration 2 (optimizer loaded, rng not loaded)" in run.output
     assert "RNG state layout changed (PP1xTP1 (EP1) in the checkpoint, PP1xTP1xDP2 in this run): " \
            "RNG state will be ignored" in run.output
@@ -103,3 +105,15 @@ def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa
     assert sorted(losses) == [3, 4]
     cmp = _same(a / "iter_0000004", ep2b / "iter_0000004", "EP2 -> EP1 -> EP2, trained on")
     assert any(k.startswith("optimizer.state.exp_avg_sq.") and ".experts." in k for k in cmp["compared"])
+
+
+def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa: F811
+    a, cmp = _train(mlm_tree, tmp_path, MOE, EP2)
+    assert any(".experts." in k for k in cmp["compared"]) and any(".router." in k for k in cmp["compared"])
+    _ep2_to_ep1_and_back(mlm_tree, a, tmp_path, MOE)
+
+
+def test_moe_distributed_optimizer_reshards_ep2_to_ep1_and_back(mlm_tree, tmp_path):  # noqa: F811
+    flags, a = [*MOE, "--use-distributed-optimizer"], tmp_path / "a"
+    mlm(mlm_tree, [*flags, *EP2, *SAVE, "--train-iters", "4", "--save-interval", "2", "--save", str(a)])
+    _ep2_to_ep1_and_back(mlm_tree, a, tmp_path, flags)
