@@ -4,12 +4,12 @@ on whichever megatron-core release is installed (0.16.1 in the Python 3.11 leg, 
 * Llama blocks in bf16 with the DistributedOptimizer at TP=2: a resume is bit-exact (every model and
   optimizer tensor of the final checkpoint equals the uninterrupted run's); TP2 -> TP1·DP2 reshards
   exactly (the resharded run's checkpoint of the same iteration holds the same global tensors).
-* Mixture-of-Experts, EP=2 (allgather dispatcher): resume bit-exact; EP2 -> EP1 and EP1 -> EP2 reshard
-  the model exactly (the RNG state, whose layout changes with EP, is ignored with a warning, as Megatron
-  does). The optimizer state does not reshard across EP=1 <-> EP>1 yet: megatron-core chains a second
-  optimizer for the experts only when EP>1 (experts are "expert-parallel" parameters only then), so the
-  optimizer's state dict changes shape (``KeyError: 'step'`` in ``torch.optim.Adam.__setstate__``);
-  these runs pass ``--no-load-optim``.
+* Mixture-of-Experts, EP=2 (allgather dispatcher): resume bit-exact (plain Adam); with plain Adam and
+  with the DistributedOptimizer, EP2 -> EP1 reshards every model and optimizer tensor exactly and EP1 -> EP2, training on,
+  gives the uninterrupted EP2 run's checkpoint bit for bit. megatron-core chains a second optimizer for
+  the experts only when EP>1, so the optimizer's param groups and step are regrouped on load
+  (``megashard.megatron.state.regroup_optimizer_state``); the RNG state, whose layout changes with EP,
+  is ignored with a warning, as Megatron does.
 * Expert tensor parallelism cannot run here: megatron-core requires sequence parallelism with MoE and
   TP>1 ("ValueError: During training, performance may degrade if MoE and tensor parallelismare enabled
   without also enabling sequence parallelism."), and without Transformer Engine its torch LayerNorm refuses
@@ -33,7 +33,6 @@ LLAMA = ["--bf16", "--use-distributed-optimizer", "--normalization", "RMSNorm", 
          "--vocab-size", "200"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather"]
 SAVE = ["--save-format", "tensors"]
-MODEL = ["embedding.", "decoder.", "output_layer."]
 
 
 def _same(a, b, what: str, prefixes=None) -> dict:
@@ -56,17 +55,16 @@ def _train(tree, tmp_path, flags, layout):
     return a, _same(a / "iter_0000004", b / "iter_0000004", "same-layout resume")
 
 
-def _reshard(tree, src, dst, flags, layout, model_only=False):
-    """Load ``src``'s iteration 2 in ``layout`` and save it again: the same global tensors
-    (``model_only``: with ``--no-load-optim``, the model's)."""
-    extra = ["--no-load-optim"] if model_only else []
-    run, losses = mlm(tree, [*flags, *layout, *SAVE, *extra, "--train-iters", "2", "--save-interval", "1000",
+def _reshard(tree, src, dst, flags, layout):
+    """Load ``src``'s iteration 2 in ``layout`` (model and optimizer) and save it again: the same
+    global tensors."""
+    run, losses = mlm(tree, [*flags, *layout, *SAVE, "--train-iters", "2", "--save-interval", "1000",
                              "--override-opt-param-scheduler", "--load", str(src),
                              "--ckpt-step", "2", "--save", str(dst)])
-    assert losses == {} and ("(optimizer not loaded" if model_only else "(optimizer loaded") in run.output
-    cmp = _same(src / "iter_0000002", dst / "iter_0000002", f"reshard to {layout}",
-                MODEL if model_only else None)
-    assert cmp["compared"] and (model_only or any(k.startswith("optimizer.") for k in cmp["compared"]))
+    assert losses == {} and "(optimizer loaded" in run.output
+    cmp = _same(src / "iter_0000002", dst / "iter_0000002", f"reshard to {layout}")
+    assert any(k.startswith("optimizer.") for k in cmp["compared"])
+    assert any(k.startswith(("embedding.", "decoder.", "output_layer.")) for k in cmp["compared"])
     return run
 
 
@@ -79,16 +77,41 @@ def test_llama_bf16_distributed_optimizer_tp2(mlm_tree, tmp_path):  # noqa: F811
     _reshard(mlm_tree, a, tmp_path / "tp1dp2", LLAMA, ["--tensor-model-parallel-size", "1"])
 
 
-def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa: F811
-    ep2 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
-    ep1 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
-    a, cmp = _train(mlm_tree, tmp_path, MOE, ep2)
-    assert any(".experts." in k for k in cmp["compared"]) and any(".router." in k for k in cmp["compared"])
-    # the model reshards EP2 <-> EP1; the optimizer state does not (see the module docstring)
-    run = _reshard(mlm_tree, a, tmp_path / "ep1", MOE, ep1, model_only=True)
+EP2 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
+EP1 = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "1"]
+
+
+def _ep2_to_ep1_and_back(tree, a, tmp_path, flags):
+    """``a`` holds iterations 2 and 4 of an EP2 run. EP2 -> EP1 reshards every model and optimizer
+    tensor of iteration 2; EP1 -> EP2, training on to iteration 4, gives the EP2 run's iteration 4."""
+    # EP2 -> EP1: two optimizers (dense, experts) become one
+    run = _reshard(tree, a, tmp_path / "ep1", flags, EP1)
     assert "RNG state layout changed (PP1xTP1xDP2 in the checkpoint, PP1xTP1 (EP1) in this run): " \
            "RNG state will be ignored" in run.output
-    run = _reshard(mlm_tree, tmp_path / "ep1", tmp_path / "ep2", MOE, ep2, model_only=True)
+    assert "optimizer state saved by 2 chained optimizers, loaded into one optimizer" in run.output
+    # EP1 -> EP2, training on to iteration 4: the same checkpoint as the uninterrupted EP2 run's, so the
+    # optimizer's step and param groups came back into both optimizers too (the scheduler's decay
+    # lengths follow --train-iters, which the EP1 run saved as 2)
+    ep2b = tmp_path / "ep2"
+    run, losses = mlm(tree, [*flags, *EP2, *SAVE, "--train-iters", "4", "--save-interval", "2",
+                             "--override-opt-param-scheduler",
+                             "--load", str(tmp_path / "ep1"), "--ckpt-step", "2", "--save", str(ep2b)])
+    assert "at iteration 2 (optimizer loaded, rng not loaded)" in run.output
     assert "RNG state layout changed (PP1xTP1 (EP1) in the checkpoint, PP1xTP1xDP2 in this run): " \
            "RNG state will be ignored" in run.output
+    assert "optimizer state saved by one optimizer, loaded into 2 chained optimizers" in run.output
+    assert sorted(losses) == [3, 4]
+    cmp = _same(a / "iter_0000004", ep2b / "iter_0000004", "EP2 -> EP1 -> EP2, trained on")
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") and ".experts." in k for k in cmp["compared"])
 
+
+def test_moe_ep2_resume_and_reshard_to_ep1_and_back(mlm_tree, tmp_path):  # noqa: F811
+    a, cmp = _train(mlm_tree, tmp_path, MOE, EP2)
+    assert any(".experts." in k for k in cmp["compared"]) and any(".router." in k for k in cmp["compared"])
+    _ep2_to_ep1_and_back(mlm_tree, a, tmp_path, MOE)
+
+
+def test_moe_distributed_optimizer_reshards_ep2_to_ep1_and_back(mlm_tree, tmp_path):  # noqa: F811
+    flags, a = [*MOE, "--use-distributed-optimizer"], tmp_path / "a"
+    mlm(mlm_tree, [*flags, *EP2, *SAVE, "--train-iters", "4", "--save-interval", "2", "--save", str(a)])
+    _ep2_to_ep1_and_back(mlm_tree, a, tmp_path, flags)

@@ -837,13 +837,128 @@ def _load_fs_model_space(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor
                     idx += 1
 
 
+#: where a sub-optimizer's state keeps what is not a per-parameter tensor: param groups
+#: (``FP32Optimizer``; ``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer``)
+#: and the step torch's Adam shares between parameters (``DistributedOptimizer`` keeps it
+#: in every param group instead)
+_PARAM_GROUPS_AT: Tuple[Path, ...] = (("param_groups",), ("optimizer", "param_groups"))
+_COMMON_STEP_AT: Tuple[Path, ...] = (("state", "common_step"), ("optimizer", "state", "common_step"))
+
+
+def _lookup(x: Any, path: Path) -> Tuple[bool, Any]:
+    for k in path:
+        if not isinstance(x, dict) or k not in x:
+            return False, None
+        x = x[k]
+    return True, x
+
+
+def _group_identity(group: Dict[str, Any], keys: Sequence[str]) -> Tuple[Any, ...]:
+    """Megatron's identity of a param group (``pre_`` keys: NeMo's names, as megatron-core reads them)."""
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in keys)
+
+
+def _match_param_groups(current: List[Any], saved: List[Dict[str, Any]], where: str) -> List[Any]:
+    """This run's param groups with the values of the checkpoint's matching groups.
+
+    A group is matched by megatron-core's ``param_group_identifier_keys``; when expert
+    parallelism appears or disappears, an expert group (``is_expert_parallel``, its own
+    optimizer with EP>1) takes the values of the group that held the experts before
+    (the same keys but ``is_expert_parallel``), and keeps its own flag and ``params``.
+    """
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys as keys
+
+    loose = [k for k in keys if k != "is_expert_parallel"]
+    out: List[Any] = []
+    for group in current:
+        if not isinstance(group, dict):
+            raise StateDictError(f"{where}: param group {group!r:.100} of this run is not a dict")
+        exact = [g for g in saved if _group_identity(g, keys) == _group_identity(group, keys)]
+        near = exact or [g for g in saved if _group_identity(g, loose) == _group_identity(group, loose)]
+        if not near:
+            raise StateDictError(
+                f"{where}: no param group of the checkpoint matches this run's group "
+                f"{dict(zip(keys, _group_identity(group, keys)))} (checkpoint: "
+                f"{[dict(zip(keys, _group_identity(g, keys))) for g in saved]}); load with --no-load-optim")
+        merged = {k: v for k, v in near[0].items() if k != "params"}
+        merged["is_expert_parallel"] = group.get("is_expert_parallel", merged.get("is_expert_parallel"))
+        if "params" in group:
+            merged["params"] = group["params"]
+        out.append(merged)
+    return out
+
+
+def _fill_sub_state(current: Dict[str, Any], saved: List[Dict[str, Any]], where: str) -> None:
+    """Give one sub-optimizer's state, built from this run, the checkpoint's param groups,
+    step and grad scaler (its tensors were loaded by global key already)."""
+    for path in _PARAM_GROUPS_AT:
+        found, groups = _lookup(current, path)
+        if found and isinstance(groups, list):
+            pool = [g for s in saved for g in (_lookup(s, path)[1] or []) if isinstance(g, dict)]
+            set_path(current, path, _match_param_groups(groups, pool, where))
+    for path in _COMMON_STEP_AT:
+        found, parent = _lookup(current, path[:-1])
+        if not (found and isinstance(parent, dict)):
+            continue
+        steps = [v for ok, v in (_lookup(s, path) for s in saved) if ok]
+        values = {float(v) for v in steps}
+        if len(values) > 1:
+            raise StateDictError(f"{where}: the checkpoint's optimizers are at different steps {sorted(values)}; "
+                                 "megatron-core keeps one step for all of them")
+        if steps:
+            parent[path[-1]] = steps[0].clone() if isinstance(steps[0], torch.Tensor) else steps[0]
+    if "grad_scaler" in current:
+        scalers = [s["grad_scaler"] for s in saved if s.get("grad_scaler") is not None]
+        if scalers:
+            current["grad_scaler"] = scalers[0]
+
+
+def regroup_optimizer_state(optimizer: Any, state: Any) -> Any:
+    """The loaded optimizer state in this run's chain of optimizers, when the checkpoint's differs.
+
+    megatron-core gives the expert-parallel parameters an optimizer of their own only
+    when EP>1 (``ChainedOptimizer``): its state dict is the one optimizer's with EP=1,
+    ``{0: dense, 1: experts}`` with EP>1. Every tensor of it is keyed by its parameter's
+    global key and reshards as it is; what the load returns for this run's structure
+    lacks the rest, which the checkpoint's structure holds (``megashard.load`` returns
+    what this rank saved beside the template's keys): param groups (matched as
+    megatron-core matches them, see :func:`_match_param_groups`), the step shared by the
+    parameters and the grad scaler. Those are filled in here; with the same structure on
+    both sides ``state`` is returned as it is.
+    """
+    n = len(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if not isinstance(state, dict):
+        return state
+    ints = sorted(k for k in state if isinstance(k, int))
+    named = {k: v for k, v in state.items() if not isinstance(k, int)}
+    if n == 1 and ints:
+        current, saved, layout = [named], [state[k] for k in ints], f"{len(ints)} chained optimizers"
+    elif n > 1 and named and ints == list(range(n)):
+        current, saved, layout = [state[k] for k in ints], [named], "one optimizer"
+    elif n > 1 and ints != list(range(n)):
+        raise StateDictError(f"the checkpoint's optimizer state holds optimizers {ints}, this run chains {n}: "
+                             "megashard reshards only between one optimizer and a chain; load with --no-load-optim")
+    else:
+        return state
+    get_logger(__name__).info("optimizer state saved by %s, loaded into %s: param groups and step matched",
+                              layout, f"{n} chained optimizers" if n > 1 else "one optimizer")
+    for i, sub in enumerate(current):
+        if not isinstance(sub, dict) or not all(isinstance(s, dict) for s in saved):
+            raise StateDictError(f"optimizer state of optimizer {i}: not a dict in the checkpoint or this run")
+        _fill_sub_state(sub, saved, f"optimizer {i} of {n}")
+    return named if n == 1 else {k: state[k] for k in ints}
+
+
 def load_optimizer_state(optimizer: Any, state: Any) -> None:
     """``optimizer.load_state_dict`` under no_grad; DistributedOptimizer param state loaded here.
 
-    no_grad: the DistributedOptimizer's fp32 main params are views of the model params
-    when the model is fp32, and copying into them outside no_grad fails ("a view of a
-    leaf Variable that requires grad is being used in an in-place operation").
+    A checkpoint saved by another chain of optimizers (EP=1 <-> EP>1) is regrouped first
+    (:func:`regroup_optimizer_state`). no_grad: the DistributedOptimizer's fp32 main params
+    are views of the model params when the model is fp32, and copying into them outside
+    no_grad fails ("a view of a leaf Variable that requires grad is being used in an
+    in-place operation").
     """
+    state = regroup_optimizer_state(optimizer, state)
     opts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     if _is_fs_model_space(state):
         pairs = [(opts[0], state)]
