@@ -43,6 +43,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from . import procinfo
 from .errors import MegashardError
 
 log = logging.getLogger(__name__)
@@ -80,30 +81,11 @@ def host_identity() -> str:
     """This kernel's boot id and this process's PID namespace ('' if unknown). Ranks with equal
     identities share a /dev/shm-capable kernel and can watch each other's pids; a node id that
     groups ranks of different machines shows up as different boot ids."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
+    boot, ns = procinfo.boot_id(), procinfo.namespace("pid")
+    return f"{boot}/{ns}" if boot and ns else ""
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` names a live (not zombie) process in this PID namespace."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X", b"x")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+pid_alive = procinfo.pid_alive
 
 
 def available_bytes() -> int:
@@ -129,36 +111,11 @@ def available_bytes() -> int:
 _NAME = re.compile(r"megashard-([1-9][0-9]{0,9})-([0-9a-f]{8})-([0-9]{1,20})-([0-9]{1,20})-[0-9a-f]{16}\Z")
 
 
-_GONE = -1  # _start_time: no such process, or a zombie (which holds no mapping any more)
-
-
-def _start_time(pid: str) -> Optional[int]:
-    """A process's start time in clock ticks after boot (with the pid it names one process for
-    the whole boot, whatever pids are reused); ``_GONE``; or None when /proc does not say."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return _GONE
-    except (OSError, IndexError):
-        return None
-    if fields[:1] and fields[0] in (b"Z", b"X", b"x"):
-        return _GONE
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
 def _creator() -> Optional[Tuple[str, str, int]]:
     """This process's (boot id prefix, PID namespace inode, start time), or None if unknown."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip().replace("-", "")[:8]
-        ns = re.fullmatch(r"pid:\[([0-9]+)\]", os.readlink("/proc/self/ns/pid"))
-    except OSError:
-        return None
-    start = _start_time("self")
+    boot = procinfo.boot_id().replace("-", "")[:8]
+    ns = re.fullmatch(r"pid:\[([0-9]+)\]", procinfo.namespace("pid"))
+    start = procinfo.start_time("self")
     if ns is None or start is None or start < 0 or not re.fullmatch(r"[0-9a-f]{8}", boot):
         return None
     return boot, ns.group(1), start
@@ -192,7 +149,7 @@ def sweep_abandoned() -> List[str]:
         m = _NAME.match(n)
         if m is None or (m.group(2), m.group(3)) != me[:2]:
             continue
-        start = _start_time(m.group(1))
+        start = procinfo.start_time(m.group(1))
         if start is None or start == int(m.group(4)):  # alive, or we cannot tell
             continue
         path = os.path.join(SHM_DIR, n)

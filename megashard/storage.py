@@ -87,6 +87,7 @@ import time
 import uuid
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from . import procinfo
 from .errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -546,32 +547,14 @@ def _read_small(path: str, limit: int = 4096) -> Optional[str]:
 
 def _host_identity() -> Dict[str, str]:
     """What makes pids comparable: the same kernel boot, hostname and pid namespace."""
-    def link(p: str) -> str:
-        try:
-            return os.readlink(p)
-        except OSError:
-            return ""
-
-    return {"host": socket.gethostname(), "boot_id": (_read_small("/proc/sys/kernel/random/boot_id") or "").strip(),
-            "pidns": link("/proc/self/ns/pid"), "mntns": link("/proc/self/ns/mnt")}
-
-
-def _start_time(pid: int) -> Optional[int]:
-    """A process's start time (clock ticks since boot), or None if it is not visible."""
-    text = _read_small(f"/proc/{pid}/stat", 1 << 16)
-    if text is None or ")" not in text:
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
+    return {"host": socket.gethostname(), "boot_id": procinfo.boot_id(),
+            "pidns": procinfo.namespace("pid"), "mntns": procinfo.namespace("mnt")}
 
 
 def _owner_record() -> Dict[str, Any]:
     ident = _host_identity()
     return {"host": ident["host"], "boot_id": ident["boot_id"], "pidns": ident["pidns"], "pid": os.getpid(),
-            "start": _start_time(os.getpid()), "created": time.time()}
+            "start": procinfo.start_time(os.getpid()), "created": time.time()}
 
 
 def _owner_alive(path: str) -> Optional[bool]:
@@ -590,16 +573,10 @@ def _owner_alive(path: str) -> Optional[bool]:
     pid, start = rec.get("pid"), rec.get("start")
     if type(pid) is not int or pid <= 0 or not (start is None or type(start) is int):
         return None
-    now = _start_time(pid)
-    if now is None:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            return True  # exists, but hidden from us (another user, hidepid): assume it runs
-        return True
-    return start is None or now == start
+    now = procinfo.start_time(pid)
+    if now == procinfo.GONE:
+        return False
+    return now is None or start is None or now == start  # hidden from us (hidepid): assume it runs
 
 
 # --------------------------------------------------------------------------- checkpoints
