@@ -152,6 +152,22 @@ def looks_like_sharded_tensor(obj: Any) -> bool:
     )
 
 
+@dataclass
+class ShardedObject:
+    """A non-tensor value with a place in a global grid: megatron-core's ``ShardedObject``
+    fields, without megatron-core (saved and loaded like megatron-core's own)."""
+
+    key: str
+    data: Any
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: Any = 0
+
+    @property
+    def unique_key(self) -> str:
+        return _grid_key(self)
+
+
 def looks_like_sharded_object(obj: Any) -> bool:
     """megatron-core's ShardedObject: a non-tensor value with a key, global shape/offset."""
     return type(obj).__name__ == "ShardedObject" and all(
@@ -162,8 +178,10 @@ def looks_like_sharded_object(obj: Any) -> bool:
 def object_unique_key(obj: Any) -> str:
     """The identity of a ShardedObject across ranks (megatron-core's ``unique_key``)."""
     uk = getattr(obj, "unique_key", None)
-    if isinstance(uk, str):
-        return uk
+    return uk if isinstance(uk, str) else _grid_key(obj)
+
+
+def _grid_key(obj: Any) -> str:
     return f"{obj.key}/shard_{'.'.join(map(str, obj.global_offset))}_{'.'.join(map(str, obj.global_shape))}"
 
 

@@ -6,7 +6,7 @@ non-persistent objects dropped, per-parameter ``step`` removed), with every tens
 ``torch.empty(shape, dtype, device="meta")``: no data, no process groups, no
 megatron-core objects. ``file_stems(model, layout, rank)`` is what it passes as
 ``file_stems``. Leaves are :class:`megashard.sharded.ShardedTensor` and the small
-:class:`ShardedObject` below.
+:class:`megashard.sharded.ShardedObject`.
 
 What follows megatron-core 0.16.1 (read from its code, and compared with real
 megatron-core on CPU by ``tests/test_scale_models.py`` for the ``local`` spec):
@@ -77,7 +77,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megashard.sharded import ShardedTensor
+from megashard.sharded import ShardedObject, ShardedTensor
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -177,22 +177,6 @@ MODELS: Dict[str, ModelSpec] = {
         num_query_groups=2, kv_channels=16, vocab_size=250, num_experts=4, moe_ffn_hidden_size=32, shared_expert_intermediate_size=48,
         moe_layer_freq=(0, 1, 1), moe_router_enable_expert_bias=True, spec="local"),
 }
-
-
-@dataclass
-class ShardedObject:
-    """megatron-core's ShardedObject fields (duck-typed by megashard), without its checks."""
-
-    key: str
-    data: Any
-    global_shape: Tuple[int, ...]
-    global_offset: Tuple[int, ...]
-    replica_id: Any = 0
-
-    @property
-    def unique_key(self) -> str:
-        return (f"{self.key}/shard_{'.'.join(map(str, self.global_offset))}_"
-                f"{'.'.join(map(str, self.global_shape))}")
 
 
 # --------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import CheckpointError
-from ..sharded import ShardedTensor
+from ..sharded import ShardedObject, ShardedTensor
 from . import mapping as M
 from .mapping import HFMappingError, LlamaSpec
 from .safetensors import MAX_HEADER, SafetensorsFile
@@ -42,21 +42,6 @@ EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_
 #: ... and an MoE layer (layers, experts)
 EXTRA_STATE_EXPERTS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 SINGLE = "model.safetensors"
-
-
-@dataclass
-class ShardedObject:
-    """megatron-core's ShardedObject, duck-typed (megashard.sharded.looks_like_sharded_object)."""
-
-    key: str
-    data: Any
-    global_shape: Tuple[int, ...]
-    global_offset: Tuple[int, ...]
-    replica_id: int = 0
-
-    @property
-    def unique_key(self) -> str:
-        return f"{self.key}/shard_{'.'.join(map(str, self.global_offset))}_{'.'.join(map(str, self.global_shape))}"
 
 
 def is_hf_dir(path: str) -> bool:
