@@ -76,3 +76,17 @@ def all_ok(results: List[tuple]) -> List[Any]:
     bad = [f"rank {r}: {v}" for r, (ok, v) in enumerate(results) if not ok]
     assert not bad, "\n".join(bad)
     return [v for _, v in results]
+
+
+def capture_logs() -> List[str]:
+    """Every message megashard logs from now on in this process."""
+    import logging
+
+    records: List[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("megashard").addHandler(Grab())
+    return records

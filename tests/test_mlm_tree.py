@@ -72,13 +72,19 @@ def test_vendored_archive_of_the_release_then_of_its_minor(layout):
     assert vendored_archive(vendor, "0.18.0") is None
 
 
-def test_cache_directory_then_git_fetch_of_the_tag(layout, tmp_path):
-    repo, scratch, env = layout
-    remote = _tree(tmp_path / "remote")
+def _tagged_remote(path: Path) -> Path:
+    """A local git repository holding a Megatron-LM-like tree, tagged core_v0.19.0 (stands in for GitHub)."""
+    remote = _tree(path)
     _git("init", "-q", cwd=remote)
     _git("add", "-A", cwd=remote)
     _git("commit", "-qm", "x", cwd=remote)
     _git("tag", "core_v0.19.0", cwd=remote)
+    return remote
+
+
+def test_cache_directory_then_git_fetch_of_the_tag(layout, tmp_path):
+    repo, scratch, env = layout
+    remote = _tagged_remote(tmp_path / "remote")
     head = _git("rev-parse", "HEAD", cwd=remote)
 
     tree = find_tree("0.19.0", repo, scratch, env, url=f"file://{remote}", commits={"0.19.0": head})
@@ -92,11 +98,7 @@ def test_cache_directory_then_git_fetch_of_the_tag(layout, tmp_path):
 
 def test_a_tag_at_another_commit_is_refused_and_not_cached(layout, tmp_path):
     repo, scratch, env = layout
-    remote = _tree(tmp_path / "remote")
-    _git("init", "-q", cwd=remote)
-    _git("add", "-A", cwd=remote)
-    _git("commit", "-qm", "x", cwd=remote)
-    _git("tag", "core_v0.19.0", cwd=remote)
+    remote = _tagged_remote(tmp_path / "remote")
     with pytest.raises(TreeMissing, match="expected 5be9626709af2722333bf54797c954c09edeada3"):
         find_tree("0.19.0", repo, scratch, env, url=f"file://{remote}")
     assert not (Path(env["MEGASHARD_CACHE_DIR"]) / "Megatron-LM-core_v0.19.0").exists()

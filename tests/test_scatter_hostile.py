@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List
 
 import torch
 
-from distributed import all_ok, run_ranks
+from distributed import all_ok, capture_logs, run_ranks
 from layouts import Layout, check_state, model_state
 
 NODE_ENV = {"MEGASHARD_NODE_ID": "test-node", "MEGASHARD_HUGEPAGES": "0"}
@@ -83,19 +83,6 @@ def _strangers(shared: str) -> Iterator[List[str]]:
         assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
 
 
-def _capture_logs() -> List[str]:
-    import logging
-
-    records: List[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("megashard").addHandler(Grab())
-    return records
-
-
 def _load(layout: Layout, rank: int, path: str, **kw: Any) -> Dict[str, Any]:
     import megashard
 
@@ -113,7 +100,7 @@ def _stranger_job(rank: int, world: int, tmp: str, shared: str, tags: List[str])
     path = os.path.join(tmp, "ckpt")
     layout = Layout(tp=2)
     megashard.save(model_state(layout, rank), path)
-    records = _capture_logs()
+    records = capture_logs()
     missed: List[str] = []
     if rank == 0:  # the reader hands over descriptors only once every stranger has connected first
         real = fdpass.send
@@ -171,7 +158,7 @@ def _receiver_fails_job(rank: int, world: int, tmp: str, how: str) -> Dict[str, 
     path = os.path.join(tmp, "ckpt")
     layout = Layout(tp=2)
     megashard.save(model_state(layout, rank), path)
-    records = _capture_logs()
+    records = capture_logs()
     if rank == 1:
         if how == "receive":  # the socket fails on the receiving side
             def broken(self: Any, sender_pid: int, count: int, timeout: float = 0) -> List[int]:

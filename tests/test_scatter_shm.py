@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distributed import all_ok, run_ranks
+from distributed import all_ok, capture_logs, run_ranks
 from layouts import GLOBALS, Layout, check_state, model_state
 
 NODE_ENV = {"MEGASHARD_NODE_ID": "test-node", "MEGASHARD_HUGEPAGES": "0"}
@@ -144,27 +144,13 @@ def test_scatter_transports_bit_exact(tmp_path, world: int) -> None:
     assert _segments([r["pid"] for rows in results for r in rows]) == []
 
 
-def _capture_logs() -> List[str]:
-    """Every message megashard logs from now on in this process."""
-    import logging
-
-    records: List[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("megashard").addHandler(Grab())
-    return records
-
-
 def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     import megashard
 
     path = os.path.join(tmp, "ckpt")
     layout = Layout(tp=2)
     _save(layout, rank, path)
-    records = _capture_logs()
+    records = capture_logs()
     os.environ["MEGASHARD_SHM_MAX_BYTES"] = "4096"  # "/dev/shm too small"
     auto = _load(layout, rank, path)  # default: scatter_transport="auto"
     try:
@@ -295,7 +281,7 @@ def _fd_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     path = os.path.join(tmp, "ckpt")
     layout = Layout(tp=2)
     _save(layout, rank, path)
-    records = _capture_logs()
+    records = capture_logs()
     out: Dict[str, Any] = {"pid": os.getpid()}
     # the non-reader is given a path that does not exist: it opens nothing there
     out["blind"] = _load(layout, rank, path if rank == 0 else path + "-not-here", verify=True)
