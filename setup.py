@@ -10,6 +10,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "isal>=1.6", "tqdm"],
     extras_require={
         "megatron": ["megatron-core>=0.16", "psutil"],
+        "s3": ["boto3>=1.36"],  # conditional PUT (If-None-Match / If-Match) needs botocore >= 1.36
         "test": [
             "pytest>=7",
             "pytest-timeout",
@@ -19,6 +20,8 @@ setup(
             "megatron-core>=0.16",
             "psutil",
             "transformers",  # tests/test_cpu_compat.py: a Llama in the same process as cpu_compat
+            "boto3>=1.36",
+            "moto[server]==5.2.5",  # tests: a real S3 endpoint on 127.0.0.1 (tests/scripts/s3_server.py)
         ],
     },
     entry_points={"console_scripts": ["megashard=megashard.cli:main"]},
