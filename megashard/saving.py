@@ -199,6 +199,7 @@ class _Coordinator:
 
     tensors: Dict[str, Tuple[str, Tuple[int, ...]]] = field(default_factory=dict)
     temp_dir: Optional[str] = None  # created by this save (rank 0): removed if the save fails
+    target: Any = None  # the storage seam (storage.save_target), on rank 0
 
 
 @contextlib.contextmanager
@@ -227,22 +228,20 @@ def coordinate(messages: List[Dict[str, Any]], token: str, keep: Optional[_Coord
     return [dict(r, token=token) for r in assignment.replies]
 
 
-def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordinator, temp_dir: str,
+def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordinator, target: Any, token: str,
                  final_dir: str, layout: Optional[Mapping[str, Any]], t0: float, fsync: bool,
                  is_async: bool = False) -> None:
-    """Gather every rank's records on rank 0, which checks them against the directory,
+    """Gather every rank's records on rank 0, which checks them against the storage,
     writes the index and commits; every rank learns the outcome."""
     def commit(results: List[Dict[str, Any]]) -> List[Any]:
-        storage.check_reported_files(temp_dir, {r: {n: f["bytes"] for n, f in res["files"].items()}
-                                                for r, res in enumerate(results)},
-                                     {r: res.get("where") for r, res in enumerate(results)})
-        write_index(temp_dir, *build_index(results, keep.tensors, comm.world_size, layout))
-        storage.commit_dir(temp_dir, final_dir)
+        target.commit(token, {r: res["files"] for r, res in enumerate(results)},
+                      {r: res.get("where") for r, res in enumerate(results)},
+                      *build_index(results, keep.tensors, comm.world_size, layout))
         keep.temp_dir = None  # committed: it is the checkpoint now
-        try:  # leftovers of dead saves beside it, of any name (never a save in progress)
-            storage.cleanup_stale_temps(os.path.dirname(final_dir))
+        try:
+            target.after_commit()
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; clean-up is best effort
-            log.warning("%scould not remove stale temporary directories: %s", rank_prefix(comm), e)
+            log.warning("%scould not remove leftovers of earlier saves: %s", rank_prefix(comm), e)
         total = sum(f["bytes"] for r in results for f in r["files"].values())
         return [total] * len(results)
 
@@ -261,7 +260,7 @@ def _discard_on_failure(keep: _Coordinator) -> Any:
         tmp, keep.temp_dir = keep.temp_dir, None
         if tmp is not None:
             try:
-                storage.remove_checkpoint(tmp)
+                keep.target.discard(tmp)
             except Exception as e:  # noqa: BLE001 - the save's own error is what the caller needs
                 log.warning("could not remove %s of the failed save: %s", tmp, e)
         raise
@@ -303,12 +302,13 @@ def save(
     if previous is not None:
         previous.result()  # at most one save in flight (collective, like this save)
     comm = Comm(process_group, timeout)
-    final_dir = os.path.abspath(os.fspath(checkpoint_dir))  # a URL is refused in prepare (agreed)
+    target = storage.save_target(checkpoint_dir)  # checks nothing yet: a bad location is refused in prepare (agreed)
+    final_dir = os.fspath(checkpoint_dir) if storage.is_url(checkpoint_dir) else os.path.abspath(checkpoint_dir)
     t0 = time.perf_counter()
     st = _SaveState(comm.rank)
 
     def prepare() -> Dict[str, Any]:
-        storage.local_path(checkpoint_dir)
+        target.validate()
         if not isinstance(state_dict, Mapping):
             raise StateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         st.tree = jsonstate.encode(dict(state_dict), hook=_make_save_hook(st, file_stems))
@@ -316,23 +316,23 @@ def save(
         return announce(st, comm.rank)
 
     msg, err = comm.run("save/prepare", prepare)
-    keep = _Coordinator()
+    keep = _Coordinator(target=target)
     token = secrets.token_hex(6) if comm.rank == 0 else ""
 
     def plan_save(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        storage.check_save_target(final_dir)  # before any rank writes a byte
+        target.check()  # before any rank writes a byte
         replies = coordinate(messages, token, keep)
-        keep.temp_dir = storage.make_temp_dir(final_dir, token)
+        keep.temp_dir = target.create(token)
         return replies
 
     with _discard_on_failure(keep):
         reply = comm.coordinate("save", err, msg, plan_save)  # collective 1
-    temp_dir = storage.temp_dir_name(final_dir, reply["token"])
-    finish = partial(_finish_save, keep=keep, temp_dir=temp_dir, final_dir=final_dir, layout=layout,
+    temp_dir = target.temp_location(reply["token"])
+    finish = partial(_finish_save, keep=keep, target=target, token=reply["token"], final_dir=final_dir, layout=layout,
                      t0=t0, fsync=fsync, is_async=async_save)
-    write = partial(_write_tensors, direct=direct_io)
+    write = partial(target.write_file or _write_tensors, direct=direct_io)
     if not async_save:
-        result, err = comm.run("save/write", lambda: _write_into(_select(st, reply), final_dir, reply["token"],
+        result, err = comm.run("save/write", lambda: _write_into(_select(st, reply), target, reply["token"],
                                                                  comm.rank, align, fsync, threads, write))
         finish(comm, err, result)
         return None
@@ -356,7 +356,7 @@ def save(
     log.debug("%sasync save %s: snapshot in %.3f s", rank_prefix(comm), final_dir, t_snap - t0)
     handle = async_save_mod.start(
         async_save_mod._Commit(comm, final_dir, temp_dir, finish),
-        lambda: _write_into(job, final_dir, reply["token"], comm.rank, align, fsync, threads, write))
+        lambda: _write_into(job, target, reply["token"], comm.rank, align, fsync, threads, write))
     handle.timings = {"plan_s": t_plan - t0, "copy_s": t_copy - t_plan, "agree_s": t_snap - t_copy}
     return handle
 
@@ -473,13 +473,14 @@ def _write_tensors(tensors: Mapping[str, torch.Tensor], path: str, align: int, f
     return infos, os.path.getsize(path)
 
 
-def _write_into(job: _WriteJob, final_dir: str, token: str, rank: int, align: int, fsync: bool,
-                threads: Optional[int], write: Callable[..., Tuple[List[Any], int]]) -> Dict[str, Any]:
-    """Write this rank's files into the temp dir rank 0 created (found, never created, here:
-    a rank that does not see it is in another directory) and say which directory it was."""
-    temp_dir = storage.join_temp_dir(final_dir, token)
+def _write_into(job: _WriteJob, target: Any, token: str, rank: int, align: int, fsync: bool,
+                threads: Optional[int], write: Callable[..., Tuple[Any, ...]]) -> Dict[str, Any]:
+    """Write this rank's files where rank 0 prepared (on a file system the temp dir is found,
+    never created, here: a rank that does not see it is in another directory) and say
+    where that was."""
+    temp_dir, where = target.writer(token)
     out = _write_job(job, temp_dir, rank, align, fsync, threads, write=write)
-    out["where"] = storage.dir_identity(temp_dir)
+    out["where"] = where
     return out
 
 
@@ -491,8 +492,9 @@ def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool
     placed: Dict[Tuple[str, str], Any] = {}
     for stem, tensors in sorted(job.groups.items()):
         fname = f"{stem}-r{rank:05d}.tensors"
-        infos, size = write(tensors, os.path.join(temp_dir, fname), align, fsync, threads)
-        files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos)}
+        written = write(tensors, f"{temp_dir}/{fname}", align, fsync, threads)  # (infos, size[, extra record])
+        infos, size = written[0], written[1]
+        files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos), **(written[2] if len(written) > 2 else {})}
         for inf in infos:
             placed[(stem, inf.name)] = (fname, inf)
     records = [m.record(name, None, 0, 0, 0) for name, m in job.zero_records]

@@ -1150,3 +1150,76 @@ def apply_retention(
     if deleted:
         fsync_path(root)
     return deleted
+
+
+# --------------------------------------------------------------------------- the save seam
+
+
+class DirectorySave:
+    """Where one save writes, on a file system (the protocol of the module docstring).
+
+    ``saving`` talks only to this interface; :class:`megashard.objstore.checkpoint.ObjectSave`
+    is the same for an object store. Rank 0 calls :meth:`check`, :meth:`create`,
+    :meth:`commit` (and :meth:`discard` on failure); every rank calls :meth:`writer`.
+    """
+
+    #: How a file is written: None means into :meth:`writer`'s directory with ``format.write_file``.
+    write_file = None
+
+    def __init__(self, final_dir: PathLike) -> None:
+        self.given = final_dir
+        self.final = os.path.abspath(os.fspath(final_dir))
+
+    def validate(self) -> None:
+        local_path(self.given)
+
+    def check(self) -> None:
+        check_save_target(self.final)
+
+    def create(self, token: str) -> str:
+        return make_temp_dir(self.final, token)
+
+    def temp_location(self, token: str) -> str:
+        return temp_dir_name(self.final, token)
+
+    def writer(self, token: str) -> Tuple[str, List[Any]]:
+        """The temp dir rank 0 created, as this rank sees it, and its identity."""
+        tmp = join_temp_dir(self.final, token)
+        return tmp, dir_identity(tmp)
+
+    def commit(self, token: str, files: Mapping[int, Mapping[str, Mapping[str, Any]]],
+               where: Mapping[int, Any], head: bytes, sections: bytes) -> None:
+        from .index import write_index
+
+        tmp = temp_dir_name(self.final, token)
+        check_reported_files(tmp, {r: {n: f["bytes"] for n, f in fs.items()} for r, fs in files.items()}, where)
+        write_index(tmp, head, sections)
+        commit_dir(tmp, self.final)
+
+    def after_commit(self) -> None:
+        """Leftovers of dead saves beside it, of any name (never a save in progress)."""
+        cleanup_stale_temps(os.path.dirname(self.final))
+
+    def discard(self, created: str) -> None:
+        remove_checkpoint(created)
+
+
+def save_target(checkpoint_dir: PathLike) -> Any:
+    """The save seam for ``checkpoint_dir``: a directory, or an object-store URL."""
+    p = os.fspath(checkpoint_dir)
+    if is_url(p):
+        from .objstore.checkpoint import ObjectSave
+
+        return ObjectSave(p)
+    return DirectorySave(p)
+
+
+def checkpoint_files(base: PathLike, files: Optional[Mapping[str, Any]] = None) -> Any:
+    """The read seam: :class:`CheckpointFiles` of a directory, or the object-store
+    equivalent of a URL (``files``: the index's file table, whose ETags pin every read)."""
+    p = os.fspath(base)
+    if is_url(p):
+        from .objstore.checkpoint import ObjectCheckpointFiles
+
+        return ObjectCheckpointFiles(p, files)
+    return CheckpointFiles(p)
