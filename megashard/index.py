@@ -69,13 +69,16 @@ def _open(head: bytes, where: str,
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise CheckpointError(f"{where}: index.bytes must be an integer >= 0; the checkpoint is damaged")
     read, closer = sections(size)
-    return LazyIndex(doc, read, where, len(head), closer=closer)
+    index = LazyIndex(doc, read, where, len(head), closer=closer)
+    index.data_prefix = doc.get("data_prefix")  # object stores: where the save's objects are (checked on use)
+    index.index_etag = idx.get("etag")
+    return index
 
 
 def open_index(base: str) -> Index:
     """The index of the committed checkpoint in ``base`` (validated; read-only). Its
     ``confirm_file`` checks a member's real size against the index's claim."""
-    with storage.CheckpointFiles(base) as files:
+    with storage.checkpoint_files(base) as files:
         head = files.read_manifest_bytes()
 
     def from_file(size: int) -> Tuple[Callable[[int, int], bytes], Optional[Callable[[], None]]]:
@@ -89,14 +92,14 @@ def open_index(base: str) -> Index:
 
 def check_file_size(base: str, name: str, size: int) -> None:
     """Member ``name`` of ``base`` is a regular file (no link) of exactly ``size`` bytes."""
-    with storage.CheckpointFiles(base) as cf:
+    with storage.checkpoint_files(base) as cf:
         cf.open(name, size)
 
 
 def read_index_bytes(base: str) -> Tuple[bytes, bytes]:
     """``manifest.json`` and the whole ``manifest.index`` (empty for version 1), checked
     against each other: what a node's reader sends ranks that cannot see the directory."""
-    with storage.CheckpointFiles(base) as cf:
+    with storage.checkpoint_files(base) as cf:
         head = cf.read_manifest_bytes()
         doc = parse_head(head, cf.path(storage.MANIFEST_NAME))
         if doc.get("version") == 1:

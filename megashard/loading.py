@@ -496,6 +496,8 @@ class LoadStats:
 
 def _probe(base: str) -> Dict[str, Any]:
     node = os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
+    if storage.is_url(base):  # no request here: in scatter mode only node readers may touch the store
+        return {"sees": base, "node": str(node), "why": None}
     found = storage.locate(base)
     return {"sees": found, "node": str(node), "why": None if found else storage.why_not_checkpoint(base)}
 
@@ -517,13 +519,16 @@ def plan_probe(infos: List[Dict[str, Any]], base: str, mode: str) -> List[Dict[s
         blind_readers = sorted(rd for rd in members if not infos[rd]["sees"])
         if blind_readers:
             raise CheckpointError(f"scatter load: node reader rank(s) {blind_readers[:20]} cannot see {base}")
+    # on an object store a scatter load has each node's reader fetch the index once for its node
+    one_fetch = storage.is_url(base) and chosen == "scatter"
+    fetches = [bool(i["sees"]) and (not one_fetch or readers_of[r] == r) for r, i in enumerate(infos)]
     out = []
     for r, i in enumerate(infos):
         rd = readers_of[r]
         out.append({"mode": chosen, "base": i["sees"], "reader": rd,
                     "node": {str(m): rd for m in members[rd]} if chosen == "scatter" else {},
-                    "index_from": rd if not i["sees"] else None,
-                    "index_to": [m for m in members[r] if not infos[m]["sees"]] if rd == r else []})
+                    "index_from": rd if not fetches[r] else None,
+                    "index_to": [m for m in members[r] if not fetches[m]] if rd == r else []})
     return out
 
 
@@ -587,7 +592,7 @@ def load(
     if scatter_transport not in readers.SCATTER_TRANSPORTS:
         raise ValueError(f"scatter_transport must be one of {readers.SCATTER_TRANSPORTS}, got {scatter_transport!r}")
     comm = Comm(process_group, timeout)
-    base = storage.local_path(checkpoint_dir)
+    base = storage.location(checkpoint_dir)
     t0 = time.perf_counter()
     stats = LoadStats()
 
@@ -660,7 +665,7 @@ def load_common(
     an unregistered enum raises CheckpointError instead of loading as a placeholder.
     """
     comm = Comm(process_group, timeout)
-    base = storage.local_path(checkpoint_dir)
+    base = storage.location(checkpoint_dir)
 
     def read() -> Any:
         if comm.rank != 0 and comm.world_size > 1:

@@ -364,6 +364,18 @@ def local_path(path: PathLike) -> str:
 
 
 
+def location(path: PathLike) -> str:
+    """A checkpoint's location: an object-store URL (checked, without a trailing slash) or
+    an absolute local path. A URL is never taken for a relative path."""
+    p = os.fspath(path)
+    if is_url(p):
+        from .objstore.url import parse_url
+
+        parse_url(p)
+        return p.rstrip("/")
+    return os.path.abspath(p)
+
+
 def _split_final(final_dir: PathLike) -> Tuple[str, str]:
     final = local_path(final_dir)
     parent, name = os.path.split(final)
@@ -588,6 +600,10 @@ def is_checkpoint(path: PathLike) -> bool:
     Parsing (not just stat) guards against manifests damaged after the fact; the
     commit protocol itself never exposes a partial manifest.
     """
+    if is_url(path):
+        from .objstore import checkpoint as objck
+
+        return objck.locate(os.fspath(path)) is not None
     if not os.path.isdir(path):
         return False
     try:
@@ -823,6 +839,10 @@ def locate(final_dir: PathLike) -> Optional[str]:
     loading or inspecting never renames or deletes. A commit running meanwhile moves
     ``final_dir`` aside and back in: looking again then finds it.
     """
+    if is_url(final_dir):
+        from .objstore import checkpoint as objck
+
+        return objck.locate(os.fspath(final_dir))
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
     # A commit running meanwhile renames <name> and its copies: a look may miss both (a
@@ -854,6 +874,11 @@ def _newest_first(checkpoints: List[str]) -> List[str]:
 def checkpoint_location(checkpoint_dir: PathLike) -> str:
     """The directory that holds the complete checkpoint ``checkpoint_dir`` (read-only: an
     interrupted re-save's ``.old-*`` copy is read in place, never renamed)."""
+    if is_url(checkpoint_dir):
+        found = locate(location(checkpoint_dir))
+        if found is None:
+            raise CheckpointError(f"{checkpoint_dir} is not a megashard checkpoint ({why_not_checkpoint(checkpoint_dir)})")
+        return found
     path = local_path(checkpoint_dir)
     found = locate(path)
     if found is None:
@@ -865,6 +890,10 @@ def checkpoint_location(checkpoint_dir: PathLike) -> str:
 
 def why_not_checkpoint(path: PathLike) -> str:
     """A one-line reason why ``path`` is not a readable checkpoint (for error messages)."""
+    if is_url(path):
+        from .objstore import checkpoint as objck
+
+        return objck.why_not_checkpoint(os.fspath(path))
     path = os.fspath(path)
     if not os.path.isdir(path):
         return f"{path} does not exist or is not a directory"
@@ -887,6 +916,11 @@ def recover(final_dir: PathLike) -> Optional[str]:
     megashard's names) that existed before ``<name>`` was found to be a checkpoint, so
     a copy a concurrent save moves aside later is never touched.
     """
+    if is_url(final_dir):
+        from .objstore import checkpoint as objck
+
+        objck.cleanup(location(final_dir))
+        return objck.locate(location(final_dir))
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
     olds = _aux_dirs(parent, name, "old")  # listed before <name> is checked (see above)
@@ -1064,6 +1098,11 @@ def parse_iteration_dir_name(name: str) -> Optional[Union[int, str]]:
 def write_tracker(save_root: PathLike, iteration: Union[int, str]) -> None:
     """Write Megatron's ``latest_checkpointed_iteration.txt`` atomically (the last save step)."""
     it = _check_iteration(iteration)
+    if is_url(save_root):
+        from .objstore import checkpoint as objck
+
+        objck.write_tracker(location(save_root), str(it))
+        return
     os.makedirs(save_root, exist_ok=True)
     write_file_atomic(os.path.join(os.fspath(save_root), TRACKER_NAME), str(it))
 
@@ -1074,6 +1113,13 @@ def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
     Garbage content raises CheckpointError naming the file: guessing would load the
     wrong checkpoint.
     """
+    if is_url(load_root):
+        from .objstore import checkpoint as objck
+
+        raw = objck.read_tracker_bytes(location(load_root))
+        if raw is None:
+            return None
+        return _parse_tracker(raw, f"{location(load_root)}/{TRACKER_NAME}")
     path = os.path.join(os.fspath(load_root), TRACKER_NAME)
     try:
         with open(path, "rb") as f:
@@ -1082,6 +1128,10 @@ def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
         return None
     except OSError as e:
         raise CheckpointError(f"cannot read tracker file {path}: {e}") from e
+    return _parse_tracker(raw, path)
+
+
+def _parse_tracker(raw: bytes, path: str) -> Union[int, str]:
     try:
         text = raw.decode("ascii").strip()
     except UnicodeDecodeError:

@@ -111,8 +111,8 @@ class LoadTarget:
 def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
     if not root:
         return {"tracker": None, "direct": False}
-    storage.local_path(root)  # a URL is refused (agreed), never taken for a local directory
-    named = os.path.basename(os.path.abspath(root)) not in ("", ".", "..")  # "/" is no checkpoint
+    root = storage.location(root)  # an s3:// URL, or an absolute path (a bad URL is refused, agreed)
+    named = os.path.basename(root) not in ("", ".", "..") and root.count("/") > (3 if storage.is_url(root) else 0)
     return {"tracker": storage.read_tracker(root), "direct": named and storage.locate(root) is not None}
 
 
@@ -206,7 +206,7 @@ def load_common(ckpt: str, keys: Optional[Sequence[str]] = None) -> Dict[str, An
 
 def is_megashard_checkpoint(path: Optional[str]) -> bool:
     """True if ``path`` is a megashard checkpoint directory (this rank's view, no collective)."""
-    if not path or not os.path.isdir(path):
+    if not path or not (storage.is_url(path) or os.path.isdir(path)):
         return False
     return bool(_api().is_checkpoint(path))
 

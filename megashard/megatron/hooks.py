@@ -77,8 +77,9 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
     def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                         strict: bool = True, *args: Any, **kwargs: Any) -> Any:
         margs = _megatron_args()
-        if any(storage.is_url(getattr(margs, a, None)) for a in (load_arg, "pretrained_checkpoint")):
-            # a URL (e.g. Megatron's msc:// for torch_dist) is Megatron's: megashard reads file systems only
+        if any(storage.is_url(u) and not str(u).startswith("s3://")
+               for u in (getattr(margs, a, None) for a in (load_arg, "pretrained_checkpoint"))):
+            # another URL (Megatron's msc:// for torch_dist) is Megatron's; megashard reads s3:// itself
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
         # collective: every rank routes the same way, also ranks that cannot see the
         # directory (scatter mode) and when only an interrupted re-save's .old-* copy exists

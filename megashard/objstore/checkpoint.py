@@ -1,0 +1,369 @@
+"""A megashard checkpoint in an object store: its layout, the commit protocol, reading it.
+
+Objects have no rename, so the commit point is one small object written last with a
+conditional PUT. For the checkpoint ``s3://bucket/P``:
+
+* ``P/.megashard-save-<token>/``: every object of one save (``*.tensors``,
+  ``manifest.index``, ``manifest.sha256``); each rank uploads its own files there, each
+  with ``If-None-Match: *``.
+* ``P/manifest.json``: the head (the commit point). It names its save's prefix
+  (``data_prefix``) and carries every object's ETag, so every ranged GET of a load is
+  pinned (``If-Match``) to the bytes the save wrote. Rank 0 writes it last, with
+  ``If-None-Match: *`` for a new checkpoint or ``If-Match: <ETag it saw when the save
+  was planned>`` for a re-save: a re-save that another save overtook fails
+  (:class:`~megashard.errors.CommitConflictError`) and removes only its own prefix.
+* after the commit rank 0 deletes the prefix of the head it replaced; the Megatron
+  tracker (``<root>/latest_checkpointed_iteration.txt``) is written after that.
+
+A crash at any moment leaves either the old head (and the old prefix, untouched) or the
+new one: never a head that names missing objects. What a dead save leaves (its prefix,
+unfinished multipart uploads) is removed by :func:`cleanup` (``megashard recover URL``;
+also each later save of the same checkpoint) once older than ``older_than_s``.
+A save never deletes an object outside the prefixes it created or the one the head it
+replaced named, and refuses a target that holds objects megashard did not write.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..errors import CheckpointError, CommitConflictError
+from .client import ObjectInfo, ObjectStore
+from .url import check_object_name, parse_url
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+DIGEST_NAME = "manifest.sha256"
+INDEX_NAME = "manifest.index"
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+DATA_PREFIX = ".megashard-save-"
+HEAD_FIELD = "data_prefix"
+_DATA_PREFIX_RE = re.compile(r"\.megashard-save-[A-Za-z0-9_-]{1,64}\Z")
+_DIGEST_RE = re.compile(rb"[0-9a-f]{64}\n")
+DEFAULT_STALE_AGE_S = 24 * 3600.0
+_TRACKER_MAX = 4096
+
+
+def _max_head() -> int:
+    from ..storage import max_manifest_bytes
+
+    return max_manifest_bytes()
+
+
+def _location(url: str) -> Tuple[ObjectStore, str, str]:
+    """(store, key prefix P, the URL as given without a trailing slash) of a checkpoint URL."""
+    url = url.rstrip("/")
+    parse_url(url)  # a CheckpointError naming it when it is not a usable URL
+    store, key = ObjectStore.for_url(url)
+    if not key:
+        raise CheckpointError(f"{url}: a checkpoint needs a key prefix inside the bucket (s3://bucket/run/iter_0000100)")
+    return store, key, url
+
+
+def check_data_prefix(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not _DATA_PREFIX_RE.match(name):
+        raise CheckpointError(f"{where}: {HEAD_FIELD} {str(name)[:80]!r} is not a megashard save prefix "
+                              f"({DATA_PREFIX}<token>); the manifest is damaged or hostile")
+    return name
+
+
+def _parse_head(data: bytes, where: str) -> Dict[str, Any]:
+    from ..manifest import parse_head
+
+    return parse_head(data, where)
+
+
+# --------------------------------------------------------------------------- saving
+
+
+class ObjectSave:
+    """The save seam of :mod:`megashard.saving` for an object store (see the module docstring)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.prev_etag: Optional[str] = None
+        self.prev_prefix: Optional[str] = None
+        self.stale: List[str] = []  # other save prefixes seen while planning
+
+    def _loc(self) -> Tuple[ObjectStore, str]:
+        store, key, _ = _location(self.url)
+        return store, key
+
+    def validate(self) -> None:
+        self._loc()
+
+    def check(self) -> None:
+        """Rank 0, before any rank writes: the target is absent or a megashard checkpoint
+        (and nothing else is under it); remembers the head's ETag for the conditional commit."""
+        store, key = self._loc()
+        objects, prefixes = store.list(key + "/", delimiter="/")
+        foreign = [o.key[len(key) + 1:] for o in objects if o.key != f"{key}/{MANIFEST_NAME}"]
+        foreign += [p[len(key) + 1:] for p in prefixes if not _DATA_PREFIX_RE.match(p[len(key) + 1:].rstrip("/"))]
+        if foreign:
+            shown = ", ".join(repr(f) for f in sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise CheckpointError(
+                f"refusing to save to {self.url}: it holds objects megashard did not write ({shown}); a save "
+                "only ever replaces a megashard checkpoint. Save to another prefix, or move them away first")
+        self.stale = [p[len(key) + 1:].rstrip("/") for p in prefixes]
+        if any(o.key == f"{key}/{MANIFEST_NAME}" for o in objects):
+            data, etag = store.get_bytes(f"{key}/{MANIFEST_NAME}", _max_head())
+            doc = _parse_head(data, f"{self.url}/{MANIFEST_NAME}")
+            self.prev_prefix = check_data_prefix(doc.get(HEAD_FIELD), f"{self.url}/{MANIFEST_NAME}")
+            self.prev_etag = etag
+
+    def create(self, token: str) -> str:
+        """Nothing to create on an object store: the save's prefix exists once written to."""
+        return self.temp_location(token)
+
+    def temp_location(self, token: str) -> str:
+        name = DATA_PREFIX + token
+        check_data_prefix(name, self.url)
+        return f"{self.url}/{name}"
+
+    def writer(self, token: str) -> Tuple[str, None]:
+        return self.temp_location(token), None
+
+    @staticmethod
+    def write_file(tensors: Mapping[str, Any], url: str, align: int, fsync: bool, threads: Optional[int],
+                   direct: bool = False) -> Tuple[List[Any], int, Dict[str, Any]]:
+        """Upload one ``.tensors`` file straight from the tensors (the bytes ``write_file``
+        would write; multipart above one part). Durable once the PUT returns."""
+        from ..format.writer import file_segments
+
+        size, segments, infos = file_segments(tensors, align=align)
+        store, key = ObjectStore.for_url(url)
+        etag = store.upload(key, size, segments, if_none_match=True, threads=threads)
+        return infos, size, {"etag": etag}
+
+    def commit(self, token: str, files: Mapping[int, Mapping[str, Mapping[str, Any]]],
+               where: Mapping[int, Any], head: bytes, sections: bytes) -> None:
+        """Rank 0: check every reported object, write index and digest under the save's
+        prefix, then the head (the commit point) conditionally."""
+        store, key = self._loc()
+        prefix = f"{key}/{DATA_PREFIX}{token}"
+        objects, _ = store.list(prefix + "/")
+        found = {o.key[len(prefix) + 1:]: o for o in objects}
+        bad: Dict[int, List[str]] = {}
+        for r, fs in sorted(files.items()):
+            for name, rec in sorted(fs.items()):
+                o = found.get(check_object_name(name, self.url))
+                if o is None:
+                    bad.setdefault(r, []).append(f"{name} (missing, {rec['bytes']} bytes uploaded)")
+                elif o.size != rec["bytes"] or (rec.get("etag") and o.etag != rec["etag"]):
+                    bad.setdefault(r, []).append(f"{name} ({o.size} bytes, ETag {o.etag}; uploaded {rec['bytes']} "
+                                                 f"bytes, ETag {rec.get('etag')})")
+        if bad:
+            shown = "; ".join(f"rank {r}: {', '.join(v[:5])}" for r, v in sorted(bad.items())[:16])
+            raise CheckpointError(f"{self.url}/{DATA_PREFIX}{token}: objects reported by rank(s) "
+                                  f"{sorted(bad)[:20]} are not there as uploaded ({shown}); nothing was committed")
+        index_etag = store.put_bytes(f"{prefix}/{INDEX_NAME}", sections, if_none_match=True)
+        doc = json.loads(head)
+        doc["index"]["etag"] = index_etag
+        doc[HEAD_FIELD] = DATA_PREFIX + token
+        head = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        store.put_bytes(f"{prefix}/{DIGEST_NAME}", (hashlib.sha256(head).hexdigest() + "\n").encode(),
+                        if_none_match=True)
+        try:
+            if self.prev_etag is None:
+                store.put_bytes(f"{key}/{MANIFEST_NAME}", head, if_none_match=True)
+            else:
+                store.put_bytes(f"{key}/{MANIFEST_NAME}", head, if_match=self.prev_etag)
+        except CommitConflictError as e:
+            raise CommitConflictError(
+                f"{self.url}: another save committed this checkpoint after this save was planned ({e}); this "
+                "save lost and is discarded, the other save's checkpoint stands untouched") from None
+        self.committed = DATA_PREFIX + token
+
+    def after_commit(self) -> None:
+        """Delete the prefix of the head this commit replaced, then leftovers of dead saves."""
+        store, key = self._loc()
+        if self.prev_prefix and self.prev_prefix != self.committed:
+            _delete_prefix(store, f"{key}/{self.prev_prefix}/")
+        cleanup(self.url, keep=self.committed)
+
+    def discard(self, created: str) -> None:
+        """A failed save removes its own prefix (objects and unfinished uploads), nothing else."""
+        store, key = self._loc()
+        name = created.rstrip("/").rsplit("/", 1)[-1]
+        check_data_prefix(name, created)
+        _delete_prefix(store, f"{key}/{name}/")
+
+
+def _delete_prefix(store: ObjectStore, prefix: str) -> int:
+    objects, _ = store.list(prefix)
+    store.delete([o.key for o in objects])
+    n = len(objects)
+    for k, upload_id, _t in store.list_uploads(prefix):
+        store.abort_upload(k, upload_id)
+        n += 1
+    return n
+
+
+def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAULT_STALE_AGE_S) -> List[str]:
+    """Remove what dead saves of checkpoint ``url`` left: save prefixes the head does not
+    name whose newest object is older than ``older_than_s``, and multipart uploads under
+    ``url`` started longer ago than that. Returns the prefixes/uploads removed."""
+    store, key, url = _location(url)
+    now = time.time()
+    current = keep
+    if current is None:
+        info = store.head(f"{key}/{MANIFEST_NAME}")
+        if info is not None:
+            data, _ = store.get_bytes(f"{key}/{MANIFEST_NAME}", _max_head(), if_match=info.etag)
+            current = check_data_prefix(_parse_head(data, f"{url}/{MANIFEST_NAME}").get(HEAD_FIELD),
+                                        f"{url}/{MANIFEST_NAME}")
+    _, prefixes = store.list(key + "/", delimiter="/")
+    removed: List[str] = []
+    for p in prefixes:
+        name = p[len(key) + 1:].rstrip("/")
+        if not _DATA_PREFIX_RE.match(name) or name == current:
+            continue
+        objects, _ = store.list(f"{key}/{name}/")
+        newest = max((o.last_modified for o in objects), default=0.0)
+        if objects and now - newest < older_than_s:
+            continue  # possibly a save in progress
+        store.delete([o.key for o in objects])
+        removed.append(f"{url}/{name}/")
+    for k, upload_id, started in store.list_uploads(key + "/"):
+        if now - started >= older_than_s and (current is None or not k.startswith(f"{key}/{current}/")):
+            store.abort_upload(k, upload_id)
+            removed.append(f"{url}: unfinished upload of {k[len(key) + 1:]}")
+    for r in removed:
+        log.info("removed %s (left by a save that did not finish)", r)
+    return removed
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class ObjectCheckpointFiles:
+    """The read seam (like :class:`megashard.storage.CheckpointFiles`) for a checkpoint in
+    an object store. Member names are checked before any request; every data read is a
+    ranged GET pinned to the ETag the committed index recorded."""
+
+    passes_descriptors = False
+
+    def __init__(self, url: str, index: Any = None) -> None:
+        self.store, self.key, self.base = _location(url)
+        self.index = index
+        self._prefix: Optional[str] = getattr(index, "data_prefix", None)
+        self._index_etag: Optional[str] = getattr(index, "index_etag", None)
+        self._infos: Dict[str, ObjectInfo] = {}
+
+    def __enter__(self) -> "ObjectCheckpointFiles":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def _data_prefix(self) -> str:
+        if self._prefix is None:
+            self.read_manifest_bytes()
+        assert self._prefix is not None
+        return self._prefix
+
+    def object_key(self, name: str) -> str:
+        if name == MANIFEST_NAME:
+            return f"{self.key}/{MANIFEST_NAME}"
+        check_object_name(name, self.base)
+        return f"{self.key}/{self._data_prefix()}/{name}"
+
+    def path(self, name: str) -> str:
+        if name == MANIFEST_NAME or self._prefix is None:
+            return f"{self.base}/{name}"
+        return f"{self.base}/{self._prefix}/{name}"
+
+    def _etag(self, name: str) -> Optional[str]:
+        if name == INDEX_NAME:
+            return self._index_etag
+        files = getattr(self.index, "files", None)
+        if files is not None and name in files:
+            e = files[name].get("etag")
+            return e if isinstance(e, str) else None
+        return None
+
+    def read_manifest_bytes(self) -> bytes:
+        """The head, checked against the digest its save wrote (no listing)."""
+        where = f"{self.base}/{MANIFEST_NAME}"
+        data, etag = self.store.get_bytes(f"{self.key}/{MANIFEST_NAME}", _max_head())
+        doc = _parse_head(data, where)
+        self._prefix = check_data_prefix(doc.get(HEAD_FIELD), where)
+        idx = doc.get("index")
+        self._index_etag = idx.get("etag") if isinstance(idx, dict) and isinstance(idx.get("etag"), str) else None
+        raw, _ = self.store.get_bytes(self.object_key(DIGEST_NAME), 1024)
+        if not _DIGEST_RE.fullmatch(raw):
+            raise CheckpointError(f"{self.path(DIGEST_NAME)}: not one line of 64 lowercase hex digits; the checkpoint "
+                                  "is damaged")
+        if hashlib.sha256(data).hexdigest() != raw[:64].decode():
+            raise CheckpointError(f"{where}: SHA-256 does not match {self.path(DIGEST_NAME)}: the manifest is damaged "
+                                  "(or was replaced while it was read: try again)")
+        self.head_etag = etag
+        return data
+
+    def open(self, name: str, size: Optional[int] = None) -> ObjectInfo:
+        """The object's size and ETag (one HEAD, cached), checked against ``size`` and the
+        index's ETag: what a file system load checks with ``fstat`` before allocating."""
+        info = self._infos.get(name)
+        if info is None:
+            key = self.object_key(name)
+            info = self.store.head(key)
+            if info is None:
+                raise CheckpointError(f"{self.path(name)}: no such object")
+            want = self._etag(name)
+            if want is not None and info.etag != want:
+                raise CheckpointError(f"{self.path(name)}: ETag {info.etag} differs from the index's {want}; the "
+                                      "object was replaced after the checkpoint was committed")
+            self._infos[name] = info
+        if size is not None and info.size != size:
+            raise CheckpointError(f"{self.path(name)}: size {info.size} differs from the manifest's {size} bytes; "
+                                  "the object is damaged or was replaced")
+        return info
+
+    def size(self, name: str) -> int:
+        return self.open(name).size
+
+    def read_bytes(self, name: str, limit: int) -> bytes:
+        data, _ = self.store.get_bytes(self.object_key(name), limit, if_match=self._etag(name))
+        return data
+
+    def read_into(self, name: str, reqs: Sequence[Tuple[int, memoryview]], *, size: Optional[int] = None,
+                  threads: Optional[int] = None) -> int:
+        if size is None:
+            size = self.open(name).size
+        return self.store.read_into(self.object_key(name), reqs, size=size, etag=self._etag(name), threads=threads)
+
+
+def locate(url: str) -> Optional[str]:
+    """``url`` when a committed head is there (one HEAD), else None."""
+    store, key, url = _location(url)
+    return url if store.head(f"{key}/{MANIFEST_NAME}") is not None else None
+
+
+def why_not_checkpoint(url: str) -> str:
+    try:
+        with ObjectCheckpointFiles(url) as f:
+            f.read_manifest_bytes()
+    except CheckpointError as e:
+        return str(e)
+    return f"{url} is a checkpoint"
+
+
+def write_tracker(root: str, text: str) -> None:
+    store, key, _ = _location(root)
+    store.put_bytes(f"{key}/{TRACKER_NAME}", text.encode())
+
+
+def read_tracker_bytes(root: str) -> Optional[bytes]:
+    store, key, _ = _location(root)
+    if store.head(f"{key}/{TRACKER_NAME}") is None:
+        return None
+    data, _ = store.get_bytes(f"{key}/{TRACKER_NAME}", _TRACKER_MAX + 1)
+    return data
