@@ -38,7 +38,7 @@ def inspect_checkpoint(path: str) -> Dict[str, Any]:
         }
     return {
         "totals": _totals(path, m),
-        "path": os.path.abspath(path),
+        "path": storage.location(path),
         "world_size": m.world_size,
         "layout": m.layout,
         "files": {name: dict(info) for name, info in sorted(m.files.items())},
@@ -74,7 +74,7 @@ def _totals(path: str, m: Manifest) -> Dict[str, Any]:
     top = _top_level(m)
     iteration = top.get("iteration")
     if type(iteration) is not int:
-        iteration = storage.parse_iteration_dir_name(os.path.basename(os.path.abspath(path)))
+        iteration = storage.parse_iteration_dir_name(os.path.basename(storage.location(path)))
     names = [str(k) for k in top] + [str(o).split("/", 1)[0] for o in m.objects]
     holds = {
         "model": f"{len(model_keys)} global tensors, {nbytes(model_keys)} bytes" if model_keys else None,
@@ -153,19 +153,20 @@ def verify_checkpoint(path: str) -> List[str]:
     except MegashardError as e:
         return [str(e)]
     entries: Dict[str, Dict[str, Any]] = {}
-    with storage.CheckpointFiles(base) as cf:
+    with storage.checkpoint_files(base, m) as cf:
         for fname, info in sorted(m.files.items()):
             fpath = cf.path(fname)
             try:
                 cf.open(fname, int(info.get("bytes", 0)))
-                with TensorFileReader(fname, dir_fd=cf.dir_fd, nofollow=True) as r:
+                with cf.tensor_reader(fname) as r:
                     problems += structure_problems(r)
                     entries[fname] = {i.name: i for i in r.infos()}
                     problems += [f"{fpath}: {p}" for p in r.verify_all()]
                     if "tensors" in info and info["tensors"] != len(r):
                         problems.append(f"{fpath}: holds {len(r)} tensors, the manifest says {info['tensors']}")
             except MegashardError as e:
-                problems.append(f"{fpath}: missing" if not os.path.lexists(fpath) else str(e))
+                problems.append(f"{fpath}: missing" if not storage.is_url(fpath) and not os.path.lexists(fpath)
+                                else str(e))
     listed: Dict[str, Dict[str, str]] = {}  # file -> {tensor name: the index entry naming it}
 
     def check_entry(where: str, file: Any, name: str, data_offset: int, nbytes: int, crc32: int) -> None:

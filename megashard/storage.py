@@ -241,6 +241,13 @@ class CheckpointFiles:
             pos += k
         return bytes(buf)
 
+    def tensor_reader(self, name: str) -> Any:
+        """A :class:`~megashard.format.TensorFileReader` of member ``name`` (no link followed)."""
+        from .format import TensorFileReader
+
+        check_member_name(name, self.base)
+        return TensorFileReader(name, dir_fd=self.dir_fd, nofollow=True)
+
     def read_manifest_bytes(self) -> bytes:
         """``manifest.json``, checked against ``manifest.sha256`` when that exists."""
         data = self.read_bytes(MANIFEST_NAME, max_manifest_bytes())

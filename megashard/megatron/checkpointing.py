@@ -112,7 +112,7 @@ def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
     if not root:
         return {"tracker": None, "direct": False}
     root = storage.location(root)  # an s3:// URL, or an absolute path (a bad URL is refused, agreed)
-    named = os.path.basename(root) not in ("", ".", "..") and root.count("/") > (3 if storage.is_url(root) else 0)
+    named = os.path.basename(root) not in ("", ".", "..") and root.count("/") > (2 if storage.is_url(root) else 0)
     return {"tracker": storage.read_tracker(root), "direct": named and storage.locate(root) is not None}
 
 

@@ -341,6 +341,31 @@ class ObjectCheckpointFiles:
         return self.store.read_into(self.object_key(name), reqs, size=size, etag=self._etag(name), threads=threads)
 
 
+    def tensor_reader(self, name: str) -> Any:
+        """A :class:`~megashard.format.TensorFileReader` of a copy of the whole object in an
+        anonymous memory file (what checking every hash needs; one object at a time)."""
+        import os
+
+        from ..format import TensorFileReader
+        from ..format.fastio import tensor_memoryview
+
+        size = self.open(name).size
+        fd = os.memfd_create(f"megashard-{name}"[:200], os.MFD_CLOEXEC)
+        try:
+            if size:
+                import torch
+
+                os.ftruncate(fd, size)
+                buf = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+                self.read_into(name, [(0, tensor_memoryview(buf))], size=size)
+                del buf
+            reader = TensorFileReader(f"/proc/self/fd/{fd}")
+            reader.path = self.path(name)
+            return reader
+        finally:
+            os.close(fd)
+
+
 def locate(url: str) -> Optional[str]:
     """``url`` when a committed head is there (one HEAD), else None."""
     store, key, url = _location(url)
