@@ -28,6 +28,14 @@ class CheckpointError(MegashardError):
     """A checkpoint directory or manifest is missing, incomplete or inconsistent."""
 
 
+class CommitConflictError(CheckpointError):
+    """A conditional write lost: another writer created or replaced the object first (S3 412/409)."""
+
+
+class ObjectChangedError(CheckpointError):
+    """An object was replaced after its ETag was recorded, so its bytes no longer match the checkpoint."""
+
+
 class StateDictError(MegashardError):
     """The state dict given to save/load cannot be saved, or does not match the checkpoint."""
 
@@ -60,7 +68,7 @@ def distributed_error(failures: Mapping[int, str], what: str = "operation") -> D
     cls: type = DistributedError
     if len(names) == 1:
         base = {c.__name__: c for c in (FormatError, ChecksumError, UnsupportedFormatError, CheckpointError,
-                                         StateDictError)}.get(names.pop())
+                                         CommitConflictError, ObjectChangedError, StateDictError)}.get(names.pop())
         if base is not None:
             cls = _COMBINED.get(base)
             if cls is None:

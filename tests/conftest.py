@@ -29,3 +29,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     for item in items:
         if touches_megatron(Path(str(item.fspath))):
             item.add_marker(pytest.mark.megatron)
+from s3_endpoint import s3, s3_endpoint_server  # noqa: E402,F401  (S3 test endpoint fixtures, tests/s3_endpoint.py)

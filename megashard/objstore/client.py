@@ -1,0 +1,856 @@
+"""An S3 client sized for checkpoints: few small control requests, many large data requests.
+
+Control path (HEAD, small GET/PUT, LIST, DELETE, multipart create/complete/abort) goes through a boto3
+client, so credentials, regions and endpoints work the way S3 users already configure them. The bulk
+path (ranged GETs into tensors, PUTs of file bytes and multipart parts) uses URLs presigned locally by
+botocore and plain ``http.client`` connections (one persistent connection per thread), reading with
+``readinto`` straight into the caller's memoryviews and sending straight from them: no copies, no
+per-byte signing or hashing in Python. Every ranged GET carries ``If-Match`` with the ETag the checkpoint
+recorded and is checked against ``Content-Range``/``Content-Length``, so a replaced object can never be
+read as the checkpoint's bytes.
+
+boto3/botocore are imported only when an object URL is actually used.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import http.client
+import logging
+import os
+import random
+import re
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from urllib.parse import urlsplit
+
+from ..errors import CheckpointError, CommitConflictError, ObjectChangedError
+from .url import ObjectURL, join_key, parse_url
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_GAP_BYTES = MiB  # requests at most this far apart are read by one GET (the gap into a scratch buffer)
+_MIN_PART = 5 * MiB  # S3's smallest multipart part (all but the last)
+_MAX_PART = 5 * 1024 * MiB
+_MAX_PARTS = 10000
+_PRESIGN_SECONDS = 3600
+_RETRY_STATUS = frozenset({500, 502, 503, 504})
+_RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
+                          "ThrottlingException", "RequestTimeTooSkewed"})
+_ERROR_BODY_LIMIT = 64 * 1024
+KINDS = ("HEAD", "GET", "GET_RANGE", "PUT", "LIST", "DELETE", "MPU_CREATE", "MPU_PART", "MPU_COMPLETE", "MPU_ABORT",
+         "MPU_LIST")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object as S3 lists it; ``etag`` is kept exactly as S3 returns it (quoted)."""
+
+    key: str
+    size: int
+    etag: str
+    last_modified: float
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise CheckpointError(f"{name}={raw!r} is not an integer; unset it or give a number") from None
+    if value < minimum:
+        raise CheckpointError(f"{name}={value} is below its minimum {minimum}")
+    return value
+
+
+def connections() -> int:
+    """Parallel connections per bulk call (``MEGASHARD_S3_CONNECTIONS``, default 16)."""
+    return _env_int("MEGASHARD_S3_CONNECTIONS", 16, 1)
+
+
+def get_bytes_limit() -> int:
+    """Largest single ranged GET (``MEGASHARD_S3_GET_BYTES``, default 16 MiB)."""
+    return _env_int("MEGASHARD_S3_GET_BYTES", 16 * MiB, 1)
+
+
+def part_bytes(size: int) -> int:
+    """Multipart part size for an object of ``size`` bytes (``MEGASHARD_S3_PART_BYTES``, default 64 MiB)."""
+    part = max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", 64 * MiB, 1))
+    if -(-size // part) > _MAX_PARTS:  # S3 allows 10000 parts: grow the part, in whole MiB
+        part = -(-(-(-size // _MAX_PARTS)) // MiB) * MiB
+    return min(part, _MAX_PART)
+
+
+def _retries() -> int:
+    return _env_int("MEGASHARD_S3_RETRIES", 8, 0)
+
+
+def _backoff(attempt: int) -> float:
+    """Exponential backoff with jitter: base 0.05 s, cap 5 s."""
+    delay = min(5.0, 0.05 * (2 ** attempt))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+class _Retryable(Exception):
+    """A transient failure (5xx, SlowDown, a dropped connection): the request may be sent again."""
+
+
+# --------------------------------------------------------------------------------------------------- boto3
+
+def _boto():
+    """Import boto3 only when an object URL is used; a clear error when it is not installed."""
+    try:
+        import boto3  # noqa: F401
+        import botocore.config  # noqa: F401
+        import botocore.exceptions  # noqa: F401
+    except ImportError as e:
+        raise CheckpointError(f"s3:// checkpoints need boto3 ({e}): pip install boto3 "
+                              f"(or pip install 'megashard[s3]')") from None
+    return boto3, botocore
+
+
+def _env_endpoint() -> Optional[str]:
+    """The endpoint botocore would take from the environment (we need it to choose path-style addressing)."""
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return None
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+# --------------------------------------------------------------------------------------------------- process state
+
+_STORES: Dict[Tuple[str, Optional[str], Optional[str]], "ObjectStore"] = {}
+_STORES_LOCK = threading.Lock()
+_LOCAL = threading.local()  # per thread: {(scheme, host, port): HTTPConnection}, scratch buffer
+_POOL: Optional[ThreadPoolExecutor] = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _after_fork() -> None:
+    """A forked child must not share sockets, threads or boto3 clients with its parent."""
+    global _LOCAL, _POOL, _POOL_SIZE, _STORES_LOCK, _POOL_LOCK
+    _STORES.clear()
+    _LOCAL = threading.local()
+    _POOL, _POOL_SIZE = None, 0
+    _STORES_LOCK = threading.Lock()
+    _POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def clear_store_cache() -> None:
+    """Forget cached stores (tests switch endpoints and credentials between cases)."""
+    with _STORES_LOCK:
+        _STORES.clear()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < n:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL_SIZE = max(n, connections())
+            _POOL = ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="megashard-s3")
+        return _POOL
+
+
+def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
+    """Run ``tasks`` on up to ``threads`` pool threads; the first failure stops the rest and is raised."""
+    if threads <= 1 or len(tasks) <= 1:
+        return [t() for t in tasks]
+    n = min(threads, len(tasks))
+    results: List[Any] = [None] * len(tasks)
+    errors: List[BaseException] = []
+    lock = threading.Lock()
+    pending = iter(range(len(tasks)))
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if errors:
+                    return
+                i = next(pending, None)
+            if i is None:
+                return
+            try:
+                results[i] = tasks[i]()
+            except BaseException as e:  # noqa: B902 - handed to the caller below
+                with lock:
+                    errors.append(e)
+                return
+
+    futures = [_pool(n).submit(worker) for _ in range(n)]
+    for f in futures:
+        f.result()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _scratch() -> memoryview:
+    buf = getattr(_LOCAL, "scratch", None)
+    if buf is None:
+        buf = _LOCAL.scratch = memoryview(bytearray(_GAP_BYTES))
+    return buf
+
+
+def _byte_view(view: Any) -> memoryview:
+    mv = view if isinstance(view, memoryview) else memoryview(view)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+_XML_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
+_XML_MESSAGE = re.compile(rb"<Message>([^<]{0,300})</Message>")
+
+
+def _xml_field(pattern: "re.Pattern[bytes]", body: bytes) -> str:
+    m = pattern.search(body)
+    return m.group(1).decode("utf-8", "replace") if m else ""
+
+
+# --------------------------------------------------------------------------------------------------- the store
+
+class ObjectStore:
+    """One bucket on one S3 endpoint. Thread-safe; cheap to share (``for_url`` caches one per bucket)."""
+
+    def __init__(self, bucket: str, *, endpoint_url: Optional[str] = None, region: Optional[str] = None,
+                 profile: Optional[str] = None) -> None:
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url or _env_endpoint()
+        self.region = region
+        self.profile = profile
+        self.stats: "collections.Counter[str]" = collections.Counter()
+        self.retries: "collections.Counter[str]" = collections.Counter()
+        self._credentials: Dict[str, str] = {}
+        self._stats_lock = threading.Lock()
+        self._client_lock = threading.Lock()
+        self._client: Any = None
+        self._client_pid = 0
+
+    def __repr__(self) -> str:
+        return f"ObjectStore(s3://{self.bucket}, endpoint={self.endpoint_url or 'AWS'})"
+
+    # ----------------------------------------------------------------------------------------- construction
+    @classmethod
+    def for_url(cls, url: str) -> Tuple["ObjectStore", str]:
+        """The (cached) store for an ``s3://`` or ``msc://`` URL, and the key the URL names in it."""
+        parsed = url if isinstance(url, ObjectURL) else parse_url(url)
+        if parsed.scheme == "msc":
+            return _msc_store(parsed)
+        endpoint = _env_endpoint()
+        profile = os.environ.get("AWS_PROFILE") or None
+        cache_key = (parsed.bucket, endpoint, profile)
+        with _STORES_LOCK:
+            store = _STORES.get(cache_key)
+            if store is None:
+                store = _STORES[cache_key] = cls(parsed.bucket, endpoint_url=endpoint, profile=profile)
+        return store, parsed.key
+
+    def url(self, key: str) -> str:
+        """``s3://bucket/key``, the name errors use."""
+        return f"s3://{self.bucket}/{key}"
+
+    def boto3_client(self) -> Any:
+        """The boto3 S3 client of the control path (created once per process)."""
+        with self._client_lock:
+            if self._client is None or self._client_pid != os.getpid():
+                self._client = self._make_client()
+                self._client_pid = os.getpid()
+            return self._client
+
+    def _make_client(self) -> Any:
+        boto3, botocore = _boto()
+        try:
+            session = boto3.session.Session(profile_name=self.profile, **self._credentials)
+        except botocore.exceptions.BotoCoreError as e:
+            raise CheckpointError(f"s3://{self.bucket}: cannot set up AWS credentials: {e}; check AWS_PROFILE "
+                                  f"and ~/.aws/config") from None
+        s3_opts = {"addressing_style": "path"} if self.endpoint_url else {}
+        config = botocore.config.Config(
+            signature_version="s3v4", s3=s3_opts, retries={"total_max_attempts": 1},  # we retry ourselves
+            connect_timeout=20, read_timeout=120, max_pool_connections=max(10, connections()),
+            request_checksum_calculation="when_required", response_checksum_validation="when_required")
+        region = self.region or session.region_name
+        if region is None and self.endpoint_url is None:
+            region = self._bucket_region(session, config)
+        return session.client("s3", endpoint_url=self.endpoint_url, region_name=region or "us-east-1",
+                              config=config)
+
+    def _bucket_region(self, session: Any, config: Any) -> Optional[str]:
+        """AWS without a configured region: ask where the bucket lives, so presigned URLs are signed for it."""
+        _, botocore = _boto()
+        probe = session.client("s3", region_name="us-east-1", config=config)
+        try:
+            meta = probe.head_bucket(Bucket=self.bucket)["ResponseMetadata"]
+        except botocore.exceptions.ClientError as e:
+            meta = e.response.get("ResponseMetadata", {})
+        except botocore.exceptions.BotoCoreError:
+            return None
+        return meta.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+
+    def _count(self, kind: str, retry: bool = False) -> None:
+        with self._stats_lock:
+            self.stats[kind] += 1
+            if retry:
+                self.retries[kind] += 1
+
+    # ----------------------------------------------------------------------------------------- control path
+    def _call(self, kind: str, key: str, op: str, *, not_found: Any = ..., conflict: type = CheckpointError,
+              **params: Any) -> Any:
+        """One boto3 call with our retry policy; errors become CheckpointError naming s3://bucket/key.
+
+        ``not_found``: returned on 404 instead of raising. ``conflict``: the class a 412/409-conflict raises.
+        """
+        client = self.boto3_client()
+        _, botocore = _boto()
+        exc = botocore.exceptions
+
+        def attempt(n: int) -> Any:
+            self._count(kind, retry=n > 0)
+            try:
+                return getattr(client, op)(Bucket=self.bucket, **params)
+            except exc.ClientError as e:
+                meta = e.response.get("ResponseMetadata", {})
+                err = e.response.get("Error", {})
+                status = int(meta.get("HTTPStatusCode") or 0)
+                code = str(err.get("Code") or status)
+                message = str(err.get("Message") or "")
+                if status in _RETRY_STATUS or code in _RETRY_CODES:
+                    raise _Retryable(f"HTTP {status} {code}") from None
+                if status == 404 and not_found is not ...:
+                    return not_found
+                if status == 412 or (status == 409 and code == "ConditionalRequestConflict"):
+                    raise conflict(self._message(op, key, status, code, message)) from None
+                raise CheckpointError(self._message(op, key, status, code, message)) from None
+            except (exc.NoCredentialsError, exc.PartialCredentialsError, exc.NoRegionError) as e:
+                raise CheckpointError(f"{self.url(key)}: {e}; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
+                                      f"AWS_PROFILE (and AWS_DEFAULT_REGION / AWS_ENDPOINT_URL)") from None
+            except (exc.HTTPClientError, exc.ConnectionError) as e:
+                raise _Retryable(f"connection error: {e}") from None
+            except exc.BotoCoreError as e:
+                raise CheckpointError(f"S3 {op} of {self.url(key)} failed: {e}") from None
+
+        return self._retrying(kind, op, key, attempt)
+
+    def _message(self, op: str, key: str, status: int, code: str, message: str) -> str:
+        hint = ""
+        if status == 403:
+            hint = "; check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE) and the bucket policy"
+        elif code == "NoSuchBucket":
+            hint = f"; bucket {self.bucket!r} does not exist on {self.endpoint_url or 'AWS'}"
+        elif status == 404:
+            hint = "; the object does not exist"
+        elif status == 412:
+            hint = "; another writer changed the object first"
+        return f"S3 {op} of {self.url(key)} failed: HTTP {status} {code} {message}".rstrip() + hint
+
+    def _retrying(self, kind: str, op: str, key: str, attempt: Callable[[int], T]) -> T:
+        retries = _retries()
+        n = 0
+        while True:
+            try:
+                return attempt(n)
+            except _Retryable as e:
+                if n >= retries:
+                    raise CheckpointError(f"S3 {op} of {self.url(key)} failed after {n + 1} attempts: {e}; the "
+                                          f"endpoint is unavailable or overloaded (MEGASHARD_S3_RETRIES={retries})"
+                                          ) from None
+                delay = _backoff(n)
+                log.debug("S3 %s of %s: %s; retry %d in %.2f s", op, self.url(key), e, n + 1, delay)
+                time.sleep(delay)
+                n += 1
+
+    def head(self, key: str) -> Optional[ObjectInfo]:
+        """The object's size and ETag, or None when it does not exist."""
+        resp = self._call("HEAD", key, "head_object", Key=key, not_found=None)
+        if resp is None:
+            return None
+        return ObjectInfo(key, int(resp["ContentLength"]), resp["ETag"], resp["LastModified"].timestamp())
+
+    def get_bytes(self, key: str, limit: int, *, if_match: Optional[str] = None) -> Tuple[bytes, str]:
+        """The whole object and its ETag; refuses (before reading the body) objects over ``limit`` bytes."""
+        params: Dict[str, Any] = {"Key": key}
+        if if_match:
+            params["IfMatch"] = if_match
+        _, botocore = _boto()
+
+        def attempt(n: int) -> Tuple[bytes, str]:
+            resp = self._call("GET", key, "get_object", conflict=ObjectChangedError, **params)
+            body = resp["Body"]
+            try:
+                size = int(resp["ContentLength"])
+                if size > limit:
+                    raise CheckpointError(f"{self.url(key)} is {size} bytes, more than the {limit} bytes "
+                                          f"megashard reads for this object; it is not a megashard file")
+                try:
+                    data = body.read()
+                except (botocore.exceptions.BotoCoreError, OSError, http.client.HTTPException) as e:
+                    raise _Retryable(f"connection lost reading the body: {e}") from None
+            finally:
+                body.close()
+            if len(data) != size:
+                raise _Retryable(f"got {len(data)} of {size} bytes")
+            return data, resp["ETag"]
+
+        try:
+            return self._retrying("GET", "get_object", key, attempt)
+        except ObjectChangedError as e:
+            raise ObjectChangedError(f"{e}; the object changed since the checkpoint was written") from None
+
+    def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
+                  if_match: Optional[str] = None) -> str:
+        """Write a small object; with ``if_none_match`` it must not exist, with ``if_match`` it must have that
+        ETag, else :class:`CommitConflictError`. Returns the new ETag."""
+        params: Dict[str, Any] = {"Key": key, "Body": bytes(data)}
+        if if_none_match:
+            params["IfNoneMatch"] = "*"
+        if if_match:
+            params["IfMatch"] = if_match
+        if if_match and if_none_match:
+            raise CheckpointError(f"{self.url(key)}: if_match and if_none_match exclude each other")
+        return self._call("PUT", key, "put_object", conflict=CommitConflictError, **params)["ETag"]
+
+    def list(self, prefix: str, delimiter: Optional[str] = None) -> Tuple[List[ObjectInfo], List[str]]:
+        """Every object under ``prefix`` (and the common prefixes when ``delimiter`` is given), paginated."""
+        objects: List[ObjectInfo] = []
+        prefixes: List[str] = []
+        params: Dict[str, Any] = {"Prefix": prefix}
+        if delimiter:
+            params["Delimiter"] = delimiter
+        while True:
+            resp = self._call("LIST", prefix, "list_objects_v2", **params)
+            for o in resp.get("Contents", ()):
+                objects.append(ObjectInfo(o["Key"], int(o["Size"]), o["ETag"], o["LastModified"].timestamp()))
+            prefixes.extend(p["Prefix"] for p in resp.get("CommonPrefixes", ()))
+            if not resp.get("IsTruncated"):
+                return objects, prefixes
+            token = resp.get("NextContinuationToken")
+            if not token:
+                raise CheckpointError(f"S3 list of {self.url(prefix)}: truncated listing without a continuation "
+                                      f"token")
+            params["ContinuationToken"] = token
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Delete ``keys`` (missing ones are fine) in batches of 1000."""
+        keys = list(keys)
+        for i in range(0, len(keys), 1000):
+            batch = keys[i:i + 1000]
+            resp = self._call("DELETE", batch[0], "delete_objects",
+                              Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            errors = [e for e in resp.get("Errors", ()) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                e = errors[0]
+                raise CheckpointError(f"S3 delete of {self.url(e.get('Key', ''))} failed: {e.get('Code')} "
+                                      f"{e.get('Message', '')} ({len(errors)} of {len(batch)} keys failed)")
+
+    def list_uploads(self, prefix: str) -> List[Tuple[str, str, float]]:
+        """Unfinished multipart uploads under ``prefix``: (key, upload id, initiated time)."""
+        out: List[Tuple[str, str, float]] = []
+        params: Dict[str, Any] = {"Prefix": prefix}
+        while True:
+            resp = self._call("MPU_LIST", prefix, "list_multipart_uploads", **params)
+            for u in resp.get("Uploads", ()):
+                out.append((u["Key"], u["UploadId"], u["Initiated"].timestamp()))
+            if not resp.get("IsTruncated"):
+                return out
+            params["KeyMarker"] = resp.get("NextKeyMarker", "")
+            params["UploadIdMarker"] = resp.get("NextUploadIdMarker", "")
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one multipart upload (already gone is fine)."""
+        self._call("MPU_ABORT", key, "abort_multipart_upload", Key=key, UploadId=upload_id, not_found=None)
+
+    # ----------------------------------------------------------------------------------------- bulk path
+    def _presign(self, op: str, key: str, **params: Any) -> str:
+        try:
+            return self.boto3_client().generate_presigned_url(
+                op, Params={"Bucket": self.bucket, "Key": key, **params}, ExpiresIn=_PRESIGN_SECONDS)
+        except Exception as e:  # botocore raises several unrelated types here (credentials, params)
+            raise CheckpointError(f"cannot sign a request for {self.url(key)}: {e}") from None
+
+    @staticmethod
+    def _connection(url: str) -> Tuple[http.client.HTTPConnection, str]:
+        """This thread's persistent connection to the URL's host, and the request target."""
+        parts = urlsplit(url)
+        target = parts.path + ("?" + parts.query if parts.query else "")
+        conns = getattr(_LOCAL, "conns", None)
+        if conns is None:
+            conns = _LOCAL.conns = {}
+        ident = (parts.scheme, parts.hostname, parts.port)
+        conn = conns.get(ident)
+        if conn is None:
+            timeout = _env_int("MEGASHARD_S3_TIMEOUT", 120, 1)
+            if parts.scheme == "https":
+                conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout,
+                                                   context=ssl.create_default_context())
+            else:
+                conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+            conns[ident] = conn
+        return conn, target
+
+    @staticmethod
+    def _drop(url: str) -> None:
+        """Close this thread's connection after an error; the next request opens a fresh one."""
+        parts = urlsplit(url)
+        conn = getattr(_LOCAL, "conns", {}).pop((parts.scheme, parts.hostname, parts.port), None)
+        if conn is not None:
+            conn.close()
+
+    def _error_response(self, url: str, resp: http.client.HTTPResponse) -> Tuple[str, str]:
+        """Read a small error body (S3 XML) for its code and message; drop the connection if it is large."""
+        try:
+            length = int(resp.getheader("Content-Length") or -1)
+        except ValueError:
+            length = -1
+        body = b""
+        if 0 <= length <= _ERROR_BODY_LIMIT:
+            try:
+                body = resp.read()
+            except (OSError, http.client.HTTPException):
+                self._drop(url)
+        else:
+            self._drop(url)
+        return _xml_field(_XML_CODE, body), _xml_field(_XML_MESSAGE, body)
+
+    def read_into(self, key: str, reqs: Sequence[Tuple[int, memoryview]], *, size: int, etag: Optional[str],
+                  threads: Optional[int] = None) -> int:
+        """Fill each ``(offset, view)`` with the object's bytes at ``offset``; returns the bytes fetched.
+
+        Nearby requests share a GET (gaps up to 1 MiB go to a scratch buffer), GETs are cut to
+        ``MEGASHARD_S3_GET_BYTES`` and run on up to ``MEGASHARD_S3_CONNECTIONS`` threads. Each GET is pinned
+        to ``etag`` with If-Match and checked against ``size``; a changed object raises ObjectChangedError.
+        """
+        gets = self._plan_gets(key, reqs, size)
+        if not gets:
+            return 0
+        url = self._presign("get_object", key)
+        tasks = [lambda g=g: self._get_range(key, url, g[0], g[1], g[2], size, etag) for g in gets]
+        return sum(_run_parallel(tasks, threads or connections()))
+
+    def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int
+                   ) -> List[Tuple[int, int, List[Tuple[Optional[memoryview], int]]]]:
+        """Coalesce requests into runs and cut runs into GETs: (first byte, end, [(view or None=gap, n)])."""
+        items = []
+        for offset, view in reqs:
+            mv = _byte_view(view)
+            if offset < 0 or offset + mv.nbytes > size:
+                raise CheckpointError(f"{self.url(key)}: bytes [{offset}, {offset + mv.nbytes}) lie outside the "
+                                      f"{size}-byte object; the checkpoint's index does not match the object")
+            if mv.nbytes:
+                items.append((offset, mv))
+        items.sort(key=lambda it: it[0])
+        runs: List[Tuple[int, List[Tuple[Optional[memoryview], int]]]] = []
+        end = -1
+        overlapping = []
+        for offset, mv in items:
+            if runs and offset >= end and offset - end <= _GAP_BYTES:
+                pieces = runs[-1][1]
+                if offset > end:
+                    pieces.append((None, offset - end))
+                pieces.append((mv, mv.nbytes))
+                end = offset + mv.nbytes
+            elif runs and offset < end:
+                overlapping.append((offset, mv))  # two requests for the same bytes: read it again
+            else:
+                runs.append((offset, [(mv, mv.nbytes)]))
+                end = offset + mv.nbytes
+        limit = get_bytes_limit()
+        gets = []
+        for start, pieces in runs:
+            cur: List[Tuple[Optional[memoryview], int]] = []
+            pos = get_start = start
+            for mv, n in pieces:
+                done = 0
+                while done < n:
+                    take = min(n - done, get_start + limit - pos)
+                    cur.append((mv[done:done + take] if mv is not None else None, take))
+                    done += take
+                    pos += take
+                    if pos - get_start == limit:
+                        gets.append((get_start, pos, cur))
+                        cur, get_start = [], pos
+            if cur:
+                gets.append((get_start, pos, cur))
+        if overlapping:
+            gets.extend(self._plan_gets(key, overlapping, size))
+        return gets
+
+    def _get_range(self, key: str, url: str, first: int, end: int, pieces: List[Tuple[Optional[memoryview], int]],
+                   size: int, etag: Optional[str]) -> int:
+        """One ranged GET into ``pieces``; a retry asks only for the bytes not yet received."""
+        got = 0
+        starts = []
+        acc = 0
+        for _, n in pieces:
+            starts.append(acc)
+            acc += n
+        where = self.url(key)
+
+        def attempt(n_try: int) -> int:
+            nonlocal got
+            a, b = first + got, end - 1
+            self._count("GET_RANGE", retry=n_try > 0)
+            conn, target = self._connection(url)
+            try:
+                conn.putrequest("GET", target, skip_accept_encoding=True)
+                conn.putheader("Range", f"bytes={a}-{b}")
+                if etag:
+                    conn.putheader("If-Match", etag)
+                conn.endheaders()
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(url)
+                raise _Retryable(f"connection error: {e!r}") from None
+            if resp.status != 206:
+                code, message = self._error_response(url, resp)
+                self._raise_get_status(where, resp.status, code, message, a, b, size)
+            self._check_range(url, where, resp, a, b, size, etag)
+            i = bisect.bisect_right(starts, got) - 1
+            scratch = _scratch()
+            try:
+                while got < acc:
+                    mv, n = pieces[i]
+                    off = got - starts[i]
+                    dest = mv[off:] if mv is not None else scratch[:n - off]
+                    r = resp.readinto(dest)
+                    if not r:
+                        raise http.client.IncompleteRead(b"", acc - got)
+                    got += r
+                    if got - starts[i] == n:
+                        i += 1
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(url)
+                raise _Retryable(f"connection lost after {got} of {acc} bytes: {e!r}") from None
+            return acc
+
+        return self._retrying("GET_RANGE", "ranged GET", key, attempt)
+
+    def _raise_get_status(self, where: str, status: int, code: str, message: str, a: int, b: int,
+                          size: int) -> None:
+        if status in _RETRY_STATUS or code in _RETRY_CODES:
+            raise _Retryable(f"HTTP {status} {code}")
+        if status == 412:
+            raise ObjectChangedError(f"{where}: the object changed since the checkpoint was written (HTTP 412 on "
+                                     f"If-Match); load the checkpoint again or restore the object")
+        if status == 416:
+            raise ObjectChangedError(f"{where}: bytes {a}-{b} are past the object's end (HTTP 416) but the "
+                                     f"checkpoint recorded {size} bytes; the object changed since it was written")
+        if status == 404:
+            raise CheckpointError(f"{where}: the object does not exist (HTTP 404 {code}); the checkpoint is "
+                                  f"incomplete or was deleted")
+        if status == 403:
+            raise CheckpointError(f"{where}: access denied (HTTP 403 {code} {message}); check the credentials "
+                                  f"and the bucket policy")
+        if status == 200:
+            raise CheckpointError(f"{where}: the server ignored the Range header (HTTP 200 for bytes {a}-{b}); "
+                                  f"megashard needs an endpoint that supports ranged GETs")
+        raise CheckpointError(f"{where}: ranged GET of bytes {a}-{b} failed: HTTP {status} {code} {message}")
+
+    def _check_range(self, url: str, where: str, resp: http.client.HTTPResponse, a: int, b: int, size: int,
+                     etag: Optional[str]) -> None:
+        """The 206 must be exactly the bytes asked for, of an object of the recorded size and ETag."""
+        content_range = resp.getheader("Content-Range") or ""
+        m = _CONTENT_RANGE.match(content_range.strip())
+        problem = None
+        if m is None:
+            problem = f"Content-Range {content_range!r} is not 'bytes {a}-{b}/{size}'"
+        elif int(m.group(3)) != size:
+            self._drop(url)
+            raise ObjectChangedError(f"{where}: the object is {m.group(3)} bytes but the checkpoint recorded {size}; "
+                                     f"it changed since the checkpoint was written")
+        elif (int(m.group(1)), int(m.group(2))) != (a, b):
+            problem = f"Content-Range {content_range!r} answers a request for bytes {a}-{b}"
+        elif resp.getheader("Content-Length") != str(b - a + 1):
+            problem = f"Content-Length {resp.getheader('Content-Length')!r} is not {b - a + 1}"
+        elif etag and resp.getheader("ETag") not in (None, etag):
+            self._drop(url)
+            raise ObjectChangedError(f"{where}: ETag {resp.getheader('ETag')} is not the checkpoint's {etag}; "
+                                     f"the object changed since the checkpoint was written")
+        if problem:
+            self._drop(url)
+            raise CheckpointError(f"{where}: bad ranged GET answer: {problem}; the endpoint or a proxy "
+                                  f"mangles range requests")
+
+    def upload(self, key: str, size: int, segments: Sequence[Tuple[int, memoryview]], *, if_none_match: bool = True,
+               threads: Optional[int] = None) -> str:
+        """Write an object from ``segments`` ((offset, view) tiling [0, size) in order) without copying them.
+
+        One PUT below one part (``MEGASHARD_S3_PART_BYTES``), else a multipart upload with parts sent in
+        parallel (a part may span segments), aborted on any failure. With ``if_none_match`` the object must
+        not exist yet (CommitConflictError otherwise). Returns the ETag.
+        """
+        views = []
+        pos = 0
+        for offset, view in segments:
+            mv = _byte_view(view)
+            if offset != pos:
+                raise CheckpointError(f"{self.url(key)}: upload segments must tile [0, {size}) in order; segment at "
+                                      f"{offset} after {pos} bytes")
+            if mv.nbytes:
+                views.append((offset, mv))
+            pos += mv.nbytes
+        if pos != size:
+            raise CheckpointError(f"{self.url(key)}: upload segments hold {pos} bytes, not {size}")
+        part = part_bytes(size)
+        if size < part:
+            headers = {"If-None-Match": "*"} if if_none_match else {}
+            url = self._presign("put_object", key)
+            return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers)
+        return self._multipart(key, size, part, views, if_none_match, threads or connections())
+
+    @staticmethod
+    def _slice(views: List[Tuple[int, memoryview]], starts: List[int], a: int, b: int) -> List[memoryview]:
+        """The views covering bytes [a, b)."""
+        out = []
+        i = bisect.bisect_right(starts, a) - 1
+        while a < b:
+            offset, mv = views[i]
+            lo = a - offset
+            hi = min(mv.nbytes, b - offset)
+            out.append(mv[lo:hi])
+            a += hi - lo
+            i += 1
+        return out
+
+    def _multipart(self, key: str, size: int, part: int, views: List[Tuple[int, memoryview]], if_none_match: bool,
+                   threads: int) -> str:
+        upload_id = self._call("MPU_CREATE", key, "create_multipart_upload", Key=key)["UploadId"]
+        try:
+            starts = [o for o, _ in views]
+            nparts = -(-size // part)
+
+            def send(i: int) -> str:
+                a, b = i * part, min(size, (i + 1) * part)
+                url = self._presign("upload_part", key, UploadId=upload_id, PartNumber=i + 1)
+                return self._put_views("MPU_PART", key, url, self._slice(views, starts, a, b), b - a, {})
+
+            etags = _run_parallel([lambda i=i: send(i) for i in range(nparts)], threads)
+            params: Dict[str, Any] = {
+                "Key": key, "UploadId": upload_id,
+                "MultipartUpload": {"Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]}}
+            if if_none_match:
+                params["IfNoneMatch"] = "*"
+            return self._call("MPU_COMPLETE", key, "complete_multipart_upload", conflict=CommitConflictError,
+                              **params)["ETag"]
+        except BaseException:
+            try:
+                self.abort_upload(key, upload_id)
+            except Exception as e:  # the original failure matters more; cleanup() removes it later
+                log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.url(key), e)
+            raise
+
+    def _put_views(self, kind: str, key: str, url: str, views: List[memoryview], length: int,
+                   headers: Dict[str, str]) -> str:
+        """One PUT of ``length`` bytes sent straight from ``views``; returns the ETag."""
+        where = self.url(key)
+
+        def attempt(n_try: int) -> str:
+            self._count(kind, retry=n_try > 0)
+            conn, target = self._connection(url)
+            try:
+                conn.putrequest("PUT", target, skip_accept_encoding=True)
+                conn.putheader("Content-Length", str(length))
+                for name, value in headers.items():
+                    conn.putheader(name, value)
+                conn.endheaders()
+                for mv in views:
+                    conn.send(mv)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(url)
+                raise _Retryable(f"connection error: {e!r}") from None
+            if resp.status != 200:
+                code, message = self._error_response(url, resp)
+                if resp.status in _RETRY_STATUS or code in _RETRY_CODES:
+                    raise _Retryable(f"HTTP {resp.status} {code}")
+                if resp.status == 412 or (resp.status == 409 and code == "ConditionalRequestConflict"):
+                    raise CommitConflictError(f"PUT of {where}: HTTP {resp.status} {code}: another writer created "
+                                              f"or replaced the object first")
+                hint = "; check the credentials and the bucket policy" if resp.status == 403 else ""
+                raise CheckpointError(f"PUT of {where} failed: HTTP {resp.status} {code} {message}{hint}")
+            try:
+                resp.read()
+            except (OSError, http.client.HTTPException):
+                self._drop(url)
+            etag = resp.getheader("ETag")
+            if not etag:
+                raise CheckpointError(f"PUT of {where}: the endpoint returned no ETag")
+            return etag
+
+        return self._retrying(kind, "PUT", key, attempt)
+
+
+# --------------------------------------------------------------------------------------------------- msc://
+
+_S3_LIKE = ("s3", "s8k", "ais_s3", "gcs_s3")
+
+
+def _msc_config() -> Dict[str, Any]:
+    try:
+        from multistorageclient import StorageClientConfig  # type: ignore[import-not-found]
+    except ImportError:
+        raise CheckpointError("msc:// URLs need multi-storage-client: pip install multi-storage-client "
+                              "(or use s3://bucket/prefix)") from None
+    try:
+        found = StorageClientConfig.read_msc_config()
+    except Exception as e:  # its own validation errors
+        raise CheckpointError(f"cannot read the multi-storage-client config: {e}") from None
+    config = found[0] if isinstance(found, tuple) else found  # newer versions also return the file path
+    return config or {}
+
+
+def _expand(value: Any) -> Any:
+    return os.path.expandvars(value) if isinstance(value, str) else value
+
+
+def _msc_store(url: ObjectURL) -> Tuple[ObjectStore, str]:
+    """Resolve ``msc://profile/key`` through the profile's S3 storage provider (bucket/prefix, endpoint,
+    region, static S3 credentials; otherwise the usual AWS credential chain)."""
+    config = _msc_config()
+    profile = (config.get("profiles") or {}).get(url.profile)
+    if not isinstance(profile, dict):
+        raise CheckpointError(f"{url}: profile {url.profile!r} is not in the multi-storage-client config "
+                              f"(MSC_CONFIG or ~/.msc_config.yaml)")
+    provider = profile.get("storage_provider") or {}
+    kind = provider.get("type")
+    if kind not in _S3_LIKE:
+        raise CheckpointError(f"{url}: profile {url.profile!r} uses storage provider {kind!r}; megashard reads "
+                              f"msc:// only through S3-compatible providers ({', '.join(_S3_LIKE)})")
+    options = {k: _expand(v) for k, v in (provider.get("options") or {}).items()}
+    base = parse_url("s3://" + str(options.get("base_path", "")).strip("/"))
+    key = join_key(base.key, url.key) if url.key else base.key
+    parse_url(f"s3://{base.bucket}/{key}")  # the joined key obeys the same rules
+    creds: Dict[str, str] = {}
+    cred_provider = profile.get("credentials_provider") or {}
+    if cred_provider.get("type") == "S3Credentials":
+        o = {k: _expand(v) for k, v in (cred_provider.get("options") or {}).items()}
+        creds = {"aws_access_key_id": o.get("access_key"), "aws_secret_access_key": o.get("secret_key")}
+        if o.get("session_token"):
+            creds["aws_session_token"] = o["session_token"]
+    elif cred_provider:
+        log.info("%s: credentials provider %r is not used by megashard; using the AWS credential chain",
+                 url, cred_provider.get("type"))
+    endpoint = options.get("endpoint_url") or _env_endpoint()
+    cache_key = (base.bucket, endpoint, f"msc:{url.profile}")
+    with _STORES_LOCK:
+        store = _STORES.get(cache_key)
+        if store is None:
+            store = ObjectStore(base.bucket, endpoint_url=endpoint, region=options.get("region_name"))
+            store._credentials = {k: v for k, v in creds.items() if v}
+            _STORES[cache_key] = store
+    return store, key

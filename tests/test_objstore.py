@@ -1,0 +1,436 @@
+"""megashard.objstore against a real S3 endpoint on 127.0.0.1 (moto, tests/s3_endpoint.py).
+
+Asserts the bytes (bit-exact), the requests the endpoint saw (ranges, If-Match, retries), and the exact
+error types and the s3:// names in their messages.
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import sys
+import types
+from typing import List, Tuple
+
+import pytest
+
+from megashard.errors import CheckpointError, CommitConflictError, ObjectChangedError
+from megashard.objstore import ObjectStore, check_object_name, child, parse_url
+from megashard.objstore import client as objclient
+
+MiB = 1 << 20
+
+
+def _data(n: int, seed: int = 0) -> bytes:
+    return (bytes(range(256)) * (n // 256 + 1))[:n] if seed == 0 else os.urandom(n)
+
+
+def _store(s3) -> ObjectStore:
+    store, key = ObjectStore.for_url(s3.url())
+    assert key == ""
+    return store
+
+
+def _ranged_gets(s3, key: str) -> List[dict]:
+    return [e for e in s3.requests() if e["method"] == "GET" and e["key"] == key and e["range"]]
+
+
+# ----------------------------------------------------------------------------------------------- URLs
+
+@pytest.mark.parametrize("url, bucket, key", [
+    ("s3://bkt/a/b", "bkt", "a/b"),
+    ("s3://bkt/a/b/", "bkt", "a/b"),
+    ("S3://my.bucket-1/run/iter_0000100", "my.bucket-1", "run/iter_0000100"),
+    ("s3://bkt", "bkt", ""),
+    ("s3://bkt/", "bkt", ""),
+])
+def test_parse_url_accepts(url: str, bucket: str, key: str) -> None:
+    parsed = parse_url(url)
+    assert (parsed.scheme, parsed.bucket, parsed.key, parsed.profile) == ("s3", bucket, key, None)
+
+
+def test_parse_url_msc_keeps_the_profile() -> None:
+    parsed = parse_url("msc://train-ckpt/run/iter_1/")
+    assert (parsed.scheme, parsed.bucket, parsed.key, parsed.profile) == ("msc", "", "run/iter_1", "train-ckpt")
+
+
+@pytest.mark.parametrize("url", [
+    "s3://bkt/../etc", "s3://bkt/a/../../b", "s3://bkt/a/./b", "s3://bkt/a//b", "s3://bkt//", "s3://bkt//a",
+    "s3://bkt/a\\b", "s3://bkt/a\x00b", "s3://bkt/a\nb", "s3://bkt/a?versionId=1", "s3://bkt/a#frag",
+    "s3:///key", "s3://b/key", "s3://BUCKET/key", "s3://user@bkt/key", "s3://bkt:9000/key", "s3://bk..t/key",
+    "s3:/bkt/key", "s3//bkt/key", "/local/dir", "http://bkt/key", "gs://bkt/key", "",
+    "s3://bkt/" + "k" * 901, "s3://bkt/" + "\u00e9" * 451, "msc:///key", "msc://bad profile/key",
+])
+def test_parse_url_rejects_hostile(url: str) -> None:
+    with pytest.raises(CheckpointError) as err:
+        parse_url(url)
+    assert repr(url[:40])[1:-1][:20] in str(err.value)
+
+
+def test_child_and_object_names() -> None:
+    assert child("s3://bkt/run/iter_1/", "manifest.json") == "s3://bkt/run/iter_1/manifest.json"
+    assert child("s3://bkt", "latest_checkpointed_iteration.txt") == "s3://bkt/latest_checkpointed_iteration.txt"
+    assert check_object_name(".megashard-save-" + "a" * 32, "here") == ".megashard-save-" + "a" * 32
+    for bad in ("", ".", "..", "a/b", "a\\b", "a\x00", "x" * 256):
+        with pytest.raises(CheckpointError, match="s3://bkt/run: .* is not a plain object name"):
+            child("s3://bkt/run", bad)
+    with pytest.raises(CheckpointError, match="longer than 900 bytes"):
+        child("s3://bkt/" + "k" * 890, "manifest.json")
+
+
+# ----------------------------------------------------------------------------------------------- control path
+
+def test_round_trip_put_get_head_list_delete(s3) -> None:
+    store = _store(s3)
+    assert store.head("run/manifest.json") is None
+    etag = store.put_bytes("run/manifest.json", b'{"a": 1}')
+    store.put_bytes("run/.megashard-save-x/data_0.tensors", b"x" * 100)
+    store.put_bytes("run/.megashard-save-x/data_1.tensors", b"y" * 10)
+    info = store.head("run/manifest.json")
+    assert (info.key, info.size, info.etag) == ("run/manifest.json", 8, etag) and etag.startswith('"')
+    assert info.last_modified > 1e9
+    assert store.get_bytes("run/manifest.json", 100) == (b'{"a": 1}', etag)
+    assert store.get_bytes("run/manifest.json", 100, if_match=etag)[0] == b'{"a": 1}'
+    objects, prefixes = store.list("run/", delimiter="/")
+    assert [o.key for o in objects] == ["run/manifest.json"] and prefixes == ["run/.megashard-save-x/"]
+    objects, prefixes = store.list("run/.megashard-save-x/")
+    assert [(o.key, o.size) for o in objects] == [("run/.megashard-save-x/data_0.tensors", 100),
+                                                   ("run/.megashard-save-x/data_1.tensors", 10)]
+    assert prefixes == []
+    store.delete([o.key for o in objects] + ["run/not-there"])
+    assert store.list("run/")[0] == [info] or [o.key for o in store.list("run/")[0]] == ["run/manifest.json"]
+    assert store.stats["PUT"] == 3 and store.stats["HEAD"] == 2 and store.stats["GET"] == 2
+    assert store.stats["LIST"] == 3 and store.stats["DELETE"] == 1
+    assert sum(store.retries.values()) == 0
+
+
+def test_store_cache_and_url(s3) -> None:
+    store, key = ObjectStore.for_url(s3.url("run/iter_0000100/"))
+    assert key == "run/iter_0000100" and store.endpoint_url == s3.endpoint
+    assert ObjectStore.for_url(s3.url("other"))[0] is store
+    assert store.url("run/x") == f"s3://{s3.bucket}/run/x"
+
+
+def test_conditional_put_conflicts(s3) -> None:
+    store = _store(s3)
+    first = store.put_bytes("p/manifest.json", b"one", if_none_match=True)
+    with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/p/manifest.json"):
+        store.put_bytes("p/manifest.json", b"two", if_none_match=True)
+    second = store.put_bytes("p/manifest.json", b"two", if_match=first)
+    with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/p/manifest.json.*412"):
+        store.put_bytes("p/manifest.json", b"three", if_match=first)  # stale: someone else re-saved
+    assert store.get_bytes("p/manifest.json", 10) == (b"two", second)
+    conditions = [(e["if_none_match"], e["if_match"], e["status"]) for e in s3.requests()
+                  if e["method"] == "PUT" and e["key"] == "p/manifest.json"]
+    assert conditions == [("*", None, 200), ("*", None, 412), (None, first, 200), (None, first, 412)]
+    # the bulk path's single PUT and multipart complete are conditional too
+    with pytest.raises(CommitConflictError, match="p/manifest.json"):
+        store.upload("p/manifest.json", 3, [(0, memoryview(b"new"))])
+    assert store.get_bytes("p/manifest.json", 10)[0] == b"two"
+
+
+def test_multipart_complete_if_none_match_conflict(s3, monkeypatch) -> None:
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(5 * MiB))
+    store = _store(s3)
+    store.put_bytes("p/big", b"old")
+    data = _data(6 * MiB)
+    with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/p/big"):
+        store.upload("p/big", len(data), [(0, memoryview(data))])
+    assert store.get_bytes("p/big", 10)[0] == b"old"
+    assert store.list_uploads("p/") == []  # aborted
+    assert store.stats["MPU_COMPLETE"] == 1 and store.stats["MPU_ABORT"] == 1
+
+
+def test_get_bytes_limit_and_if_match(s3) -> None:
+    store = _store(s3)
+    etag = store.put_bytes("k/index", b"z" * 1000)
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/k/index is 1000 bytes, more than the 999"):
+        store.get_bytes("k/index", 999)
+    store.put_bytes("k/index", b"w" * 1000)
+    with pytest.raises(ObjectChangedError, match=f"s3://{s3.bucket}/k/index.*changed since the checkpoint"):
+        store.get_bytes("k/index", 1000, if_match=etag)
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/k/missing.*404.*does not exist"):
+        store.get_bytes("k/missing", 1000)
+
+
+def test_missing_bucket_is_named(s3) -> None:
+    store, _ = ObjectStore.for_url("s3://no-such-bucket-megashard/x")
+    with pytest.raises(CheckpointError, match="s3://no-such-bucket-megashard/x/y.*NoSuchBucket"):
+        store.put_bytes("x/y", b"1")
+
+
+# ----------------------------------------------------------------------------------------------- ranged reads
+
+def _scattered(size: int) -> List[Tuple[int, int]]:
+    """(offset, length) requests: adjacent ones, small gaps (coalesced), a 2 MiB gap (split), a long run."""
+    return [(0, 100), (100, 50), (200, 1000),            # run A: gap 50 bytes
+            (300 * 1024, 4096), (1300 * 1024, 10),       # still run A: gaps < 1 MiB
+            (4 * MiB, 1),                                # run B: gap > 1 MiB from run A
+            (4 * MiB + 17, 9 * MiB),                     # run B: 9 MiB long -> split by GET_BYTES
+            (size - 3, 3)]                               # run C: the last bytes
+
+
+def test_read_into_scattered_ranges_bit_exact(s3, monkeypatch) -> None:
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(4 * MiB))
+    store = _store(s3)
+    data = os.urandom(16 * MiB)
+    etag = store.upload("d/data_0.tensors", len(data), [(0, memoryview(data))], if_none_match=True)
+    s3.reset()
+    reqs = _scattered(len(data))
+    bufs = [bytearray(n) for _, n in reqs]
+    fetched = store.read_into("d/data_0.tensors", [(o, memoryview(b)) for (o, _), b in zip(reqs, bufs)],
+                              size=len(data), etag=etag)
+    for (o, n), b in zip(reqs, bufs):
+        assert bytes(b) == data[o:o + n]
+    run_a = 1300 * 1024 + 10
+    run_b = 17 + 9 * MiB
+    assert fetched == run_a + run_b + 3
+    gets = _ranged_gets(s3, "d/data_0.tensors")
+    b0 = 4 * MiB
+    assert sorted(e["range"] for e in gets) == sorted([
+        f"bytes=0-{run_a - 1}",
+        f"bytes={b0}-{b0 + 4 * MiB - 1}", f"bytes={b0 + 4 * MiB}-{b0 + 8 * MiB - 1}",
+        f"bytes={b0 + 8 * MiB}-{b0 + run_b - 1}",
+        f"bytes={len(data) - 3}-{len(data) - 1}"])
+    assert all(e["if_match"] == etag and e["status"] == 206 for e in gets)
+    assert store.stats["GET_RANGE"] == 5
+
+
+def test_read_into_overlapping_requests_and_typed_views(s3) -> None:
+    store = _store(s3)
+    data = os.urandom(3 * MiB)
+    etag = store.put_bytes("o/x", data)
+    import array
+    words = array.array("i", bytes(4 * 1000))  # a non-byte view: filled by bytes all the same
+    a, b = bytearray(1000), bytearray(500)
+    store.read_into("o/x", [(10, memoryview(words)), (20, memoryview(a)), (700, memoryview(b))],
+                    size=len(data), etag=etag, threads=1)
+    assert words.tobytes() == data[10:4010] and bytes(a) == data[20:1020] and bytes(b) == data[700:1200]
+
+
+def test_read_into_object_replaced(s3) -> None:
+    store = _store(s3)
+    store.put_bytes("c/data_0.tensors", b"a" * 5000)
+    info = store.head("c/data_0.tensors")
+    s3.boto3().put_object(Bucket=s3.bucket, Key="c/data_0.tensors", Body=b"b" * 5000)  # replaced behind our back
+    buf = bytearray(10)
+    with pytest.raises(ObjectChangedError, match=f"s3://{s3.bucket}/c/data_0.tensors: the object changed since"):
+        store.read_into("c/data_0.tensors", [(100, memoryview(buf))], size=info.size, etag=info.etag)
+    assert bytes(buf) == bytes(10)
+    assert [(e["if_match"], e["status"]) for e in _ranged_gets(s3, "c/data_0.tensors")] == [(info.etag, 412)]
+
+
+def test_read_into_wrong_size_is_detected(s3) -> None:
+    store = _store(s3)
+    store.put_bytes("c/f", b"q" * 5000)
+    with pytest.raises(ObjectChangedError, match="is 5000 bytes but the checkpoint recorded 6000"):
+        store.read_into("c/f", [(0, memoryview(bytearray(10)))], size=6000, etag=None)
+    with pytest.raises(ObjectChangedError, match="past the object's end .*416"):
+        store.read_into("c/f", [(5500, memoryview(bytearray(10)))], size=6000, etag=None)
+    with pytest.raises(CheckpointError, match=r"s3://.*/c/f: bytes \[4995, 5005\) lie outside the 5000-byte"):
+        store.read_into("c/f", [(4995, memoryview(bytearray(10)))], size=5000, etag=None)
+
+
+class _FakeResponse:
+    def __init__(self, headers: dict) -> None:
+        self.headers = headers
+
+    def getheader(self, name: str, default=None):
+        return self.headers.get(name, default)
+
+
+@pytest.mark.parametrize("headers, error, message", [
+    ({"Content-Range": "bytes 0-99/1000", "Content-Length": "100"}, None, None),
+    ({"Content-Range": "bytes 1-100/1000", "Content-Length": "100"}, CheckpointError, "answers a request for"),
+    ({"Content-Range": "bytes 0-99/1001", "Content-Length": "100"}, ObjectChangedError, "is 1001 bytes"),
+    ({"Content-Range": "bytes 0-99/*", "Content-Length": "100"}, CheckpointError, "is not 'bytes 0-99/1000'"),
+    ({"Content-Length": "100"}, CheckpointError, "Content-Range ''"),
+    ({"Content-Range": "bytes 0-99/1000", "Content-Length": "99"}, CheckpointError, "Content-Length '99'"),
+    ({"Content-Range": "bytes 0-99/1000"}, CheckpointError, "Content-Length None"),
+    ({"Content-Range": "bytes 0-99/1000", "Content-Length": "100", "ETag": '"other"'}, ObjectChangedError,
+     "ETag \"other\" is not"),
+])
+def test_content_range_checks(headers, error, message) -> None:
+    store = ObjectStore("bkt", endpoint_url="http://127.0.0.1:9")
+    check = lambda: store._check_range("http://127.0.0.1:9/bkt/k", "s3://bkt/k", _FakeResponse(headers), 0, 99,  # noqa: E731
+                                       1000, '"tag"')
+    if error is None:
+        check()
+        return
+    with pytest.raises(error) as err:
+        check()
+    assert type(err.value) is error and "s3://bkt/k" in str(err.value) and message in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------- retries
+
+def test_503_retried_on_read_and_upload(s3, monkeypatch) -> None:
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(5 * MiB))
+    store = _store(s3)
+    small = os.urandom(1 * MiB)
+    s3.inject(503, count=3, method="PUT", match="/r/small")
+    etag = store.upload("r/small", len(small), [(0, memoryview(small))])
+    big = os.urandom(11 * MiB)
+    s3.inject(503, count=3, method="PUT", query="partNumber")
+    big_etag = store.upload("r/big", len(big), [(0, memoryview(big[:MiB])), (MiB, memoryview(big[MiB:]))])
+    s3.inject(503, count=3, method="GET", code="SlowDown")
+    out = bytearray(len(big))
+    store.read_into("r/big", [(0, memoryview(out))], size=len(big), etag=big_etag, threads=2)
+    assert bytes(out) == big and store.get_bytes("r/small", MiB) == (small, etag)
+    log = s3.requests()
+    puts = [e["status"] for e in log if e["method"] == "PUT" and e["key"] == "r/small"]
+    assert puts == [503, 503, 503, 200]
+    parts = [e for e in log if e["method"] == "PUT" and "partNumber" in e["query"]]
+    assert sum(e["status"] == 503 for e in parts) == 3 and sum(e["status"] == 200 for e in parts) == 3
+    gets = _ranged_gets(s3, "r/big")
+    assert sum(e["status"] == 503 for e in gets) == 3 and sum(e["status"] == 206 for e in gets) == 1
+    assert store.retries["PUT"] == 3 and store.retries["MPU_PART"] == 3 and store.retries["GET_RANGE"] == 3
+
+
+def test_control_path_retries_and_gives_up(s3, monkeypatch) -> None:
+    store = _store(s3)
+    s3.inject(500, count=2, method="HEAD")
+    assert store.head("nothing") is None
+    assert [e["status"] for e in s3.requests() if e["method"] == "HEAD"] == [500, 500, 404]
+    monkeypatch.setenv("MEGASHARD_S3_RETRIES", "1")
+    s3.inject(503, count=5, method="PUT")
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/m/manifest.json failed after 2 attempts.*503"):
+        store.put_bytes("m/manifest.json", b"{}")
+
+
+def test_dropped_download_resumes_where_it_stopped(s3) -> None:
+    store = _store(s3)
+    data = os.urandom(2 * MiB)
+    etag = store.put_bytes("t/x", data)
+    s3.inject(truncate=300000, count=1, method="GET")
+    out = bytearray(len(data) - 10)
+    assert store.read_into("t/x", [(10, memoryview(out))], size=len(data), etag=etag) == len(out)
+    assert bytes(out) == data[10:]
+    gets = _ranged_gets(s3, "t/x")
+    assert [e["range"] for e in gets] == [f"bytes=10-{len(data) - 1}", f"bytes={10 + 300000}-{len(data) - 1}"]
+    assert all(e["if_match"] == etag for e in gets)
+
+
+def test_permanent_errors_are_not_retried(s3) -> None:
+    store = _store(s3)
+    s3.inject(403, count=1, method="GET")
+    store.put_bytes("f/x", b"1234")
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/f/x: access denied .*403"):
+        store.read_into("f/x", [(0, memoryview(bytearray(4)))], size=4, etag=None)
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/f/missing: the object does not exist"):
+        store.read_into("f/missing", [(0, memoryview(bytearray(4)))], size=4, etag=None)
+    assert sum(store.retries.values()) == 0
+
+
+# ----------------------------------------------------------------------------------------------- multipart
+
+def test_multipart_upload_from_segments_byte_identical(s3, monkeypatch) -> None:
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(5 * MiB))
+    store = _store(s3)
+    data = os.urandom(13 * MiB + 12345)
+    cuts = [0, 7, 3 * MiB + 1, 5 * MiB, 5 * MiB + 1, 10 * MiB - 3, 12 * MiB, len(data)]  # spans part boundaries
+    segments = [(a, memoryview(data)[a:b]) for a, b in zip(cuts, cuts[1:])]
+    etag = store.upload("u/data_0.tensors", len(data), segments, threads=3)
+    assert etag.endswith('-3"')
+    body = s3.boto3().get_object(Bucket=s3.bucket, Key="u/data_0.tensors")["Body"].read()
+    assert body == data
+    assert store.stats["MPU_CREATE"] == 1 and store.stats["MPU_PART"] == 3 and store.stats["MPU_COMPLETE"] == 1
+    parts = sorted((e for e in s3.requests() if "partNumber" in e["query"]), key=lambda e: e["path"])
+    assert len(parts) == 3 and all(e["status"] == 200 for e in parts)
+    complete = [e for e in s3.requests() if e["method"] == "POST" and "uploadId" in e["query"]]
+    assert [e["if_none_match"] for e in complete] == ["*"]
+    assert store.list_uploads("u/") == []
+
+
+def test_upload_small_and_empty_objects(s3) -> None:
+    store = _store(s3)
+    assert store.upload("e/empty", 0, [], if_none_match=False) == '"d41d8cd98f00b204e9800998ecf8427e"'
+    assert store.get_bytes("e/empty", 0)[0] == b""
+    store.upload("e/two", 6, [(0, memoryview(b"abc")), (3, memoryview(b"def"))])
+    assert store.get_bytes("e/two", 10)[0] == b"abcdef"
+    with pytest.raises(CheckpointError, match="segments must tile"):
+        store.upload("e/bad", 6, [(0, memoryview(b"abc")), (4, memoryview(b"de"))])
+    with pytest.raises(CheckpointError, match="hold 3 bytes, not 6"):
+        store.upload("e/bad", 6, [(0, memoryview(b"abc"))])
+
+
+def test_failed_multipart_upload_is_aborted(s3, monkeypatch) -> None:
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(5 * MiB))
+    store = _store(s3)
+    data = os.urandom(11 * MiB)
+    s3.inject(403, count=1, method="PUT", query="partNumber")
+    with pytest.raises(CheckpointError, match=f"PUT of s3://{s3.bucket}/a/data_0.tensors failed: HTTP 403"):
+        store.upload("a/data_0.tensors", len(data), [(0, memoryview(data))])
+    assert store.list_uploads("a/") == []
+    assert store.head("a/data_0.tensors") is None
+    assert store.stats["MPU_ABORT"] == 1
+
+
+def test_list_uploads_and_abort(s3) -> None:
+    store = _store(s3)
+    raw = s3.boto3()
+    up1 = raw.create_multipart_upload(Bucket=s3.bucket, Key="w/.megashard-save-1/data_0.tensors")["UploadId"]
+    up2 = raw.create_multipart_upload(Bucket=s3.bucket, Key="w/.megashard-save-1/data_1.tensors")["UploadId"]
+    raw.create_multipart_upload(Bucket=s3.bucket, Key="elsewhere/x")
+    uploads = store.list_uploads("w/")
+    assert sorted((k, u) for k, u, _ in uploads) == sorted([("w/.megashard-save-1/data_0.tensors", up1),
+                                                           ("w/.megashard-save-1/data_1.tensors", up2)])
+    assert all(isinstance(t, float) and t > 0 for _, _, t in uploads)
+    store.abort_upload("w/.megashard-save-1/data_0.tensors", up1)
+    store.abort_upload("w/.megashard-save-1/data_0.tensors", up1)  # already gone: fine
+    assert [(k, u) for k, u, _ in store.list_uploads("w/")] == [("w/.megashard-save-1/data_1.tensors", up2)]
+    assert store.stats["MPU_LIST"] == 2 and store.stats["MPU_ABORT"] == 2
+
+
+# ----------------------------------------------------------------------------------------------- setup errors
+
+def test_missing_boto3_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    store = ObjectStore("bkt", endpoint_url="http://127.0.0.1:9")
+    with pytest.raises(CheckpointError, match="pip install boto3"):
+        store.head("k")
+
+
+def test_msc_without_the_package_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "multistorageclient", None)
+    with pytest.raises(CheckpointError, match="pip install multi-storage-client"):
+        ObjectStore.for_url("msc://prof/run")
+
+
+def test_msc_profile_resolves_to_its_s3_bucket(monkeypatch) -> None:
+    """multi-storage-client is not installed here: a stand-in module gives its config dict."""
+    config = {"profiles": {
+        "ckpt": {"storage_provider": {"type": "s3", "options": {"base_path": "bkt-a/team/runs",
+                                                                "endpoint_url": "http://127.0.0.1:9",
+                                                                "region_name": "eu-west-1"}},
+                 "credentials_provider": {"type": "S3Credentials",
+                                          "options": {"access_key": "${MSC_TEST_AK}", "secret_key": "sk"}}},
+        "local": {"storage_provider": {"type": "file", "options": {"base_path": "/tmp"}}}}}
+    fake = types.ModuleType("multistorageclient")
+    fake.StorageClientConfig = type("StorageClientConfig", (), {
+        "read_msc_config": staticmethod(lambda: (config, "/etc/msc_config.yaml"))})
+    monkeypatch.setitem(sys.modules, "multistorageclient", fake)
+    monkeypatch.setenv("MSC_TEST_AK", "ak")
+    objclient.clear_store_cache()
+    store, key = ObjectStore.for_url("msc://ckpt/run1/iter_0000100")
+    assert (store.bucket, key, store.endpoint_url, store.region) == ("bkt-a", "team/runs/run1/iter_0000100",
+                                                                    "http://127.0.0.1:9", "eu-west-1")
+    assert store._credentials == {"aws_access_key_id": "ak", "aws_secret_access_key": "sk"}
+    with pytest.raises(CheckpointError, match="msc://local/x: profile 'local' uses storage provider 'file'"):
+        ObjectStore.for_url("msc://local/x")
+    with pytest.raises(CheckpointError, match="profile 'nope' is not in the multi-storage-client config"):
+        ObjectStore.for_url("msc://nope/x")
+    objclient.clear_store_cache()
+
+
+def test_bulk_connection_is_per_thread_and_reconnects(s3) -> None:
+    store = _store(s3)
+    etag = store.put_bytes("c/x", b"0123456789")
+    buf = bytearray(4)
+    store.read_into("c/x", [(2, memoryview(buf))], size=10, etag=etag, threads=1)
+    conns = getattr(objclient._LOCAL, "conns", {})
+    assert len(conns) == 1
+    conn = next(iter(conns.values()))
+    assert isinstance(conn, http.client.HTTPConnection)
+    conn.close()  # a dead socket is reopened on the next request
+    store.read_into("c/x", [(6, memoryview(buf))], size=10, etag=etag, threads=1)
+    assert bytes(buf) == b"6789" and next(iter(objclient._LOCAL.conns.values())) is conn
