@@ -227,13 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_convert)
     r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place and "
                        "remove superseded copies (the only command that changes a checkpoint's directory)")
-    r.add_argument("path", help="checkpoint directory")
+    r.add_argument("path", help="checkpoint directory, or s3:// URL")
+    r.add_argument("--older-than", type=float, default=storage.DEFAULT_STALE_AGE_S, metavar="SECONDS",
+                   help="s3://: remove what saves that did not finish left (their objects, unfinished multipart "
+                   "uploads) once older than this (default: one day; 0 when no save of it can be running)")
     r.set_defaults(func=_cmd_recover)
     return p
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    found = storage.recover(args.path)
+    found = storage.recover(args.path, older_than_s=args.older_than)
     if found is None:
         print(f"{args.path}: no complete checkpoint found", file=sys.stderr)
         return 1
@@ -247,11 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for attr in ("path", "src", "dst"):
         if isinstance(getattr(args, attr, None), str):
             try:
-                storage.local_path(getattr(args, attr))
+                storage.location(getattr(args, attr))
             except MegashardError as e:
                 print(f"megashard {args.command}: error: {e}", file=sys.stderr)
                 return 2
-    if args.command in ("inspect", "verify") and not os.path.exists(args.path) and not _is_moved_checkpoint(args.path):
+    if (args.command in ("inspect", "verify") and not storage.is_url(args.path) and not os.path.exists(args.path)
+            and not _is_moved_checkpoint(args.path)):
         print(f"megashard {args.command}: error: {args.path}: no such file or directory", file=sys.stderr)
         return 1
     try:

@@ -914,7 +914,7 @@ def why_not_checkpoint(path: PathLike) -> str:
     return f"{path} is a checkpoint"
 
 
-def recover(final_dir: PathLike) -> Optional[str]:
+def recover(final_dir: PathLike, older_than_s: Optional[float] = None) -> Optional[str]:
     """Apply the recovery rule; return the path of the complete checkpoint, or None.
 
     The one function that repairs a checkpoint's directory (``megashard recover DIR``);
@@ -926,7 +926,9 @@ def recover(final_dir: PathLike) -> Optional[str]:
     if is_url(final_dir):
         from .objstore import checkpoint as objck
 
-        objck.cleanup(location(final_dir))
+        for gone in objck.cleanup(location(final_dir), older_than_s=DEFAULT_STALE_AGE_S if older_than_s is None
+                                  else older_than_s):
+            logger.warning("removed %s", gone)
         return objck.locate(location(final_dir))
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
