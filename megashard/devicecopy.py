@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .format.fastio import read_requests, tensor_memoryview
+from .format.fastio import tensor_memoryview
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +123,13 @@ class DeviceCopier:
             s.synchronize()
 
     # -- reads from files ----------------------------------------------------------
-    def read(self, fd: int, requests: Sequence[Tuple[int, torch.Tensor]], path: str, threads: int) -> int:
+    def read(self, read_into: Callable[[List[Tuple[int, memoryview]]], Any],
+             requests: Sequence[Tuple[int, torch.Tensor]]) -> int:
         """Fill contiguous uint8 device tensors from file offsets (validated by the caller)
-        through the pinned buffers; returns the bytes read. Copies may still be in flight
-        when it returns (:meth:`sync`)."""
+        through the pinned buffers; returns the bytes read. ``read_into(reqs)`` fills host
+        ``(file offset, view)`` requests from the one file (a files object's ``read_into``
+        bound to a member, or ``read_requests`` on a descriptor). Copies may still be in
+        flight when it returns (:meth:`sync`)."""
         batch: List[Tuple[int, int, torch.Tensor, int]] = []  # file offset, bytes, destination, offset in buffer
         filled = total = 0
         for off, dst in sorted(requests, key=lambda r: r[0]):
@@ -138,16 +141,17 @@ class DeviceCopier:
                 pos += take
                 filled += take
                 if filled == self.buffer_bytes:
-                    self._flush(fd, batch, path, threads)
+                    self._flush(read_into, batch)
                     batch, filled = [], 0
             total += n
         if batch:
-            self._flush(fd, batch, path, threads)
+            self._flush(read_into, batch)
         return total
 
-    def _flush(self, fd: int, batch: List[Tuple[int, int, torch.Tensor, int]], path: str, threads: int) -> None:
+    def _flush(self, read_into: Callable[[List[Tuple[int, memoryview]]], Any],
+               batch: List[Tuple[int, int, torch.Tensor, int]]) -> None:
         buf, i = self._acquire()
-        read_requests(fd, [(off, tensor_memoryview(buf[b:b + n])) for off, n, _, b in batch], path, threads)
+        read_into([(off, tensor_memoryview(buf[b:b + n])) for off, n, _, b in batch])
         used = set()
         for _, n, dst, b in batch:
             self.copy(dst, buf[b:b + n])

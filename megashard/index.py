@@ -29,28 +29,30 @@ def write_index(directory: str, head: bytes, sections: bytes) -> int:
 
 
 class _IndexFile:
-    """A checked descriptor of ``manifest.index`` for positional reads of sections."""
+    """``manifest.index``, checked on open, for positional reads of sections (through the
+    files object's ``read_into``, so any storage's files object serves)."""
 
     def __init__(self, base: str, size: int) -> None:
-        self.fd = -1
-        self.path = os.path.join(base, INDEX_NAME)
-        with storage.CheckpointFiles(base) as cf:
-            self.fd = os.dup(cf.open(INDEX_NAME, size))
+        self.size, self.path = size, os.path.join(base, INDEX_NAME)
+        self.files: Optional[storage.CheckpointFiles] = None
+        self.files = storage.checkpoint_files(base)
+        try:
+            self.files.read_into(INDEX_NAME, (), size=size, threads=1)  # the checks, before any section is read
+        except BaseException:
+            self.close()
+            raise
 
     def read(self, start: int, length: int) -> bytes:
+        if self.files is None:
+            raise CheckpointError(f"{self.path}: read after the index was closed (internal error)")
         out = bytearray(length)
-        view, pos = memoryview(out), 0
-        while pos < length:
-            k = os.preadv(self.fd, [view[pos:]], start + pos)
-            if k <= 0:
-                raise CheckpointError(f"{self.path}: truncated while reading")
-            pos += k
+        self.files.read_into(INDEX_NAME, [(start, memoryview(out))], size=self.size, threads=1)
         return bytes(out)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.files is not None:
+            self.files.close()
+            self.files = None
 
     def __del__(self) -> None:
         self.close()

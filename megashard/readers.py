@@ -3,10 +3,11 @@
 ``own``: every rank reads its own ranges (parallel ``preadv`` per file). ``scatter``: one
 reader per node opens the files and the node reads every range it needs once: through
 the reader's passed descriptors, shared memory or the process group
-(:mod:`megashard.scatter`). Both open members only through
-:class:`megashard.storage.CheckpointFiles` (in ``scatter`` only the reader); another
-storage (object stores) would add a reader here with the same inputs: the planned ops
-and the index's file table.
+(:mod:`megashard.scatter`). Both read members only through a files object
+(:func:`megashard.storage.checkpoint_files`; in ``scatter`` only the reader has one): its
+``read_into`` fills ``(offset, view)`` requests, and only scatter's descriptor passing asks
+for ``descriptor`` (where ``passes_descriptors``). Another storage (an object store) plugs
+in as a files object with the same methods.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 from . import scatter as scatter_mod, storage
 from .devicecopy import DeviceCopier, device_targets, split_targets
 from .errors import CheckpointError
-from .format.fastio import IOV_MAX, default_read_threads, preadv_all, read_requests, run_parallel
+from .format.fastio import default_read_threads
 from .transport import Comm
 
 SCATTER_TRANSPORTS = scatter_mod.TRANSPORTS
@@ -50,8 +51,9 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
     names = sorted(set(by_file) | set(on_device) | {j[0] for j in row_jobs})
     nthreads = threads or default_read_threads()
     total = 0
-    with storage.CheckpointFiles(base) as cf:
-        fds = {f: cf.open(f, _file_size(files, f)) for f in names}
+    with storage.checkpoint_files(base) as cf:
+        for f in names:  # every file checked (no requests: only the checks) before any byte is read
+            cf.read_into(f, (), size=_file_size(files, f), threads=1)
         for f in names:
             path = os.path.join(base, f)
             size = _file_size(files, f)
@@ -59,23 +61,18 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
             for off, n in spans:
                 if off < 0 or off + n > size:
                     raise CheckpointError(f"{path}: byte range {off}+{n} past end of file ({size} bytes)")
-        for f, reqs in by_file.items():
-            read_requests(fds[f], reqs, os.path.join(base, f), nthreads)
-            total += sum(len(mv) for _, mv in reqs)
+        for f, off, run, views in row_jobs:  # rows back to back in the file: a request per row (coalesced again)
+            size = _file_size(files, f)
+            if off < 0 or off + run * len(views) > size:
+                raise CheckpointError(f"{os.path.join(base, f)}: byte range {off}+{run * len(views)} past end of "
+                                      f"file ({size} bytes)")
+            by_file.setdefault(f, []).extend((off + i * run, v) for i, v in enumerate(views))
+        for f, reqs in sorted(by_file.items()):
+            total += cf.read_into(f, reqs, size=_file_size(files, f), threads=nthreads)
         if on_device:
             with DeviceCopier(device_targets(t for reqs in on_device.values() for _, t in reqs)) as copier:
                 for f, dreqs in sorted(on_device.items()):
-                    total += copier.read(fds[f], dreqs, os.path.join(base, f), nthreads)
-        tasks = []
-        for f, off, run, views in row_jobs:
-            path = os.path.join(base, f)
-            size = _file_size(files, f)
-            if off < 0 or off + run * len(views) > size:
-                raise CheckpointError(f"{path}: byte range {off}+{run * len(views)} past end of file ({size} bytes)")
-            for i in range(0, len(views), IOV_MAX):
-                tasks.append(partial(preadv_all, fds[f], views[i:i + IOV_MAX], off + i * run, path))
-            total += run * len(views)
-        run_parallel(tasks, nthreads)
+                    total += copier.read(partial(cf.read_into, f, size=_file_size(files, f), threads=nthreads), dreqs)
     return total
 
 
@@ -88,7 +85,7 @@ def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict
     On a reader, ``touched`` grows by what its node's other ranks touched, so ``verify``
     there covers every byte the node loaded."""
     return scatter_mod.scatter(comm, base, index, ops, touched, node, chunk, threads, transport,
-                               partial(storage.CheckpointFiles, base))
+                               partial(storage.checkpoint_files, base))
 
 
 def verify_delivered(base: str, touched: Mapping[str, Mapping[str, Any]],

@@ -10,7 +10,9 @@ so a failure anywhere surfaces in the same agreement on every rank):
 2. the reader checks the ranges (opening every file), splits the node's bytes into
    those only one rank needs and those several ranks need, and plans the transfer:
    ``shm`` (within one kernel and PID namespace), ``group``, or ``none`` when no other
-   rank of the node needs bytes (the reader then reads its own in place). With ``shm`` it hands
+   rank of the node needs bytes (the reader then reads its own in place). With ``shm``, where
+   the storage has descriptors to pass (its files object's ``passes_descriptors``; an object
+   store's has none, and every other rank's bytes then go through the ring), it hands
    each rank, over that rank's socket, its own descriptors of the files holding bytes
    only that rank needs, tells it which files and its own pid (the only peer that rank
    accepts descriptors from) and waits for its answer: a rank whose socket fails on
@@ -46,6 +48,7 @@ import logging
 import os
 import threading
 from collections import deque
+from functools import partial
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -127,9 +130,10 @@ def scatter(comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: D
     Returns ``((bytes read from storage, bytes received, transport used), error or None)``. On a node's
     reader, ``touched`` is extended with what the node's other ranks touch, so that
     ``verify`` there covers every byte the node loaded. Raises DistributedError (on
-    every rank) when the setup fails. ``open_files()`` (readers only) returns an object
-    whose ``open(name, size)`` gives a checked, cached read-only descriptor and whose
-    ``close()`` closes them all.
+    every rank) when the setup fails. ``open_files()`` (readers only) returns the files
+    object (:func:`~megashard.storage.checkpoint_files`): the reader reads through its
+    ``read_into``, passes descriptors (``descriptor``) only where ``passes_descriptors``,
+    and closes it.
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"scatter_transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -195,7 +199,7 @@ class _Consumer:
                     self.fds.clear()
                 if sched.get("transport") == "shm":  # this rank's own bytes need nothing more: read them
                     # while the agreements run (a failed setup stops the reads before anything returns)
-                    direct = _DirectReads(self.ops, self.lock, self.fds.__getitem__, self.base,
+                    direct = _DirectReads(self.ops, self.lock, self.read_passed, self.base,
                                           self.direct_batches(sched), self.threads, self.copier)
                     direct.start()
             except MegashardError as e:
@@ -231,6 +235,10 @@ class _Consumer:
                 shm.unlink(name)
             if ring is not None:
                 ring.close()
+
+    def read_passed(self, f: str, reqs: List[Tuple[int, memoryview]], threads: int) -> None:
+        """Fill ``reqs`` from ``f`` through the descriptor the reader passed (checked on receipt)."""
+        read_requests(self.fds[f], reqs, os.path.join(self.base, f), threads)
 
     def receive_fds(self, listener: Optional[fdpass.Listener], offer: Dict[str, Any]) -> Optional[str]:
         """Take the reader's descriptors of ``offer["files"]`` (only from ``offer["reader_pid"]``) and
@@ -400,10 +408,11 @@ class _Reader:
             if not any(n for r in self.consumers for _, _, n in self.requests[r]):
                 mode = "none"  # only this rank needs bytes: it reads them itself, nothing travels
             elif self.wants_ring():
-                candidates = {c for c, s in enumerate(self.sockets) if s}
+                passes = bool(self.files.passes_descriptors)  # else: every other rank's bytes through the ring
+                candidates = {c for c, s in enumerate(self.sockets) if s} if passes else set()
                 sched = self.plan_shm(candidates)
                 mode = self.choose(same_host, self.ring_bytes(sched))
-                if mode == "shm":
+                if mode == "shm" and passes:
                     passed = self.pass_fds(sched, candidates)
                     if passed != candidates:  # those ranks take their bytes from the ring instead
                         sched = self.plan_shm(passed)
@@ -461,8 +470,8 @@ class _Reader:
         if unknown:
             raise CheckpointError(f"{self.base}: ranks asked for files the manifest does not list: {unknown[:5]}")
         self.files = self.open_files()
-        for f in files:
-            self.fd(f)
+        for f in files:  # no requests: only the checks (name, type, size), before anything is planned
+            self.read(f, (), 1)
         for f, a, n in ranges:
             size = int(self.manifest.files[f].get("bytes", 0))
             if a < 0 or n < 0 or a + n > size:
@@ -550,7 +559,7 @@ class _Reader:
                 passed.add(c)
                 continue
             try:
-                fdpass.send(self.sockets[c], self.pids[c], [self.fd(f) for f in files])
+                fdpass.send(self.sockets[c], self.pids[c], [self.opened().descriptor(f, self.size(f)) for f in files])
                 offered.append((c, files))
             except fdpass.FdPassError as e:
                 problems[self.consumers[c]] = str(e)
@@ -591,11 +600,19 @@ class _Reader:
         return out
 
     # -- transfer ---------------------------------------------------------------
-    def fd(self, f: str) -> int:
-        """A checked, cached descriptor (the file has the manifest's size)."""
+    def opened(self) -> Any:
+        """The files object (opened by :meth:`check_ranges`)."""
         if self.files is None:
             raise CheckpointError(f"{self.base}: files not opened (the setup failed)")
-        return self.files.open(f, int(self.manifest.files[f].get("bytes", 0)))
+        return self.files
+
+    def size(self, f: str) -> int:
+        return int(self.manifest.files[f].get("bytes", 0))
+
+    def read(self, f: str, reqs: Sequence[Tuple[int, memoryview]], threads: int) -> int:
+        """Fill ``(offset, view)`` requests from ``f`` through the files object (checked: the
+        file has the index's size)."""
+        return self.opened().read_into(f, reqs, size=self.size(f), threads=threads)
 
     def ring_threads(self, sched: Dict[str, Any]) -> int:
         """Read threads for filling the ring: the bigger of the two streams gets the threads
@@ -607,7 +624,7 @@ class _Reader:
     def start_direct(self, sched: Dict[str, Any]) -> "_DirectReads":
         """Start reading this rank's own ranges straight into place (a second thread)."""
         ring_threads = self.ring_threads(sched)
-        direct = _DirectReads(self.ops, self.lock, self.fd, self.base,
+        direct = _DirectReads(self.ops, self.lock, self.read, self.base,
                               _batches(sched["mine_direct"], _direct_batch_bytes(self.chunk), self.ops),
                               self.threads if ring_threads == 1 else max(1, self.threads - ring_threads), self.copier)
         direct.start()
@@ -626,8 +643,7 @@ class _Reader:
             for k, e in enumerate(extents):
                 ring.wait_slot_free(k, self.pids)
                 size = e.stop - e.start
-                path = os.path.join(self.base, e.file)
-                read_requests(self.fd(e.file), [(e.start, ring.slot_memoryview(k, size))], path, ring_threads)
+                self.read(e.file, [(e.start, ring.slot_memoryview(k, size))], ring_threads)
                 self.nread += size
                 ring.publish(k)
                 if k in mine:
@@ -651,7 +667,7 @@ class _Reader:
     def read_alone(self) -> None:
         """No other rank of the node needs bytes: read this rank's straight into place, as ``own`` does."""
         mine = [(op.file, op.offset, op.nbytes, i, 0) for i, op in enumerate(self.ops) if op.nbytes]
-        direct = _DirectReads(self.ops, self.lock, self.fd, self.base,
+        direct = _DirectReads(self.ops, self.lock, self.read, self.base,
                               _batches(mine, _direct_batch_bytes(self.chunk), self.ops), self.threads, self.copier)
         direct.run()  # in this thread
         self.nread += direct.nread
@@ -687,8 +703,7 @@ class _Reader:
                 buf = staging[half]
                 if self.err is None:
                     try:
-                        read_requests(self.fd(ext.file), [(ext.start, tensor_memoryview(buf[:size]))],
-                                      os.path.join(self.base, ext.file), self.threads)
+                        self.read(ext.file, [(ext.start, tensor_memoryview(buf[:size]))], self.threads)
                         self.nread += size
                     except Exception as e:  # noqa: BLE001
                         self.fail(_err(e, f"reading {ext.file}"))
@@ -712,13 +727,15 @@ class _Reader:
 
 class _DirectReads(threading.Thread):
     """A rank's ranges that no other rank of the node needs, read straight into its tensors
-    in batches (:func:`_batches`), concurrently with the ring. ``fd_of(file)`` gives the
-    descriptor: the reader's own, or the one the reader passed to this rank."""
+    in batches (:func:`_batches`), concurrently with the ring. ``read(file, reqs, threads)``
+    fills ``(offset, view)`` requests: through the reader's files object, or through the
+    descriptor the reader passed to this rank."""
 
-    def __init__(self, ops: Sequence[Any], lock: threading.Lock, fd_of: Callable[[str], int], base: str,
+    def __init__(self, ops: Sequence[Any], lock: threading.Lock,
+                 read: Callable[[str, List[Tuple[int, memoryview]], int], Any], base: str,
                  batches: List[List[Direct]], threads: int, copier: Optional[DeviceCopier]) -> None:
         super().__init__(name="megashard-scatter-direct", daemon=True)
-        self.ops, self.lock, self.fd_of, self.base, self.copier = ops, lock, fd_of, base, copier
+        self.ops, self.lock, self.read, self.base, self.copier = ops, lock, read, base, copier
         self.batches, self.threads = batches, threads
         self.nread = 0
         self.error: Optional[BaseException] = None
@@ -734,11 +751,12 @@ class _DirectReads(threading.Thread):
                 with self.lock:
                     dsts = [self.ops[i].target()[pos:pos + n] for _, _, n, i, pos in batch]
                 reqs, dev = split_targets((a, d) for (_, a, _, _, _), d in zip(batch, dsts))
-                read_requests(self.fd_of(f), reqs, path, self.threads)
+                if reqs:
+                    self.read(f, reqs, self.threads)
                 if dev:
                     if self.copier is None:
                         raise MegashardError(f"{path}: a GPU destination but no device copier (internal error)")
-                    self.copier.read(self.fd_of(f), dev, path, self.threads)
+                    self.copier.read(partial(self.read, f, threads=self.threads), dev)
                 del reqs, dsts, dev
                 with self.lock:
                     for _, _, n, i, _ in batch:

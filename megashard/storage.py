@@ -169,7 +169,14 @@ class CheckpointFiles:
     ``O_NOFOLLOW`` and must be a regular file (of the size the manifest says, when
     given), so neither a symbolic link nor a hostile name can make a load read
     anything outside the directory. Descriptors are cached until :meth:`close`.
+
+    Loads read through :meth:`read_into`; only scatter's descriptor passing takes
+    :meth:`descriptor`, and only where :attr:`passes_descriptors`. Another storage's files
+    object (an object store's) has the same methods, with ``passes_descriptors = False``.
     """
+
+    #: :meth:`descriptor` gives a descriptor another process of the node can read through
+    passes_descriptors = True
 
     def __init__(self, base: PathLike) -> None:
         self.base = os.fspath(base)
@@ -225,6 +232,24 @@ class CheckpointFiles:
     def size(self, name: str) -> int:
         return os.fstat(self.open(name)).st_size
 
+    def read_into(self, name: str, reqs: Sequence[Tuple[int, memoryview]], *, size: Optional[int],
+                  threads: int) -> int:
+        """Fill each ``(offset, view)`` of ``reqs`` from member ``name`` (opened and checked as by
+        :meth:`open`; offsets validated by the caller) with parallel, coalesced ``preadv``;
+        returns the bytes read. With no requests: only the checks."""
+        from .format.fastio import read_requests  # imported late: storage stays torch-free
+
+        fd = self.open(name, size)
+        if not reqs:
+            return 0
+        read_requests(fd, reqs, self.path(name), threads)
+        return sum(len(v) for _, v in reqs)
+
+    def descriptor(self, name: str, size: Optional[int]) -> int:
+        """Member ``name``'s checked descriptor (cached; closed by :meth:`close`), for passing to
+        another process of the node."""
+        return self.open(name, size)
+
     def read_bytes(self, name: str, limit: int) -> bytes:
         """The whole member, refused (before reading) when larger than ``limit``."""
         fd = self.open(name)
@@ -267,6 +292,12 @@ class CheckpointFiles:
             raise CheckpointError(f"{self.path(MANIFEST_NAME)}: SHA-256 {got[:16]}... does not match "
                                   f"{MANIFEST_DIGEST_NAME} ({want[:16]}...); the manifest is damaged")
         return data
+
+
+def checkpoint_files(base: PathLike) -> CheckpointFiles:
+    """The files object a load reads members through (``read_into``; ``descriptor`` where
+    ``passes_descriptors``): the one place where another storage's plugs in."""
+    return CheckpointFiles(base)
 
 
 _DIGEST_LINE = re.compile(rb"[0-9a-f]{64}\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import partial
 from typing import Any, Dict, Iterator, List, Set
 
 import torch
@@ -56,6 +57,7 @@ def pretend_device(tensors: List[torch.Tensor]) -> Iterator[Set[int]]:
 
 def test_bounce_reads_are_bit_exact(tmp_path) -> None:
     from megashard.devicecopy import DeviceCopier
+    from megashard.storage import CheckpointFiles
 
     data = torch.randint(0, 256, (100_000,), dtype=torch.uint8)
     path = tmp_path / "blob"
@@ -63,13 +65,11 @@ def test_bounce_reads_are_bit_exact(tmp_path) -> None:
     # pieces smaller than, equal to and larger than a buffer; unsorted; touching and overlapping sources
     spec = [(5, 3000), (0, 1), (70_000, 1024), (1, 17), (9000, 25_000), (9500, 100), (99_000, 1000)]
     dsts = [torch.zeros(n, dtype=torch.uint8) for _, n in spec]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with pretend_device(dsts), DeviceCopier([torch.device("cpu")], buffer_bytes=1024, buffers=2) as cp:
-            total = cp.read(fd, [(off, d) for (off, _), d in zip(spec, dsts)], str(path), threads=2)
-            bufs = len(cp._bufs)
-    finally:
-        os.close(fd)
+    with CheckpointFiles(tmp_path) as files, pretend_device(dsts), \
+            DeviceCopier([torch.device("cpu")], buffer_bytes=1024, buffers=2) as cp:
+        total = cp.read(partial(files.read_into, "blob", size=100_000, threads=2),
+                        [(off, d) for (off, _), d in zip(spec, dsts)])
+        bufs = len(cp._bufs)
     assert total == sum(n for _, n in spec) and cp.bounced == total
     assert bufs == 2  # never more buffers than asked for, however many batches
     for (off, n), d in zip(spec, dsts):

@@ -329,13 +329,14 @@ def test_scatter_fd_passing_and_fallback(tmp_path) -> None:
 def _direct_read_fails_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     import megashard
     from megashard import scatter
+    from megashard.format import fastio
 
     path = os.path.join(tmp, "ckpt")
     layout = Layout(tp=2)
     _save(layout, rank, path)
     out: Dict[str, Any] = {"pid": os.getpid()}
     for victim in (1, 0):  # the non-reader's reads through passed descriptors, then the reader's own
-        real = scatter.read_requests
+        real = fastio.read_requests  # (the reader's go through its files object's read_into)
 
         def broken(fd: int, reqs: Any, where: str, threads: int, **kw: Any) -> None:
             if threading.current_thread().name == "megashard-scatter-direct":
@@ -343,14 +344,14 @@ def _direct_read_fails_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
             real(fd, reqs, where, threads, **kw)
 
         if rank == victim:
-            scatter.read_requests = broken
+            scatter.read_requests = fastio.read_requests = broken
         try:
             _load(layout, rank, path, scatter_transport="shm")
             out[f"victim{victim}"] = "no error"
         except megashard.DistributedError as e:
             out[f"victim{victim}"] = str(e)
         finally:
-            scatter.read_requests = real
+            scatter.read_requests = fastio.read_requests = real
     out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("megashard-scatter"))
     return out
 

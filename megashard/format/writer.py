@@ -37,7 +37,8 @@ import threading
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from functools import partial
+from typing import Callable, List, Mapping, Tuple
 
 import numpy
 import torch
@@ -46,11 +47,11 @@ from isal import isal_zlib
 from ..errors import FormatError, UnsupportedFormatError
 from . import layout as L
 from .dtypes import DtypeCodec, encode_dtype
-from .fastio import default_threads, io_pool, io_role, pwrite_all, take_io_role, tensor_memoryview
+from .fastio import default_threads, io_pool, io_role, pwrite_all, run_parallel, take_io_role, tensor_memoryview
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_file", "write_file"]
+__all__ = ["save_file", "write_file", "file_segments"]
 
 HASH_CHUNK = 256 << 10  # fits L2 next to the hash state: hash, crc and write it while hot
 SMALL_TENSOR = 1 << 20  # below this, tensors are packed with their neighbours
@@ -179,6 +180,31 @@ def _plan(items: list[_Item], align: int) -> tuple[int, int, int, int]:
         it.data_offset = pos + len(it.plan.buf)
         pos = it.end
     return version, flags, metadata_len, pos + len(L.TERMINATOR)
+
+
+def _check_align(align: int) -> None:
+    if not isinstance(align, int) or align < 1 or align > MAX_ALIGN or align & (align - 1):
+        raise FormatError(f"align must be a power of two between 1 and {MAX_ALIGN}, got {align!r}")
+
+
+def _metadata(items: list[_Item], flags: int, metadata_len: int) -> bytes:
+    """The metadata index, zero-filled to ``metadata_len`` (offsets from :func:`_plan`)."""
+    versioned = bool(flags & L.FLAG_VERSIONED_HEADERS)
+    meta = b"".join(
+        L.pack_metadata_entry(i.name_b, L.TENSOR_TYPE_STATE_DICT, i.codec.encoded, i.shape,
+                              i.long_shape, i.header_offset, i.data_offset, i.nbytes, versioned)
+        for i in items)
+    return meta + bytes(metadata_len - len(meta))
+
+
+def _prologue(items: list[_Item], version: int, flags: int, metadata_len: int) -> bytes:
+    return L.pack_prologue(version, flags, sum(i.nbytes for i in items), len(items), metadata_len)
+
+
+def _infos(items: list[_Item]) -> list[L.TensorInfo]:
+    return [L.TensorInfo(i.name, i.codec.dtype, i.shape, i.header_offset, i.data_offset, i.nbytes,
+                         i.crc32, i.sha256.hex(), L.TENSOR_TYPE_STATE_DICT, i.is_meta)
+            for i in items]
 
 
 # ------------------------------------------------------------------ direct I/O
@@ -466,8 +492,7 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
     direct=True writes large tensors' data with O_DIRECT (see the module docstring;
     it needs align >= 4096 to apply and otherwise changes nothing).
     """
-    if not isinstance(align, int) or align < 1 or align > MAX_ALIGN or align & (align - 1):
-        raise FormatError(f"align must be a power of two between 1 and {MAX_ALIGN}, got {align!r}")
+    _check_align(align)
     path_s = os.fspath(path)
     items = _prepare(tensors)
     version, flags, metadata_len, file_size = _plan(items, align)
@@ -476,7 +501,6 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
         raise FormatError(f"threads must be >= 1, got {threads}")
     if sum(i.nbytes for i in items) < INLINE_BYTES:
         nthreads = 1  # starting threads would cost more than they save
-    versioned = bool(flags & L.FLAG_VERSIONED_HEADERS)
 
     fd = os.open(path_s, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     ok = False
@@ -493,18 +517,10 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
             _run(tasks, nthreads)
         for s in splits:
             s.finish()
-        meta = b"".join(
-            L.pack_metadata_entry(i.name_b, L.TENSOR_TYPE_STATE_DICT, i.codec.encoded, i.shape,
-                                  i.long_shape, i.header_offset, i.data_offset, i.nbytes, versioned)
-            for i in items)
-        meta += bytes(metadata_len - len(meta))
-        tensor_size = sum(i.nbytes for i in items)
-        last = items[-1].end
-        pwrite_all(fd, memoryview(L.TERMINATOR), last)
-        pwrite_all(fd, memoryview(meta), L.PROLOGUE_SIZE)
+        pwrite_all(fd, memoryview(L.TERMINATOR), items[-1].end)
+        pwrite_all(fd, memoryview(_metadata(items, flags, metadata_len)), L.PROLOGUE_SIZE)
         # The prologue goes last: until it is written the file has no magic.
-        pwrite_all(fd, memoryview(L.pack_prologue(version, flags, tensor_size, len(items),
-                                                  metadata_len)), 0)
+        pwrite_all(fd, memoryview(_prologue(items, version, flags, metadata_len)), 0)
         if fsync:
             os.fsync(fd)  # also flushes the device cache under the O_DIRECT writes
         ok = True
@@ -520,9 +536,59 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
     if fsync:
         _fsync_dir(path_s)
     log.debug("wrote %s: %d tensors, %d bytes, data version %d", path_s, len(items), file_size, version)
-    return [L.TensorInfo(i.name, i.codec.dtype, i.shape, i.header_offset, i.data_offset, i.nbytes,
-                         i.crc32, i.sha256.hex(), L.TENSOR_TYPE_STATE_DICT, i.is_meta)
-            for i in items]
+    return _infos(items)
+
+
+def _hash_item(it: _Item) -> None:
+    """CRC32 and SHA-256 of one tensor (header with zeroed hashes, then data) in cache-sized
+    chunks, both while the chunk is hot; patches them into its header."""
+    assert it.plan is not None
+    head = it.plan.buf
+    sha = hashlib.sha256(head)
+    crc = isal_zlib.crc32(head)
+    if it.nbytes:
+        assert it.src is not None
+        mv = tensor_memoryview(it.src)
+        for q in range(0, it.nbytes, HASH_CHUNK):
+            chunk = mv[q:q + HASH_CHUNK]
+            sha.update(chunk)
+            crc = isal_zlib.crc32(chunk, crc)
+    it.crc32, it.sha256 = crc, sha.digest()
+    it.plan.finish(it.crc32, it.sha256)
+
+
+def file_segments(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, threads: int | None = None
+                  ) -> Tuple[int, List[Tuple[int, memoryview]], List[L.TensorInfo]]:
+    """The bytes :func:`write_file` would write, as ``(size, segments, infos)`` for storage
+    that takes a file as parts (an object store's multipart upload) rather than a descriptor.
+
+    ``segments`` are ``(offset, read-only view)`` tiling ``[0, size)`` in order: prologue,
+    metadata index, then per tensor its header (hashes filled in) and a view of its data
+    (no copy; none for zero-length and meta tensors), then the terminator. Each tensor is
+    hashed here (tensors spread over ``threads``); the views share the tensors' memory, so
+    the tensors must not change until the segments have been sent. ``infos`` are
+    :func:`write_file`'s. Same layout code as :func:`write_file`, so the bytes are equal.
+    """
+    _check_align(align)
+    items = _prepare(tensors)
+    version, flags, metadata_len, file_size = _plan(items, align)
+    nthreads = threads if threads is not None else default_threads()
+    if nthreads < 1:
+        raise FormatError(f"threads must be >= 1, got {threads}")
+    if sum(i.nbytes for i in items) < INLINE_BYTES:
+        nthreads = 1
+    run_parallel([partial(_hash_item, it) for it in sorted(items, key=lambda i: -i.nbytes)], nthreads)
+    segments: List[Tuple[int, memoryview]] = [
+        (0, memoryview(_prologue(items, version, flags, metadata_len))),
+        (L.PROLOGUE_SIZE, memoryview(_metadata(items, flags, metadata_len)))]
+    for it in items:
+        assert it.plan is not None
+        segments.append((it.header_offset, memoryview(it.plan.buf).toreadonly()))
+        if it.nbytes:
+            assert it.src is not None
+            segments.append((it.data_offset, tensor_memoryview(it.src).toreadonly()))
+    segments.append((items[-1].end, memoryview(L.TERMINATOR)))
+    return file_size, segments, _infos(items)
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,
