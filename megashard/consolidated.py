@@ -125,7 +125,7 @@ def read_boxes(
         for f in work.finish:
             f()
     if verify:
-        verify_delivered(base, work.touched, manifest.files)
+        verify_delivered(base, work.touched, manifest)
     return out, nread
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 from . import storage
 from .errors import CheckpointError
@@ -32,10 +32,10 @@ class _IndexFile:
     """``manifest.index``, checked on open, for positional reads of sections (through the
     files object's ``read_into``, so any storage's files object serves)."""
 
-    def __init__(self, base: str, size: int) -> None:
-        self.size, self.path = size, os.path.join(base, INDEX_NAME)
-        self.files: Optional[storage.CheckpointFiles] = None
-        self.files = storage.checkpoint_files(base)
+    def __init__(self, files: Any, size: int) -> None:
+        """``files``: the files object that read the head (it owns it from here on)."""
+        self.size, self.path = size, files.path(INDEX_NAME)
+        self.files: Any = files
         try:
             self.files.read_into(INDEX_NAME, (), size=size, threads=1)  # the checks, before any section is read
         except BaseException:
@@ -80,21 +80,32 @@ def _open(head: bytes, where: str,
 def open_index(base: str) -> Index:
     """The index of the committed checkpoint in ``base`` (validated; read-only). Its
     ``confirm_file`` checks a member's real size against the index's claim."""
-    with storage.checkpoint_files(base) as files:
+    files = storage.checkpoint_files(base)
+    try:
         head = files.read_manifest_bytes()
+    except BaseException:
+        files.close()
+        raise
+    opened: list = []
 
     def from_file(size: int) -> Tuple[Callable[[int, int], bytes], Optional[Callable[[], None]]]:
-        f = _IndexFile(base, size)
+        f = _IndexFile(files, size)
+        opened.append(f)
         return f.read, f.close
 
-    index = _open(head, os.path.join(base, storage.MANIFEST_NAME), from_file)
-    index.check_file = partial(check_file_size, base)
+    try:
+        index = _open(head, os.path.join(base, storage.MANIFEST_NAME), from_file)
+    finally:
+        if not opened:  # version 1, or refused before the sections: nothing keeps the files object
+            files.close()
+    index.check_file = partial(check_file_size, base, index=index)
     return index
 
 
-def check_file_size(base: str, name: str, size: int) -> None:
-    """Member ``name`` of ``base`` is a regular file (no link) of exactly ``size`` bytes."""
-    with storage.checkpoint_files(base) as cf:
+def check_file_size(base: str, name: str, size: int, index: Any = None) -> None:
+    """Member ``name`` of ``base`` is a regular file (no link) of exactly ``size`` bytes
+    (on an object store: the object of that size and of the index's ETag)."""
+    with storage.checkpoint_files(base, index) as cf:
         cf.open(name, size)
 
 

@@ -540,7 +540,7 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
         try:
             head, sections = read_index_bytes(base)
             own = index_from_bytes(head, sections, where)
-            own.check_file = partial(check_file_size, base)
+            own.check_file = partial(check_file_size, base, index=own)
             for name in own.files:  # the ranks it goes to allocate from it and cannot check a file themselves
                 own.confirm_file(name)
         except BaseException:
@@ -635,7 +635,7 @@ def load(
                 for f in work.finish:
                     f()
                 if verify and (chosen == "own" or node.get(comm.rank, comm.rank) == comm.rank):
-                    readers.verify_delivered(base, work.touched, index.files)
+                    readers.verify_delivered(base, work.touched, index)
             _, err = comm.run("load/finish", fin)
         comm.agree(err, "load")  # final: all succeeded or all raise
     finally:

@@ -36,7 +36,7 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
              row_jobs: Sequence[Tuple[str, int, int, List[memoryview]]], threads: Optional[int]) -> int:
     """Read every planned byte range straight into its destination; returns bytes read.
     ``files`` is the index (or its file table): names and sizes, checked on open."""
-    files = getattr(files, "files", files)
+    index, files = files, getattr(files, "files", files)
     targets: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
     for op in ops:
         targets.setdefault(op.file, []).append((op.offset, op.dest))
@@ -51,7 +51,7 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
     names = sorted(set(by_file) | set(on_device) | {j[0] for j in row_jobs})
     nthreads = threads or default_read_threads()
     total = 0
-    with storage.checkpoint_files(base) as cf:
+    with storage.checkpoint_files(base, index) as cf:
         for f in names:  # every file checked (no requests: only the checks) before any byte is read
             cf.read_into(f, (), size=_file_size(files, f), threads=1)
         for f in names:
@@ -85,21 +85,20 @@ def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict
     On a reader, ``touched`` grows by what its node's other ranks touched, so ``verify``
     there covers every byte the node loaded."""
     return scatter_mod.scatter(comm, base, index, ops, touched, node, chunk, threads, transport,
-                               partial(storage.checkpoint_files, base))
+                               partial(storage.checkpoint_files, base, index))
 
 
-def verify_delivered(base: str, touched: Mapping[str, Mapping[str, Any]],
-                     files: Optional[Mapping[str, Any]] = None) -> None:
+def verify_delivered(base: str, touched: Mapping[str, Mapping[str, Any]], index: Any = None) -> None:
     """Check every byte a load delivered: each touched file's structure (header, index,
     zero fill, terminator), that the index's byte range of every touched tensor is the one
     the file's own index names, and every touched tensor's hash."""
-    from .format import TensorFileReader
     from .format.verify import structure_problems
 
-    with storage.CheckpointFiles(base) as cf:
+    files = getattr(index, "files", index)
+    with storage.checkpoint_files(base, index) as cf:
         for f, names in sorted(touched.items()):
             cf.open(f, _file_size(files, f) if files is not None else None)  # name, type and size checks first
-            with TensorFileReader(f, dir_fd=cf.dir_fd, nofollow=True) as r:
+            with cf.tensor_reader(f) as r:
                 problems = structure_problems(r)
                 if problems:
                     raise CheckpointError("; ".join(problems[:5]))

@@ -294,12 +294,6 @@ class CheckpointFiles:
         return data
 
 
-def checkpoint_files(base: PathLike) -> CheckpointFiles:
-    """The files object a load reads members through (``read_into``; ``descriptor`` where
-    ``passes_descriptors``): the one place where another storage's plugs in."""
-    return CheckpointFiles(base)
-
-
 _DIGEST_LINE = re.compile(rb"[0-9a-f]{64}\n")
 
 
@@ -1304,12 +1298,13 @@ def save_target(checkpoint_dir: PathLike) -> Any:
     return DirectorySave(p)
 
 
-def checkpoint_files(base: PathLike, files: Optional[Mapping[str, Any]] = None) -> Any:
-    """The read seam: :class:`CheckpointFiles` of a directory, or the object-store
-    equivalent of a URL (``files``: the index's file table, whose ETags pin every read)."""
+def checkpoint_files(base: PathLike, index: Any = None) -> Any:
+    """The files object a load reads members through (``read_into``; ``descriptor`` where
+    ``passes_descriptors``): :class:`CheckpointFiles` of a directory, or the object-store
+    equivalent of a URL (``index``: the checkpoint's index, whose ETags pin every read)."""
     p = os.fspath(base)
     if is_url(p):
         from .objstore.checkpoint import ObjectCheckpointFiles
 
-        return ObjectCheckpointFiles(p, files)
+        return ObjectCheckpointFiles(p, index)
     return CheckpointFiles(p)

@@ -219,6 +219,7 @@ def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAU
                                         f"{url}/{MANIFEST_NAME}")
     _, prefixes = store.list(key + "/", delimiter="/")
     removed: List[str] = []
+    live = {current}
     for p in prefixes:
         name = p[len(key) + 1:].rstrip("/")
         if not _DATA_PREFIX_RE.match(name) or name == current:
@@ -226,11 +227,13 @@ def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAU
         objects, _ = store.list(f"{key}/{name}/")
         newest = max((o.last_modified for o in objects), default=0.0)
         if objects and now - newest < older_than_s:
+            live.add(name)
             continue  # possibly a save in progress
         store.delete([o.key for o in objects])
         removed.append(f"{url}/{name}/")
     for k, upload_id, started in store.list_uploads(key + "/"):
-        if now - started >= older_than_s and (current is None or not k.startswith(f"{key}/{current}/")):
+        save = k[len(key) + 1:].split("/", 1)[0]
+        if now - started >= older_than_s and save not in live:
             store.abort_upload(k, upload_id)
             removed.append(f"{url}: unfinished upload of {k[len(key) + 1:]}")
     for r in removed:
@@ -336,6 +339,8 @@ class ObjectCheckpointFiles:
 
     def read_into(self, name: str, reqs: Sequence[Tuple[int, memoryview]], *, size: Optional[int] = None,
                   threads: Optional[int] = None) -> int:
+        if not reqs:
+            return 0  # every GET checks the object's size (Content-Range) and ETag (If-Match) itself
         if size is None:
             size = self.open(name).size
         return self.store.read_into(self.object_key(name), reqs, size=size, etag=self._etag(name), threads=threads)
