@@ -384,13 +384,13 @@ def is_url(path: object) -> bool:
 
 
 def local_path(path: PathLike) -> str:
-    """``path`` made absolute, refusing a URL: ``os.path.abspath("s3://b/x")`` is the local
-    directory ``./s3:/b/x``, where a save would land silently (object storage is not supported
-    yet)."""
+    """``path`` made absolute, refusing a URL where only a local path will do (``convert``):
+    ``os.path.abspath("s3://b/x")`` is the local directory ``./s3:/b/x``, where a write would
+    land silently."""
     p = os.fspath(path)
     if is_url(p):
-        raise CheckpointError(f"{p}: a URL, not a local path; megashard reads and writes checkpoints on a "
-                              "file system only (object storage is not supported yet): use a mounted path")
+        raise CheckpointError(f"{p}: a URL, not a local path; this command reads and writes local directories "
+                              "only: copy the checkpoint to a local path (or a mounted bucket) first")
     return os.path.abspath(p)
 
 

@@ -20,17 +20,21 @@ NODE_ENV = {"MEGASHARD_NODE_ID": "test-node", "MEGASHARD_HUGEPAGES": "0"}
 
 
 class NoDescriptorFiles:
-    """Only ``read_into`` (and ``close``) of a :class:`CheckpointFiles`, no ``descriptor``
-    (nor ``open``/``dir_fd``): a files object as an object store would have it. Records what
-    was read through it."""
+    """A :class:`CheckpointFiles` without ``descriptor`` (nor ``dir_fd``): a files object
+    as an object store has it. Records what was read through ``read_into``."""
 
     passes_descriptors = False
     reads: List[Tuple[str, int, int]] = []  # (name, requests, bytes), per read_into with requests
 
-    def __init__(self, base: Any) -> None:
+    def __init__(self, base: Any, index: Any = None) -> None:
         from megashard.storage import CheckpointFiles
 
         self._inner = CheckpointFiles(base)
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the interface (head, sizes), never a descriptor
+        if name in ("descriptor", "dir_fd"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
 
     def read_into(self, name: str, reqs: Sequence[Tuple[int, memoryview]], *, size: Optional[int],
                   threads: int) -> int:

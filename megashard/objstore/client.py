@@ -821,7 +821,10 @@ def _expand(value: Any) -> Any:
 def _msc_store(url: ObjectURL) -> Tuple[ObjectStore, str]:
     """Resolve ``msc://profile/key`` through the profile's S3 storage provider (bucket/prefix, endpoint,
     region, static S3 credentials; otherwise the usual AWS credential chain)."""
-    config = _msc_config()
+    try:
+        config = _msc_config()
+    except CheckpointError as e:
+        raise CheckpointError(f"{url}: {e}") from None
     profile = (config.get("profiles") or {}).get(url.profile)
     if not isinstance(profile, dict):
         raise CheckpointError(f"{url}: profile {url.profile!r} is not in the multi-storage-client config "
