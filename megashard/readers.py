@@ -66,7 +66,7 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
             if off < 0 or off + run * len(views) > size:
                 raise CheckpointError(f"{os.path.join(base, f)}: byte range {off}+{run * len(views)} past end of "
                                       f"file ({size} bytes)")
-            by_file.setdefault(f, []).extend((off + i * run, v) for i, v in enumerate(views))
+            by_file.setdefault(f, []).extend(zip(range(off, off + run * len(views), run), views))
         for f, reqs in sorted(by_file.items()):
             total += cf.read_into(f, reqs, size=_file_size(files, f), threads=nthreads)
         if on_device:

@@ -19,13 +19,23 @@ Message sizes are those of the JSON the collectives carry (``transport.Comm.gath
 ``coordinator_peak_mb`` is the peak resident memory the coordinator's work adds on top of
 the messages it received (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``).
 
+``--storage s3`` adds the object-store request counts of ``docs/s3design`` (the lead's design
+note) for the simulated files and reads: per save, PUTs / multipart parts / LISTs / HEADs
+(:func:`s3_save_requests`, exact, from the index's file table); per load, GETs in ``own``
+mode (every rank: head, digest, the index sections it reads, its data runs coalesced over
+gaps <= 1 MiB and cut into <= 16 MiB GETs) and in ``scatter`` mode (only each node's reader:
+head, digest, the whole index, the node's bytes once), from the same load plans. Load
+totals are exact when every rank (node) is sampled, else the sampled mean times the ranks
+(nodes), marked ``est``.
+
 Usage: ``scripts/simulate_scale.py --model llama3-70b --tp 8 --pp 8 --dp 16 --distributed-optimizer
-[--reshard-to TP,PP,DP[,EP]] [--sample 16] [--json]``.
+[--reshard-to TP,PP,DP[,EP]] [--sample 16] [--storage s3 [--ranks-per-node 8]] [--json]``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -41,6 +51,14 @@ from megashard import jsonstate, loading, manifest as mf, saving  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
 
 SIZE_EXCHANGE = 8  # the int64 each rank sends/receives before a gather/scatter payload
+
+# object-store constants of the design (defaults of MEGASHARD_S3_PART_BYTES / _GET_BYTES)
+S3_PART_BYTES = 64 << 20  # a file this large or larger is a multipart upload of parts this size
+S3_GET_BYTES = 16 << 20  # one ranged GET at most
+S3_GAP_BYTES = 1 << 20  # requests this close in one read are one GET (the gap read into scratch)
+S3_PAGE = 1000  # keys per LIST page and per DeleteObjects batch
+
+Range = Tuple[str, int, int]  # file, offset, nbytes
 
 
 def _wire(obj: Any) -> int:
@@ -148,16 +166,26 @@ def _leaves(x: Any) -> List[Any]:
     return out
 
 
-def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank: int, quirk: bool = False) -> Dict[str, Any]:
-    """One rank's load planning (own mode) against the index: what it reads of the index,
-    how long parse + plan take, bytes needed vs read, temporaries."""
+def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank: int, quirk: bool = False,
+              rows_ok: bool = True, ranges: bool = False) -> Dict[str, Any]:
+    """One rank's load planning against the index (own mode; ``rows_ok=False``: as a scatter
+    load plans): what it reads of the index, how long parse + plan take, bytes needed vs
+    read, temporaries; with ``ranges``, also the byte ranges it reads (``ranges``) and its
+    index section reads (``section_reads``: lengths)."""
     template = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
+    section_reads: List[int] = []
+
+    def read_section(s: int, n: int) -> bytes:
+        section_reads.append(n)
+        return sections[s:s + n]
+
     t0 = time.perf_counter()
-    index = mf.LazyIndex(mf.parse_head(head, "simulated"), lambda s, n: sections[s:s + n], "simulated", len(head))
-    work = loading._LoadWork(rows_ok=True)
+    index = mf.LazyIndex(mf.parse_head(head, "simulated"), read_section, "simulated", len(head))
+    work = loading._LoadWork(rows_ok=rows_ok)
     loading._decode_saved_tree(index.tree_for_rank(rank), index, work, lazy=True)
     needed = read = temps = 0
     problems: List[str] = []
+    spans: List[Range] = []
     for leaf in _leaves(template):
         if looks_like_sharded_object(leaf):
             if index.has_object(object_unique_key(leaf)):
@@ -166,13 +194,19 @@ def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank:
         sh = ShardedTensor.from_any(leaf)
         isz = sh.data.element_size()
         needed += ((sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range else sh.data.numel()) * isz
-        boxes, probs = loading.plan_shard(sh, index, rows_ok=True)
+        boxes, probs = loading.plan_shard(sh, index, rows_ok=rows_ok)
         problems += probs
         for bp in boxes:
             read += bp.wp.read_bytes + sum(rr.run_bytes * _prod(rr.lead_shape) for rr in bp.wp.rows)
             temps += sum(bp.wp.buffers) * isz
-    return {"rank": rank, "plan_s": time.perf_counter() - t0, "index_read_bytes": index.bytes_read,
-            "needed_bytes": needed, "read_bytes": read, "temp_bytes": temps, "problems": problems[:5]}
+            if ranges:
+                spans += [(r.file, r.file_offset, r.nbytes) for r in bp.wp.reads]
+                spans += [(rr.file, off, rr.run_bytes) for rr in bp.wp.rows for off, _ in rr.runs()]
+    out = {"rank": rank, "plan_s": time.perf_counter() - t0, "index_read_bytes": index.bytes_read,
+           "needed_bytes": needed, "read_bytes": read, "temp_bytes": temps, "problems": problems[:5]}
+    if ranges:
+        out.update(ranges=spans, section_reads=section_reads)
+    return out
 
 
 def _prod(s: Sequence[int]) -> int:
@@ -182,6 +216,107 @@ def _prod(s: Sequence[int]) -> int:
     return n
 
 
+def _pages(n: int) -> int:
+    return max(1, -(-n // S3_PAGE))
+
+
+def s3_save_requests(file_bytes: Sequence[int], part_bytes: int = S3_PART_BYTES) -> Dict[str, Dict[str, int]]:
+    """Requests of one save of these data files, by step (the design's protocol): rank 0's
+    plan (HEAD of the head, LIST of the prefix), the writers' uploads (a PUT per file below
+    one part, else MPU create + ceil(size/part) parts + complete), rank 0's commit (LIST of
+    the token prefix, PUT of index, digest and head), a re-save's removal of the replaced
+    prefix (its files and the two index objects: LIST pages + DeleteObjects batches), and
+    the tracker PUT."""
+    up = {"PUT": 0, "MPU_CREATE": 0, "MPU_PART": 0, "MPU_COMPLETE": 0}
+    for n in file_bytes:
+        if n < part_bytes:
+            up["PUT"] += 1
+        else:
+            up["MPU_CREATE"] += 1
+            up["MPU_PART"] += -(-n // part_bytes)
+            up["MPU_COMPLETE"] += 1
+    files = len(file_bytes)
+    return {"plan": {"HEAD": 1, "LIST": 1}, "upload": up, "commit": {"LIST": _pages(files), "PUT": 3},
+            "resave_extra": {"LIST": _pages(files + 2), "DELETE": _pages(files + 2)}, "tracker": {"PUT": 1}}
+
+
+def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: int = S3_GET_BYTES) -> int:
+    """GETs of reading ``ranges`` with one ``read_into`` per file: requests no more than ``gap``
+    apart (or overlapping) are one run, each run ``ceil(len / get_bytes)`` GETs."""
+    by_file: Dict[str, List[Tuple[int, int]]] = {}
+    for f, a, n in ranges:
+        if n > 0:
+            by_file.setdefault(f, []).append((a, a + n))
+    gets = 0
+    for spans in by_file.values():
+        spans.sort()
+        lo, hi = spans[0]
+        for a, b in spans[1:]:
+            if a - hi <= gap:
+                hi = max(hi, b)
+                continue
+            gets += -(-(hi - lo) // get_bytes)
+            lo, hi = a, b
+        gets += -(-(hi - lo) // get_bytes)
+    return gets
+
+
+def s3_own_gets(section_reads: Sequence[int], ranges: Sequence[Range]) -> Dict[str, int]:
+    """One rank's GETs in an own load: head and digest, each index section it reads
+    (``ceil(len / 16 MiB)``), its data runs."""
+    return {"head+digest": 2, "sections": sum(-(-n // S3_GET_BYTES) for n in section_reads),
+            "data": s3_range_gets(ranges)}
+
+
+def s3_scatter_gets(node_ranges: Sequence[Range]) -> Dict[str, int]:
+    """A node reader's GETs in a scatter load: head and digest, the whole index (one GET; it
+    sends it to the node's ranks), every byte the node's ranks need, once (the union, coalesced)."""
+    return {"head+digest": 2, "index": 1, "data": s3_range_gets(node_ranges)}
+
+
+def _total(per: Sequence[Dict[str, int]], count: int) -> Dict[str, Any]:
+    """Summed by kind (and ``total``): exact when ``per`` covers all ``count``, else the mean
+    times ``count``, marked ``est``."""
+    sums = {k: sum(p[k] for p in per) for k in per[0]}
+    sums["total"] = sum(sums.values())
+    if len(per) >= count:
+        return sums
+    return {k: f"{round(v / len(per) * count)} (est)" for k, v in sums.items()}
+
+
+def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sample: int,
+              ranks_per_node: int) -> Dict[str, Any]:
+    """The object-store request counts of one save and of loads of it (same layout)."""
+    index = mf.LazyIndex(mf.parse_head(head, "simulated"), lambda s, n: sections[s:s + n], "simulated", len(head))
+    sizes = sorted(int(info.get("bytes", 0)) for info in index.files.values())
+    per_rank: Dict[int, List[int]] = {}
+    for info in index.files.values():
+        per_rank.setdefault(int(info["rank"]), []).append(int(info.get("bytes", 0)))
+    save = s3_save_requests(sizes)
+    world = layout.world
+    own = [plan_rank(head, sections, model, layout, r, ranges=True) for r in _sample(world, sample)]
+    own_gets = [s3_own_gets(p["section_reads"], p["ranges"]) for p in own]
+    nodes = -(-world // ranks_per_node)
+    node_gets = []
+    for nd in _sample(nodes, sample):
+        members = range(nd * ranks_per_node, min(world, (nd + 1) * ranks_per_node))
+        union = [x for r in members
+                 for x in plan_rank(head, sections, model, layout, r, rows_ok=False, ranges=True)["ranges"]]
+        node_gets.append(s3_scatter_gets(union))
+    return {
+        "s3_files": len(sizes),
+        "s3_save_requests": save,
+        "s3_save_total": sum(sum(v.values()) for k, v in save.items() if k != "resave_extra"),
+        "s3_save_max_rank_uploads": max(sum(v.values()) for v in
+                                        (s3_save_requests(b)["upload"] for b in per_rank.values())),
+        "s3_load_own_gets": _total(own_gets, world),
+        "s3_load_own_max_rank_gets": max(sum(g.values()) for g in own_gets),
+        "s3_load_scatter_gets": _total(node_gets, nodes),
+        "s3_load_scatter_max_reader_gets": max(sum(g.values()) for g in node_gets),
+        "s3_ranks_per_node": ranks_per_node,
+    }
+
+
 def _sample(world: int, n: int) -> List[int]:
     if world <= n:
         return list(range(world))
@@ -189,7 +324,8 @@ def _sample(world: int, n: int) -> List[int]:
     return sorted({int(i * step) for i in range(n)} | {world - 1})
 
 
-def run(model: str, layout: sm.Layout, reshard: Optional[sm.Layout], sample: int) -> Dict[str, Any]:
+def run(model: str, layout: sm.Layout, reshard: Optional[sm.Layout], sample: int, storage: str = "posix",
+        ranks_per_node: int = 8) -> Dict[str, Any]:
     out = simulate_save(model, layout)
     head, sections = out.pop("_head"), out.pop("_sections")
     ranks = [plan_rank(head, sections, model, layout, r) for r in _sample(layout.world, sample)]
@@ -204,6 +340,8 @@ def run(model: str, layout: sm.Layout, reshard: Optional[sm.Layout], sample: int
         out["reshard_temp_bytes"] = max(r["temp_bytes"] for r in rs)
         out["reshard_rank_plan_s"] = round(max(r["plan_s"] for r in rs), 3)
         out["reshard_problems"] = [p for r in rs for p in r["problems"]][:5]
+    if storage == "s3":
+        out.update(s3_report(head, sections, model, layout, sample, ranks_per_node))
     return out
 
 
@@ -218,6 +356,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--reshard-to", default=None, help="TP,PP,DP[,EP] of the loading job")
     ap.add_argument("--sample", type=int, default=16, help="ranks whose load plan is measured")
+    ap.add_argument("--storage", choices=("posix", "s3"), default="posix",
+                    help="s3: also the object-store request counts of a save and of loads")
+    ap.add_argument("--ranks-per-node", type=int, default=8, help="scatter loads (--storage s3): one reader per node")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     layout = sm.Layout(tp=a.tp, pp=a.pp, dp=a.dp, ep=a.ep, vp=a.vp, distributed_optimizer=a.distributed_optimizer)
@@ -227,7 +368,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reshard = sm.Layout(tp=v[0], pp=v[1], dp=v[2], ep=v[3] if len(v) > 3 else 1, vp=a.vp,
                             distributed_optimizer=a.distributed_optimizer)
     out = {"model": a.model, "layout": f"TP{a.tp}·PP{a.pp}·DP{a.dp}" + (f"·EP{a.ep}" if a.ep > 1 else "")}
-    out.update(run(a.model, layout, reshard, a.sample))
+    out.update(run(a.model, layout, reshard, a.sample, a.storage, a.ranks_per_node))
     if a.json:
         print(json.dumps(out))
     else:

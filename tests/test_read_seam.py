@@ -164,3 +164,38 @@ def test_rows_go_through_read_into_one_request_each(tmp_path) -> None:
     assert torch.equal(dst, full)
     assert len(jobs) == 2 and all(len(j[3]) == rows for j in jobs)  # one row job per saved half
     assert sum(k for _, k in calls) == 2 * rows  # every row one request, nothing read elsewhere
+
+
+def test_read_requests_many_back_to_back_and_scattered(tmp_path) -> None:
+    """``read_requests`` (what ``CheckpointFiles.read_into`` runs): rows back to back, overlapping,
+    empty and scattered requests in any order each get exactly their bytes; no preadv over IOV_MAX."""
+    import random
+
+    from megashard.format import fastio
+
+    rng = random.Random(1)
+    data = rng.randbytes(1 << 21)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for trial in range(40):
+            want: List[Tuple[int, bytearray]] = []
+            off = rng.randrange(1000)
+            for _ in range(rng.choice([3, 50, 3000])):
+                n = rng.choice([0, 1, 7, 600, 4096, 70_000])
+                if rng.random() < 0.3:
+                    off = rng.randrange(len(data))
+                off = min(off, len(data) - n)
+                want.append((off, bytearray(n)))
+                off += n
+            reqs = [(o, memoryview(b)) for o, b in want]
+            rng.shuffle(reqs)
+            for threads in (1, 3):
+                assert all(len(iov) <= fastio.IOV_MAX for t in fastio.plan_reads(reqs, threads) for _, iov in t)
+                for _, b in want:
+                    b[:] = bytes(len(b))
+                fastio.read_requests(fd, reqs, str(path), threads)
+                assert all(bytes(b) == data[o:o + len(b)] for o, b in want), (trial, threads)
+    finally:
+        os.close(fd)

@@ -19,6 +19,7 @@ import functools
 import logging
 import mmap
 import os
+import operator
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence, Union
@@ -241,6 +242,7 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 _scratch = memoryview(bytearray(MAX_GAP))  # sink for skipped gaps; contents never read
 
 _Run = tuple[int, list[memoryview]]  # file offset, iovecs (destination pieces and gap sinks)
+_FIRST = operator.itemgetter(0)
 
 
 def _append(runs: list[list], off: int, piece: memoryview) -> None:
@@ -266,7 +268,10 @@ def plan_reads(requests: Sequence[tuple[int, memoryview]], threads: int) -> list
     preadv, small file gaps such as headers go to a scratch sink), so every
     thread stays busy and syscalls, not task overhead, dominate.
     """
-    items = sorted(((off, mv) for off, mv in requests if len(mv)), key=lambda r: r[0])
+    # the caller's tuples and whole views are reused, not copied, and a piece that directly
+    # follows the last one is appended inline: a load may pass one request per row (millions)
+    items = [r for r in requests if len(r[1])]
+    items.sort(key=_FIRST)
     total = sum(len(mv) for _, mv in items)
     if not total:
         return []
@@ -278,17 +283,30 @@ def plan_reads(requests: Sequence[tuple[int, memoryview]], threads: int) -> list
     tasks: list[list[_Run]] = []
     runs: list[list] = []
     filled = 0
+    last: list = [-1, None, -1, 0]  # the run being extended: [offset, iovecs, end, bytes]
     for off, mv in items:
-        pos = 0
         n = len(mv)
+        if off == last[2] and n <= target - filled and len(last[1]) < IOV_MAX - 1 and last[3] + n <= MAX_IO:
+            last[1].append(mv)  # back to back with the previous piece, same task: same preadv
+            last[2] += n
+            last[3] += n
+            filled += n
+            if filled >= target:
+                tasks.append([(r[0], r[1]) for r in runs])
+                runs, filled = [], 0
+                last = [-1, None, -1, 0]
+            continue
+        pos = 0
         while pos < n:
             take = min(n - pos, target - filled)
-            _append(runs, off + pos, mv[pos:pos + take])
+            _append(runs, off + pos, mv if take == n else mv[pos:pos + take])
+            last = runs[-1]
             pos += take
             filled += take
             if filled >= target:
                 tasks.append([(r[0], r[1]) for r in runs])
                 runs, filled = [], 0
+                last = [-1, None, -1, 0]
     if runs:
         tasks.append([(r[0], r[1]) for r in runs])
     return tasks
