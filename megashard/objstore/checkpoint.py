@@ -257,6 +257,7 @@ class ObjectCheckpointFiles:
         self._prefix: Optional[str] = getattr(index, "data_prefix", None)
         self._index_etag: Optional[str] = getattr(index, "index_etag", None)
         self._infos: Dict[str, ObjectInfo] = {}
+        self._index_bytes: Optional[bytes] = None
 
     def __enter__(self) -> "ObjectCheckpointFiles":
         return self
@@ -341,6 +342,19 @@ class ObjectCheckpointFiles:
                   threads: Optional[int] = None) -> int:
         if not reqs:
             return 0  # every GET checks the object's size (Content-Range) and ETag (If-Match) itself
+        if name == INDEX_NAME:  # sections are small and many: the whole index in one GET, once
+            if self._index_bytes is None:
+                self._index_bytes = self.read_bytes(INDEX_NAME, _max_head())
+                if size is not None and len(self._index_bytes) != size:
+                    raise CheckpointError(f"{self.path(INDEX_NAME)}: {len(self._index_bytes)} bytes, the manifest "
+                                          f"says {size}; the checkpoint is damaged")
+            data, n = self._index_bytes, 0
+            for off, mv in reqs:
+                if off < 0 or off + len(mv) > len(data):
+                    raise CheckpointError(f"{self.path(INDEX_NAME)}: byte range {off}+{len(mv)} past its end")
+                mv[:] = data[off:off + len(mv)]
+                n += len(mv)
+            return n
         if size is None:
             size = self.open(name).size
         return self.store.read_into(self.object_key(name), reqs, size=size, etag=self._etag(name), threads=threads)
