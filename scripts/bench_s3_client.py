@@ -71,6 +71,13 @@ def main() -> None:
         def ours_read_into() -> None:
             store.read_into("src", [(0, memoryview(out))], size=size, etag=info.etag)
 
+        def ours_read_into_one_get() -> None:  # moto copies the whole object per ranged GET: one GET shows its cost
+            os.environ["MEGASHARD_S3_GET_BYTES"] = str(size)
+            try:
+                store.read_into("src", [(0, memoryview(out))], size=size, etag=info.etag)
+            finally:
+                del os.environ["MEGASHARD_S3_GET_BYTES"]
+
         def boto3_upload_fileobj() -> None:
             raw.upload_fileobj(io.BytesIO(data), bucket, "dst-boto3")
 
@@ -81,6 +88,7 @@ def main() -> None:
             ("download", "boto3 get_object().read()", boto3_get),
             ("download", "boto3 download_fileobj", boto3_download_fileobj),
             ("download", "megashard read_into", ours_read_into),
+            ("download", "megashard read_into, 1 GET", ours_read_into_one_get),
             ("upload", "boto3 upload_fileobj", boto3_upload_fileobj),
             ("upload", "megashard upload", ours_upload),
         ]

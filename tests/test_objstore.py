@@ -251,13 +251,12 @@ class _FakeResponse:
 ])
 def test_content_range_checks(headers, error, message) -> None:
     store = ObjectStore("bkt", endpoint_url="http://127.0.0.1:9")
-    check = lambda: store._check_range("http://127.0.0.1:9/bkt/k", "s3://bkt/k", _FakeResponse(headers), 0, 99,  # noqa: E731
-                                       1000, '"tag"')
+    args = ("http://127.0.0.1:9/bkt/k", "s3://bkt/k", _FakeResponse(headers), 0, 99, 1000, '"tag"')
     if error is None:
-        check()
+        store._check_range(*args)
         return
     with pytest.raises(error) as err:
-        check()
+        store._check_range(*args)
     assert type(err.value) is error and "s3://bkt/k" in str(err.value) and message in str(err.value)
 
 

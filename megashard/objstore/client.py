@@ -201,6 +201,17 @@ def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
     return results
 
 
+_SSL: Optional[ssl.SSLContext] = None
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context per process, trusting AWS_CA_BUNDLE when set (as botocore does)."""
+    global _SSL
+    if _SSL is None:
+        _SSL = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+    return _SSL
+
+
 def _scratch() -> memoryview:
     buf = getattr(_LOCAL, "scratch", None)
     if buf is None:
@@ -301,8 +312,12 @@ class ObjectStore:
         region = self.region or session.region_name
         if region is None and self.endpoint_url is None:
             region = self._bucket_region(session, config)
-        return session.client("s3", endpoint_url=self.endpoint_url, region_name=region or "us-east-1",
-                              config=config)
+        try:
+            return session.client("s3", endpoint_url=self.endpoint_url, region_name=region or "us-east-1",
+                                  config=config)
+        except (ValueError, botocore.exceptions.BotoCoreError) as e:
+            raise CheckpointError(f"s3://{self.bucket}: cannot create an S3 client for endpoint "
+                                  f"{self.endpoint_url or 'AWS'}: {e}; check AWS_ENDPOINT_URL") from None
 
     def _bucket_region(self, session: Any, config: Any) -> Optional[str]:
         """AWS without a configured region: ask where the bucket lives, so presigned URLs are signed for it."""
@@ -531,7 +546,7 @@ class ObjectStore:
             timeout = _env_int("MEGASHARD_S3_TIMEOUT", 120, 1)
             if parts.scheme == "https":
                 conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout,
-                                                   context=ssl.create_default_context())
+                                                   context=_ssl_context())
             else:
                 conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
             conns[ident] = conn
