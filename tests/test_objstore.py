@@ -505,3 +505,22 @@ def test_fork_gets_fresh_stores_and_connections(s3) -> None:
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_boto3_is_imported_only_when_a_url_is_used() -> None:
+    import subprocess
+    code = ("import sys, megashard.objstore as o; o.parse_url('s3://bkt/x'); o.ObjectStore('bkt'); "
+            "assert 'boto3' not in sys.modules and 'botocore' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_bad_tuning_variables_are_named(s3, monkeypatch) -> None:
+    store = _store(s3)
+    etag = store.put_bytes("v/x", b"123")
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", "16M")
+    with pytest.raises(CheckpointError, match="MEGASHARD_S3_GET_BYTES='16M' is not an integer"):
+        store.read_into("v/x", [(0, memoryview(bytearray(3)))], size=3, etag=etag)
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", "0")
+    with pytest.raises(CheckpointError, match="MEGASHARD_S3_GET_BYTES=0 is below its minimum 1"):
+        store.read_into("v/x", [(0, memoryview(bytearray(3)))], size=3, etag=etag)
