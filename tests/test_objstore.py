@@ -119,6 +119,8 @@ def test_conditional_put_conflicts(s3) -> None:
     with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/p/manifest.json.*412"):
         store.put_bytes("p/manifest.json", b"three", if_match=first)  # stale: someone else re-saved
     assert store.get_bytes("p/manifest.json", 10) == (b"two", second)
+    with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/p/gone.*404.*deleted by another writer"):
+        store.put_bytes("p/gone", b"x", if_match=first)
     conditions = [(e["if_none_match"], e["if_match"], e["status"]) for e in s3.requests()
                   if e["method"] == "PUT" and e["key"] == "p/manifest.json"]
     assert conditions == [("*", None, 200), ("*", None, 412), (None, first, 200), (None, first, 412)]

@@ -472,7 +472,13 @@ class ObjectStore:
                 return None
             return {"ETag": etag} if body == params["Body"] else None
 
-        return self._call("PUT", key, "put_object", conflict=CommitConflictError, landed=landed, **params)["ETag"]
+        gone = object()
+        resp = self._call("PUT", key, "put_object", conflict=CommitConflictError, landed=landed,
+                          not_found=gone if if_match else ..., **params)
+        if resp is gone:  # If-Match on an object that no longer exists: S3 answers 404, a lost race all the same
+            raise CommitConflictError(f"S3 put_object of {self.url(key)} failed: HTTP 404 NoSuchKey; the object "
+                                      f"with ETag {if_match} was deleted by another writer")
+        return resp["ETag"]
 
     def list(self, prefix: str, delimiter: Optional[str] = None) -> Tuple[List[ObjectInfo], List[str]]:
         """Every object under ``prefix`` (and the common prefixes when ``delimiter`` is given), paginated."""
