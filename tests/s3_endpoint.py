@@ -89,12 +89,14 @@ class S3Endpoint:
         return entries if all_buckets else [e for e in entries if e["bucket"] == self.bucket]
 
     def inject(self, status: int = 503, count: int = 1, method: Optional[str] = None, match: Optional[str] = None,
-               code: Optional[str] = None, truncate: Optional[int] = None, query: Optional[str] = None) -> None:
+               code: Optional[str] = None, truncate: Optional[int] = None, query: Optional[str] = None,
+               after: bool = False) -> None:
         """Fail the next ``count`` requests to this bucket that match (method, path substring, query parameter
-        name) with ``status`` (S3 error ``code``), or cut their answers after ``truncate`` body bytes."""
+        name) with ``status`` (S3 error ``code``), or cut their answers after ``truncate`` body bytes.
+        ``after``: the request is carried out first and only its answer is replaced (a lost answer)."""
         rule: Dict[str, Any] = {"status": status, "count": count, "bucket": self.bucket}
         for name, value in (("method", method), ("match", match), ("code", code), ("truncate", truncate),
-                            ("query", query)):
+                            ("query", query), ("after", after or None)):
             if value is not None:
                 rule[name] = value
         self.server.request("POST", "/__inject__", json.dumps(rule).encode())

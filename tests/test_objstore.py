@@ -119,6 +119,8 @@ def test_conditional_put_conflicts(s3) -> None:
     with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/p/manifest.json.*412"):
         store.put_bytes("p/manifest.json", b"three", if_match=first)  # stale: someone else re-saved
     assert store.get_bytes("p/manifest.json", 10) == (b"two", second)
+    with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/p/gone.*404.*deleted by another writer"):
+        store.put_bytes("p/gone", b"x", if_match=first)
     conditions = [(e["if_none_match"], e["if_match"], e["status"]) for e in s3.requests()
                   if e["method"] == "PUT" and e["key"] == "p/manifest.json"]
     assert conditions == [("*", None, 200), ("*", None, 412), (None, first, 200), (None, first, 412)]
@@ -251,13 +253,12 @@ class _FakeResponse:
 ])
 def test_content_range_checks(headers, error, message) -> None:
     store = ObjectStore("bkt", endpoint_url="http://127.0.0.1:9")
-    check = lambda: store._check_range("http://127.0.0.1:9/bkt/k", "s3://bkt/k", _FakeResponse(headers), 0, 99,  # noqa: E731
-                                       1000, '"tag"')
+    args = ("http://127.0.0.1:9/bkt/k", "s3://bkt/k", _FakeResponse(headers), 0, 99, 1000, '"tag"')
     if error is None:
-        check()
+        store._check_range(*args)
         return
     with pytest.raises(error) as err:
-        check()
+        store._check_range(*args)
     assert type(err.value) is error and "s3://bkt/k" in str(err.value) and message in str(err.value)
 
 
@@ -434,3 +435,94 @@ def test_bulk_connection_is_per_thread_and_reconnects(s3) -> None:
     conn.close()  # a dead socket is reopened on the next request
     store.read_into("c/x", [(6, memoryview(buf))], size=10, etag=etag, threads=1)
     assert bytes(buf) == b"6789" and next(iter(objclient._LOCAL.conns.values())) is conn
+
+
+# ----------------------------------------------------------------------------------------------- lost answers
+
+def test_lost_answer_of_conditional_put_is_not_a_conflict(s3, monkeypatch) -> None:
+    """The write lands, its answer is lost (503), the retry meets our own object: success, not a conflict."""
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(5 * MiB))
+    store = _store(s3)
+    s3.inject(503, method="PUT", match="/h/manifest.json", after=True)
+    etag = store.put_bytes("h/manifest.json", b'{"objects": "a"}', if_none_match=True)
+    s3.inject(503, method="PUT", match="/h/manifest.json", after=True)
+    etag2 = store.put_bytes("h/manifest.json", b'{"objects": "b"}', if_match=etag)
+    assert store.get_bytes("h/manifest.json", 100) == (b'{"objects": "b"}', etag2)
+    statuses = [(e["method"], e["status"]) for e in s3.requests() if e["key"] == "h/manifest.json"]
+    assert statuses[:6] == [("PUT", 503), ("PUT", 412), ("GET", 200), ("PUT", 503), ("PUT", 412), ("GET", 200)]
+    small = os.urandom(1000)
+    s3.inject(503, method="PUT", match="/h/small", after=True)
+    assert store.upload("h/small", len(small), [(0, memoryview(small))]) == store.head("h/small").etag
+    big = os.urandom(6 * MiB)
+    s3.inject(503, method="POST", query="uploadId", after=True)
+    etag = store.upload("h/big", len(big), [(0, memoryview(big))])
+    assert etag == store.head("h/big").etag and etag.endswith('-2"')
+    assert s3.boto3().get_object(Bucket=s3.bucket, Key="h/big")["Body"].read() == big
+    assert store.list_uploads("h/") == []
+
+
+def test_retry_that_meets_another_writer_still_conflicts(s3) -> None:
+    store = _store(s3)
+    theirs = store.put_bytes("h/manifest.json", b"theirs")
+    s3.inject(503, method="PUT", match="/h/manifest.json")  # our first attempt fails before it lands
+    with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/h/manifest.json"):
+        store.put_bytes("h/manifest.json", b"ours", if_none_match=True)
+    s3.inject(503, method="PUT", match="/h/small")
+    store.put_bytes("h/small", b"theirs")
+    with pytest.raises(CommitConflictError, match=f"s3://{s3.bucket}/h/small"):
+        store.upload("h/small", 4, [(0, memoryview(b"ours"))])
+    assert store.get_bytes("h/manifest.json", 10) == (b"theirs", theirs)
+
+
+# ----------------------------------------------------------------------------------------------- paging, fork
+
+def test_list_delete_and_uploads_page(s3, monkeypatch) -> None:
+    monkeypatch.setattr(objclient, "_PAGE", 2)
+    store = _store(s3)
+    keys = [f"g/obj{i}" for i in range(5)]
+    for k in keys:
+        store.put_bytes(k, k.encode())
+    for i in range(3):
+        s3.boto3().create_multipart_upload(Bucket=s3.bucket, Key=f"g/up{i}")
+    assert [o.key for o in store.list("g/")[0]] == keys
+    assert len(store.list_uploads("g/")) == 3
+    store.delete(keys)
+    assert store.list("g/") == ([], [])
+    assert store.stats["LIST"] == 3 + 1 and store.stats["DELETE"] == 3  # (moto ignores MaxUploads)
+
+
+def test_fork_gets_fresh_stores_and_connections(s3) -> None:
+    store = _store(s3)
+    etag = store.put_bytes("f/x", b"abcdef")
+    store.read_into("f/x", [(0, memoryview(bytearray(2)))], size=6, etag=etag, threads=1)
+    assert objclient._LOCAL.conns and objclient._STORES
+    pid = os.fork()
+    if pid == 0:  # child: nothing inherited; a new store works
+        ok = not objclient._STORES and not getattr(objclient._LOCAL, "conns", None) and objclient._POOL is None
+        try:
+            buf = bytearray(3)
+            ObjectStore.for_url(s3.url())[0].read_into("f/x", [(3, memoryview(buf))], size=6, etag=etag)
+            ok = ok and bytes(buf) == b"def"
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_boto3_is_imported_only_when_a_url_is_used() -> None:
+    import subprocess
+    code = ("import sys, megashard.objstore as o; o.parse_url('s3://bkt/x'); o.ObjectStore('bkt'); "
+            "assert 'boto3' not in sys.modules and 'botocore' not in sys.modules, 'imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_bad_tuning_variables_are_named(s3, monkeypatch) -> None:
+    store = _store(s3)
+    etag = store.put_bytes("v/x", b"123")
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", "16M")
+    with pytest.raises(CheckpointError, match="MEGASHARD_S3_GET_BYTES='16M' is not an integer"):
+        store.read_into("v/x", [(0, memoryview(bytearray(3)))], size=3, etag=etag)
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", "0")
+    with pytest.raises(CheckpointError, match="MEGASHARD_S3_GET_BYTES=0 is below its minimum 1"):
+        store.read_into("v/x", [(0, memoryview(bytearray(3)))], size=3, etag=etag)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import hashlib
 import http.client
 import logging
 import os
@@ -43,6 +44,7 @@ _RETRY_STATUS = frozenset({500, 502, 503, 504})
 _RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable", "Throttling",
                           "ThrottlingException", "RequestTimeTooSkewed"})
 _ERROR_BODY_LIMIT = 64 * 1024
+_PAGE = 1000  # LIST page and DeleteObjects batch (S3's maximum for both)
 KINDS = ("HEAD", "GET", "GET_RANGE", "PUT", "LIST", "DELETE", "MPU_CREATE", "MPU_PART", "MPU_COMPLETE", "MPU_ABORT",
          "MPU_LIST")
 
@@ -199,6 +201,17 @@ def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
     return results
 
 
+_SSL: Optional[ssl.SSLContext] = None
+
+
+def _ssl_context() -> ssl.SSLContext:
+    """One TLS context per process, trusting AWS_CA_BUNDLE when set (as botocore does)."""
+    global _SSL
+    if _SSL is None:
+        _SSL = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+    return _SSL
+
+
 def _scratch() -> memoryview:
     buf = getattr(_LOCAL, "scratch", None)
     if buf is None:
@@ -216,6 +229,17 @@ def _byte_view(view: Any) -> memoryview:
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 _XML_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
 _XML_MESSAGE = re.compile(rb"<Message>([^<]{0,300})</Message>")
+
+
+def _multipart_etag(part_etags: Sequence[str]) -> str:
+    """The ETag S3 gives a completed multipart upload: MD5 of the parts' binary MD5s, "-" part count."""
+    md5 = hashlib.md5(usedforsecurity=False)
+    for etag in part_etags:
+        try:
+            md5.update(bytes.fromhex(etag.strip('"')))
+        except ValueError:  # not an MD5 (e.g. SSE-KMS): cannot tell, so never claim success
+            return ""
+    return f'"{md5.hexdigest()}-{len(part_etags)}"'
 
 
 def _xml_field(pattern: "re.Pattern[bytes]", body: bytes) -> str:
@@ -288,8 +312,12 @@ class ObjectStore:
         region = self.region or session.region_name
         if region is None and self.endpoint_url is None:
             region = self._bucket_region(session, config)
-        return session.client("s3", endpoint_url=self.endpoint_url, region_name=region or "us-east-1",
-                              config=config)
+        try:
+            return session.client("s3", endpoint_url=self.endpoint_url, region_name=region or "us-east-1",
+                                  config=config)
+        except (ValueError, botocore.exceptions.BotoCoreError) as e:
+            raise CheckpointError(f"s3://{self.bucket}: cannot create an S3 client for endpoint "
+                                  f"{self.endpoint_url or 'AWS'}: {e}; check AWS_ENDPOINT_URL") from None
 
     def _bucket_region(self, session: Any, config: Any) -> Optional[str]:
         """AWS without a configured region: ask where the bucket lives, so presigned URLs are signed for it."""
@@ -311,10 +339,13 @@ class ObjectStore:
 
     # ----------------------------------------------------------------------------------------- control path
     def _call(self, kind: str, key: str, op: str, *, not_found: Any = ..., conflict: type = CheckpointError,
-              **params: Any) -> Any:
+              landed: Optional[Callable[[], Any]] = None, **params: Any) -> Any:
         """One boto3 call with our retry policy; errors become CheckpointError naming s3://bucket/key.
 
         ``not_found``: returned on 404 instead of raising. ``conflict``: the class a 412/409-conflict raises.
+        ``landed``: for a conditional write, called when a *retry* fails its precondition or finds no upload:
+        the earlier attempt may have been applied before its answer was lost; a non-None result (the
+        response to return) means it was.
         """
         client = self.boto3_client()
         _, botocore = _boto()
@@ -332,9 +363,16 @@ class ObjectStore:
                 message = str(err.get("Message") or "")
                 if status in _RETRY_STATUS or code in _RETRY_CODES:
                     raise _Retryable(f"HTTP {status} {code}") from None
+                conflicted = status == 412 or (status == 409 and code == "ConditionalRequestConflict")
+                if n > 0 and landed is not None and (conflicted or code == "NoSuchUpload"):
+                    done = landed()
+                    if done is not None:
+                        log.info("S3 %s of %s: an earlier attempt was applied before its answer was lost",
+                                 op, self.url(key))
+                        return done
                 if status == 404 and not_found is not ...:
                     return not_found
-                if status == 412 or (status == 409 and code == "ConditionalRequestConflict"):
+                if conflicted:
                     raise conflict(self._message(op, key, status, code, message)) from None
                 raise CheckpointError(self._message(op, key, status, code, message)) from None
             except (exc.NoCredentialsError, exc.PartialCredentialsError, exc.NoRegionError) as e:
@@ -423,13 +461,30 @@ class ObjectStore:
             params["IfMatch"] = if_match
         if if_match and if_none_match:
             raise CheckpointError(f"{self.url(key)}: if_match and if_none_match exclude each other")
-        return self._call("PUT", key, "put_object", conflict=CommitConflictError, **params)["ETag"]
+        if not (if_none_match or if_match):
+            return self._call("PUT", key, "put_object", **params)["ETag"]
+
+        def landed() -> Optional[Dict[str, Any]]:
+            """Does the object now hold exactly our bytes (our lost first attempt)?"""
+            try:
+                body, etag = self.get_bytes(key, len(params["Body"]))
+            except CheckpointError:
+                return None
+            return {"ETag": etag} if body == params["Body"] else None
+
+        gone = object()
+        resp = self._call("PUT", key, "put_object", conflict=CommitConflictError, landed=landed,
+                          not_found=gone if if_match else ..., **params)
+        if resp is gone:  # If-Match on an object that no longer exists: S3 answers 404, a lost race all the same
+            raise CommitConflictError(f"S3 put_object of {self.url(key)} failed: HTTP 404 NoSuchKey; the object "
+                                      f"with ETag {if_match} was deleted by another writer")
+        return resp["ETag"]
 
     def list(self, prefix: str, delimiter: Optional[str] = None) -> Tuple[List[ObjectInfo], List[str]]:
         """Every object under ``prefix`` (and the common prefixes when ``delimiter`` is given), paginated."""
         objects: List[ObjectInfo] = []
         prefixes: List[str] = []
-        params: Dict[str, Any] = {"Prefix": prefix}
+        params: Dict[str, Any] = {"Prefix": prefix, "MaxKeys": _PAGE}
         if delimiter:
             params["Delimiter"] = delimiter
         while True:
@@ -448,8 +503,8 @@ class ObjectStore:
     def delete(self, keys: Sequence[str]) -> None:
         """Delete ``keys`` (missing ones are fine) in batches of 1000."""
         keys = list(keys)
-        for i in range(0, len(keys), 1000):
-            batch = keys[i:i + 1000]
+        for i in range(0, len(keys), _PAGE):
+            batch = keys[i:i + _PAGE]
             resp = self._call("DELETE", batch[0], "delete_objects",
                               Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
             errors = [e for e in resp.get("Errors", ()) if e.get("Code") != "NoSuchKey"]
@@ -461,7 +516,7 @@ class ObjectStore:
     def list_uploads(self, prefix: str) -> List[Tuple[str, str, float]]:
         """Unfinished multipart uploads under ``prefix``: (key, upload id, initiated time)."""
         out: List[Tuple[str, str, float]] = []
-        params: Dict[str, Any] = {"Prefix": prefix}
+        params: Dict[str, Any] = {"Prefix": prefix, "MaxUploads": _PAGE}
         while True:
             resp = self._call("MPU_LIST", prefix, "list_multipart_uploads", **params)
             for u in resp.get("Uploads", ()):
@@ -497,7 +552,7 @@ class ObjectStore:
             timeout = _env_int("MEGASHARD_S3_TIMEOUT", 120, 1)
             if parts.scheme == "https":
                 conn = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout,
-                                                   context=ssl.create_default_context())
+                                                   context=_ssl_context())
             else:
                 conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
             conns[ident] = conn
@@ -745,8 +800,14 @@ class ObjectStore:
                 "MultipartUpload": {"Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]}}
             if if_none_match:
                 params["IfNoneMatch"] = "*"
+            expected = _multipart_etag(etags)
+
+            def landed() -> Optional[Dict[str, Any]]:
+                info = self.head(key)
+                return {"ETag": info.etag} if info is not None and info.etag == expected else None
+
             return self._call("MPU_COMPLETE", key, "complete_multipart_upload", conflict=CommitConflictError,
-                              **params)["ETag"]
+                              landed=landed, **params)["ETag"]
         except BaseException:
             try:
                 self.abort_upload(key, upload_id)
@@ -758,6 +819,16 @@ class ObjectStore:
                    headers: Dict[str, str]) -> str:
         """One PUT of ``length`` bytes sent straight from ``views``; returns the ETag."""
         where = self.url(key)
+
+        def landed() -> Optional[str]:
+            """A retried conditional PUT failed its precondition: was our first attempt applied?"""
+            info = self.head(key)
+            if info is None or info.size != length:
+                return None
+            md5 = hashlib.md5(usedforsecurity=False)
+            for mv in views:
+                md5.update(mv)
+            return info.etag if info.etag == f'"{md5.hexdigest()}"' else None
 
         def attempt(n_try: int) -> str:
             self._count(kind, retry=n_try > 0)
@@ -779,6 +850,9 @@ class ObjectStore:
                 if resp.status in _RETRY_STATUS or code in _RETRY_CODES:
                     raise _Retryable(f"HTTP {resp.status} {code}")
                 if resp.status == 412 or (resp.status == 409 and code == "ConditionalRequestConflict"):
+                    done = landed() if n_try > 0 and headers else None
+                    if done is not None:
+                        return done
                     raise CommitConflictError(f"PUT of {where}: HTTP {resp.status} {code}: another writer created "
                                               f"or replaced the object first")
                 hint = "; check the credentials and the bucket policy" if resp.status == 403 else ""

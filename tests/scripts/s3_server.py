@@ -9,9 +9,11 @@ prints ``{"port": N}`` on stdout once it accepts connections, then serves until 
 
 Control requests (never logged, never failed):
   ``POST /__inject__``  JSON ``{"status": 503, "count": 3, "method": "GET", "match": "substring of the path",
-                        "bucket": "name", "code": "SlowDown", "truncate": 1000}``: the next ``count`` matching
-                        requests fail with ``status`` (an S3 XML error with ``code``), or, with ``truncate``,
-                        get the real answer cut off after that many body bytes and the connection closed.
+                        "bucket": "name", "query": "partNumber", "code": "SlowDown", "truncate": 1000,
+                        "after": true}``: the next ``count`` matching requests fail with ``status`` (an S3
+                        XML error with ``code``); with ``after`` only once the request has taken effect (a
+                        lost answer); with ``truncate`` they get the real answer cut off after that many
+                        body bytes and the connection closed.
   ``GET /__log__``      every request so far, one JSON object per line: method, bucket, key, path, query
                         (parameter names), range, if_match, if_none_match, status, injected.
   ``POST /__reset_log__`` clears the log and the pending injections.
@@ -19,6 +21,7 @@ Control requests (never logged, never failed):
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -110,8 +113,17 @@ class Middleware:
             "query": query, "range": environ.get("HTTP_RANGE"), "if_match": environ.get("HTTP_IF_MATCH"),
             "if_none_match": environ.get("HTTP_IF_NONE_MATCH"), "status": None, "injected": False}
         rule = self._match(entry)
+        if rule is not None and rule.get("after"):  # the request takes effect, its answer is lost
+            environ["wsgi.input"] = io.BytesIO(self._body(environ))
+            environ["CONTENT_LENGTH"] = str(len(environ["wsgi.input"].getvalue()))
+            result = self.app(environ, lambda status, headers, exc_info=None: lambda data: None)
+            for _ in result:
+                pass
+            if hasattr(result, "close"):
+                result.close()
         if rule is not None and not rule.get("truncate"):
-            self._body(environ)  # drain the request body before answering
+            if not rule.get("after"):
+                self._body(environ)  # drain the request body before answering
             status = int(rule.get("status", 503))
             entry.update(status=status, injected=True)
             self._record(entry)
