@@ -18,7 +18,7 @@ untimed warm-up round, then ``--reps`` timed rounds; medians reported):
 
 For each case: seconds (median), GB/s (payload bytes / s), client CPU-seconds per GiB (getrusage RUSAGE_SELF
 utime+stime, plus RUSAGE_CHILDREN for tensorizer's curl processes; in the rank case each rank's own CPU around
-its load), and request counts by kind: ``stats`` from megashard's ObjectStore (megashard and raw-client cases,
+its load), the endpoint process's own CPU seconds (/proc/<pid>/stat), and request counts by kind: ``stats`` from megashard's ObjectStore (megashard and raw-client cases,
 per rank in the rank case) and ``endpoint`` as the endpoint's own request log classifies them (every case).
 moto is a correctness endpoint (single Python process, ~100-300 MB/s per stream): read the figures against the
 raw floor, not as absolute S3 throughput. Prints ONE JSON object on stdout; progress goes to stderr.
@@ -114,6 +114,12 @@ class Endpoint:
             if line.strip():
                 out[_kind(json.loads(line))] += 1
         return dict(sorted(out.items()))
+
+    def cpu_s(self) -> float:
+        """The endpoint process's CPU seconds so far (/proc/<pid>/stat utime + stime)."""
+        with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -217,12 +223,14 @@ def measure(case: Case, rnd: int, ep: Endpoint, nbytes: int, timed: bool) -> Non
     ep.reset_log()
     if case.store is not None:
         case.store.stats.clear()
+    e0 = ep.cpu_s()
     s0, c0 = cpu_now()
     t0 = time.perf_counter()
     result = case.run(rnd)
     dt = time.perf_counter() - t0
     s1, c1 = cpu_now()
-    sample = {"seconds": dt, "cpu_self_s": s1 - s0, "cpu_children_s": c1 - c0,
+    e1 = ep.cpu_s()
+    sample = {"seconds": dt, "cpu_self_s": s1 - s0, "cpu_children_s": c1 - c0, "endpoint_cpu_s": e1 - e0,
               "stats": dict(sorted(case.store.stats.items())) if case.store is not None else None,
               "endpoint": ep.counts()}
     if case.after is not None:
@@ -231,7 +239,7 @@ def measure(case: Case, rnd: int, ep: Endpoint, nbytes: int, timed: bool) -> Non
     if timed:
         case.samples.append(sample)
     log(f"  {case.name:<22} {'' if timed else '(warm-up) '}{dt:7.2f} s  {nbytes / dt / 1e9:6.3f} GB/s  "
-        f"cpu {s1 - s0 + c1 - c0:6.2f} s  endpoint {sample['endpoint']}")
+        f"cpu {s1 - s0 + c1 - c0:6.2f} s  endpoint cpu {e1 - e0:6.2f} s {sample['endpoint']}")
 
 
 def summarize(case: Case, nbytes: int) -> Dict[str, Any]:
@@ -242,6 +250,7 @@ def summarize(case: Case, nbytes: int) -> Dict[str, Any]:
             "cpu_s_per_GiB": round(cpu / (nbytes / GiB), 3),
             "cpu_self_s": round(statistics.median(s["cpu_self_s"] for s in case.samples), 3),
             "cpu_children_s": round(statistics.median(s["cpu_children_s"] for s in case.samples), 3),
+            "endpoint_cpu_s": round(statistics.median(s["endpoint_cpu_s"] for s in case.samples), 3),
             "seconds_all": [round(s["seconds"], 3) for s in case.samples],
             "stats": last["stats"], "endpoint": last["endpoint"]}
 
@@ -560,12 +569,14 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         shapes = {k: (tuple(v.shape), str(v.dtype)[6:]) for k, v in state.items()}
         digests = half_digests(state, 2)
         ep.reset_log()
+        e0 = ep.cpu_s()
         c0 = cpu_now()[1]
         t0 = time.perf_counter()
         per_rank = run_ranks(2, (ms_url, shapes, args.reps, digests),
                              {"MEGASHARD_NODE_ID": "bench-node0"}, timeout=600)
         wall = time.perf_counter() - t0
         children_cpu = cpu_now()[1] - c0
+        endpoint_cpu = ep.cpu_s() - e0
         for mode in ("own", "scatter"):
             rounds = list(zip(*(r[mode] for r in per_rank)))  # per round: (rank0 sample, rank1 sample)
             secs = [max(s["seconds"] for s in rs) for rs in rounds]
@@ -583,7 +594,7 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         results["ranks_group_processes"] = {
             "wall_s": round(wall, 2), "children_cpu_s": round(children_cpu, 2),
             "rank_process_cpu_s": [round(r["process_cpu_s"], 2) for r in per_rank],
-            "endpoint_all_rounds": ep.counts(),
+            "endpoint_all_rounds": ep.counts(), "endpoint_cpu_s_all_rounds": round(endpoint_cpu, 2),
             "note": "children_cpu_s (RUSAGE_CHILDREN) covers the whole spawned processes incl. torch import; "
                     "the per-mode cpu figures are each rank's RUSAGE_SELF around its load call"}
 
