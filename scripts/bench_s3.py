@@ -541,11 +541,11 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         return buf
 
     def raw_check(name: str) -> Callable[[int, Any], None]:
-        whole = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()]) if args.reps else None
-
         def after(rnd: int, buf: Any) -> None:
             if rnd == 1:
-                assert torch.equal(buf, whole), f"{name}: bytes differ"
+                bad = [k for k, (o, v) in zip(state, segments)
+                       if not torch.equal(buf[o:o + len(v)], state[k].reshape(-1).view(torch.uint8))]
+                assert not bad, f"{name}: bytes of {bad} differ"
             holder[name] = torch.empty(nbytes, dtype=torch.uint8)
         return after
 
