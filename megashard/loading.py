@@ -541,8 +541,15 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
             head, sections = read_index_bytes(base)
             own = index_from_bytes(head, sections, where)
             own.check_file = partial(check_file_size, base, index=own)
-            for name in own.files:  # the ranks it goes to allocate from it and cannot check a file themselves
-                own.confirm_file(name)
+            names = list(own.files)  # the ranks it goes to allocate from it and cannot check a file themselves
+            if storage.is_url(base) and len(names) > 1:  # one HEAD per object: in parallel
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(min(32, len(names))) as pool:
+                    list(pool.map(own.confirm_file, names))
+            else:
+                for name in names:
+                    own.confirm_file(name)
         except BaseException:
             for m in probe["index_to"]:  # never leave a waiting rank behind
                 comm.send(torch.tensor([-1, -1], dtype=torch.int64), m)

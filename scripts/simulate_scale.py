@@ -53,7 +53,7 @@ from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_li
 SIZE_EXCHANGE = 8  # the int64 each rank sends/receives before a gather/scatter payload
 
 # object-store constants of the design (defaults of MEGASHARD_S3_PART_BYTES / _GET_BYTES)
-S3_PART_BYTES = 64 << 20  # a file this large or larger is a multipart upload of parts this size
+S3_PART_BYTES = 64 << 20  # a file larger than this is a multipart upload of parts this size
 S3_GET_BYTES = 16 << 20  # one ranged GET at most
 S3_GAP_BYTES = 1 << 20  # requests this close in one read are one GET (the gap read into scratch)
 S3_PAGE = 1000  # keys per LIST page and per DeleteObjects batch
@@ -221,23 +221,24 @@ def _pages(n: int) -> int:
 
 
 def s3_save_requests(file_bytes: Sequence[int], part_bytes: int = S3_PART_BYTES) -> Dict[str, Dict[str, int]]:
-    """Requests of one save of these data files, by step (the design's protocol): rank 0's
-    plan (HEAD of the head, LIST of the prefix), the writers' uploads (a PUT per file below
-    one part, else MPU create + ceil(size/part) parts + complete), rank 0's commit (LIST of
-    the token prefix, PUT of index, digest and head), a re-save's removal of the replaced
-    prefix (its files and the two index objects: LIST pages + DeleteObjects batches), and
-    the tracker PUT."""
+    """Requests of one save of these data files, by step (megashard.objstore.checkpoint):
+    rank 0's plan (LIST of the prefix), the writers' uploads (a PUT per file up to one part,
+    else MPU create + ceil(size/part) parts + complete), rank 0's commit (LIST of the save's
+    prefix, PUT of index, digest and head), the clean-up (LIST of the prefix, upload listing),
+    a re-save's extra (GET of the old head; removal of the replaced prefix: its files and the
+    two index objects, LIST pages + DeleteObjects batches), and the tracker PUT."""
     up = {"PUT": 0, "MPU_CREATE": 0, "MPU_PART": 0, "MPU_COMPLETE": 0}
     for n in file_bytes:
-        if n < part_bytes:
+        if n <= part_bytes:
             up["PUT"] += 1
         else:
             up["MPU_CREATE"] += 1
             up["MPU_PART"] += -(-n // part_bytes)
             up["MPU_COMPLETE"] += 1
     files = len(file_bytes)
-    return {"plan": {"HEAD": 1, "LIST": 1}, "upload": up, "commit": {"LIST": _pages(files), "PUT": 3},
-            "resave_extra": {"LIST": _pages(files + 2), "DELETE": _pages(files + 2)}, "tracker": {"PUT": 1}}
+    return {"plan": {"LIST": 1}, "upload": up, "commit": {"LIST": _pages(files), "PUT": 3},
+            "cleanup": {"LIST": 1, "MPU_LIST": 1},
+            "resave_extra": {"GET": 1, "LIST": _pages(files + 2), "DELETE": _pages(files + 2)}, "tracker": {"PUT": 1}}
 
 
 def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: int = S3_GET_BYTES) -> int:
@@ -261,17 +262,18 @@ def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: i
     return gets
 
 
-def s3_own_gets(section_reads: Sequence[int], ranges: Sequence[Range]) -> Dict[str, int]:
-    """One rank's GETs in an own load: head and digest, each index section it reads
-    (``ceil(len / 16 MiB)``), its data runs."""
-    return {"head+digest": 2, "sections": sum(-(-n // S3_GET_BYTES) for n in section_reads),
-            "data": s3_range_gets(ranges)}
+def s3_own_gets(ranges: Sequence[Range]) -> Dict[str, int]:
+    """One rank's requests in an own load: head, digest and the whole index (3 GETs), one HEAD
+    per file it reads from (size and ETag, before allocating), its data runs."""
+    return {"GET": 3, "HEAD": len({f for f, _o, n in ranges if n}), "data": s3_range_gets(ranges)}
 
 
-def s3_scatter_gets(node_ranges: Sequence[Range]) -> Dict[str, int]:
-    """A node reader's GETs in a scatter load: head and digest, the whole index (one GET; it
-    sends it to the node's ranks), every byte the node's ranks need, once (the union, coalesced)."""
-    return {"head+digest": 2, "index": 1, "data": s3_range_gets(node_ranges)}
+def s3_scatter_gets(node_ranges: Sequence[Range], files: int) -> Dict[str, int]:
+    """A node reader's requests in a scatter load: head, digest and the whole index (3 GETs; it
+    sends the index to the node's ranks), one HEAD per file of the checkpoint (it confirms every
+    file for ranks that allocate from the index it sends), every byte the node's ranks need, once
+    (the union, coalesced)."""
+    return {"GET": 3, "HEAD": files, "data": s3_range_gets(node_ranges)}
 
 
 def _total(per: Sequence[Dict[str, int]], count: int) -> Dict[str, Any]:
@@ -295,14 +297,14 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
     save = s3_save_requests(sizes)
     world = layout.world
     own = [plan_rank(head, sections, model, layout, r, ranges=True) for r in _sample(world, sample)]
-    own_gets = [s3_own_gets(p["section_reads"], p["ranges"]) for p in own]
+    own_gets = [s3_own_gets(p["ranges"]) for p in own]
     nodes = -(-world // ranks_per_node)
     node_gets = []
     for nd in _sample(nodes, sample):
         members = range(nd * ranks_per_node, min(world, (nd + 1) * ranks_per_node))
         union = [x for r in members
                  for x in plan_rank(head, sections, model, layout, r, rows_ok=False, ranges=True)["ranges"]]
-        node_gets.append(s3_scatter_gets(union))
+        node_gets.append(s3_scatter_gets(union, len(sizes)))
     return {
         "s3_files": len(sizes),
         "s3_save_requests": save,

@@ -101,17 +101,19 @@ def test_simulated_save_equals_a_real_four_rank_save(tmp_path):
 
 
 def test_s3_save_request_arithmetic():
-    """The design's per-save counts, by hand: 1 HEAD + 1 LIST to plan; a PUT per file below one
-    part, else create + ceil(size/part) parts + complete; commit LIST pages of 1000 + 3 PUTs;
-    a re-save's LIST + DeleteObjects of the old files and two index objects; the tracker PUT."""
+    """The protocol's per-save counts, by hand: 1 LIST to plan; a PUT per file up to one part,
+    else create + ceil(size/part) parts + complete; commit LIST pages of 1000 + 3 PUTs; the
+    clean-up's LIST + upload listing; a re-save's GET of the old head, LIST + DeleteObjects of
+    the old files and two index objects; the tracker PUT."""
     mib = 1 << 20
     got = ss.s3_save_requests([0, 5 * mib, 64 * mib - 1, 64 * mib, 64 * mib + 1, 1000 * mib], part_bytes=64 * mib)
-    assert got == {"plan": {"HEAD": 1, "LIST": 1},
-                   "upload": {"PUT": 3, "MPU_CREATE": 3, "MPU_PART": 1 + 2 + 16, "MPU_COMPLETE": 3},
-                   "commit": {"LIST": 1, "PUT": 3}, "resave_extra": {"LIST": 1, "DELETE": 1}, "tracker": {"PUT": 1}}
+    assert got == {"plan": {"LIST": 1},
+                   "upload": {"PUT": 4, "MPU_CREATE": 2, "MPU_PART": 2 + 16, "MPU_COMPLETE": 2},
+                   "commit": {"LIST": 1, "PUT": 3}, "cleanup": {"LIST": 1, "MPU_LIST": 1},
+                   "resave_extra": {"GET": 1, "LIST": 1, "DELETE": 1}, "tracker": {"PUT": 1}}
     many = ss.s3_save_requests([1] * 1999)  # 1999 files: 2 LIST pages; +2 index objects: 3 pages / batches
     assert many["upload"]["PUT"] == 1999 and many["commit"] == {"LIST": 2, "PUT": 3}
-    assert many["resave_extra"] == {"LIST": 3, "DELETE": 3}
+    assert many["resave_extra"] == {"GET": 1, "LIST": 3, "DELETE": 3}
 
 
 def test_s3_get_arithmetic():
@@ -124,8 +126,8 @@ def test_s3_get_arithmetic():
     assert ss.s3_range_gets([("a", 0, 100), ("b", 0, 100), ("a", 50, 0)]) == 2  # per file; empty ignored
     assert ss.s3_range_gets([("a", 0, 16 * mib), ("a", 16 * mib, 1)]) == 2  # 16 MiB + 1 byte
     assert ss.s3_range_gets([("a", 0, 40 * mib), ("a", 8 * mib, 4 * mib)]) == 3  # overlap inside
-    assert ss.s3_own_gets([10, 20, 17 * mib], [("a", 0, 100)]) == {"head+digest": 2, "sections": 1 + 1 + 2, "data": 1}
-    assert ss.s3_scatter_gets([("a", 0, 100), ("a", 0, 100)]) == {"head+digest": 2, "index": 1, "data": 1}
+    assert ss.s3_own_gets([("a", 0, 100), ("b", 0, 10), ("c", 5, 0)]) == {"GET": 3, "HEAD": 2, "data": 2}
+    assert ss.s3_scatter_gets([("a", 0, 100), ("a", 0, 100)], files=5) == {"GET": 3, "HEAD": 5, "data": 1}
 
 
 def test_s3_report_small_config_exact():
@@ -139,23 +141,23 @@ def test_s3_report_small_config_exact():
     assert rep["s3_files"] == len(m.files) == 8
     assert all(f["bytes"] < ss.S3_PART_BYTES for f in m.files.values())  # tiny: one PUT each
     assert rep["s3_save_requests"]["upload"] == {"PUT": 8, "MPU_CREATE": 0, "MPU_PART": 0, "MPU_COMPLETE": 0}
-    assert rep["s3_save_total"] == 2 + 8 + 4 + 1  # plan, uploads, commit, tracker
+    assert rep["s3_save_total"] == 1 + 8 + 4 + 2 + 1  # plan, uploads, commit, clean-up, tracker
     assert rep["s3_save_max_rank_uploads"] == 2  # each rank writes two files
-    # own: every rank head + digest, its sections, its data; every file is smaller than the 1 MiB
-    # gap, so all of a rank's ranges in one file are one GET
+    # own: every rank head + digest + index, a HEAD per file it reads, its data; every file is smaller
+    # than the 1 MiB gap, so all of a rank's ranges in one file are one GET
     assert max(f["bytes"] for f in m.files.values()) < ss.S3_GAP_BYTES
     plans = [ss.plan_rank(head, sections, "tiny-gpt", layout, r, ranges=True) for r in range(4)]
     files_read = [len({f for f, _, n in p["ranges"] if n}) for p in plans]
-    sect = sum(len(p["section_reads"]) for p in plans)
-    assert rep["s3_load_own_gets"] == {"head+digest": 8, "sections": sect, "data": sum(files_read),
-                                       "total": 8 + sect + sum(files_read)}
-    assert rep["s3_load_own_max_rank_gets"] == max(2 + len(p["section_reads"]) + k for p, k in zip(plans, files_read))
-    # scatter: one reader per node (2 nodes): head + digest + whole index + one GET per file the node reads
+    assert rep["s3_load_own_gets"] == {"GET": 12, "HEAD": sum(files_read), "data": sum(files_read),
+                                       "total": 12 + 2 * sum(files_read)}
+    assert rep["s3_load_own_max_rank_gets"] == max(3 + 2 * k for k in files_read)
+    # scatter: one reader per node (2 nodes): head + digest + whole index, a HEAD per file of the
+    # checkpoint, one GET per file the node reads
     node_files = [len({f for r in (2 * nd, 2 * nd + 1) for f, _, n in
                        ss.plan_rank(head, sections, "tiny-gpt", layout, r, rows_ok=False, ranges=True)["ranges"] if n})
                   for nd in range(2)]
-    assert rep["s3_load_scatter_gets"] == {"head+digest": 4, "index": 2, "data": sum(node_files),
-                                           "total": 6 + sum(node_files)}
+    assert rep["s3_load_scatter_gets"] == {"GET": 6, "HEAD": 16, "data": sum(node_files),
+                                           "total": 22 + sum(node_files)}
     assert (rep["s3_load_own_gets"]["data"], rep["s3_load_scatter_gets"]["data"]) == (22, 12)  # as computed today
 
 
@@ -164,4 +166,4 @@ def test_s3_option_prints_in_the_simulators_format(capsys):
                     "--storage", "s3", "--ranks-per-node", "2"]) == 0
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     assert {k.strip() for k in lines} >= {"s3_save_requests", "s3_load_own_gets", "s3_load_scatter_gets"}
-    assert lines[f"{'s3_save_total':>34}"] == "15"
+    assert lines[f"{'s3_save_total':>34}"] == "16"

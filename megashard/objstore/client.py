@@ -745,7 +745,7 @@ class ObjectStore:
                threads: Optional[int] = None) -> str:
         """Write an object from ``segments`` ((offset, view) tiling [0, size) in order) without copying them.
 
-        One PUT below one part (``MEGASHARD_S3_PART_BYTES``), else a multipart upload with parts sent in
+        One PUT up to one part (``MEGASHARD_S3_PART_BYTES``), else a multipart upload with parts sent in
         parallel (a part may span segments), aborted on any failure. With ``if_none_match`` the object must
         not exist yet (CommitConflictError otherwise). Returns the ETag.
         """
@@ -762,7 +762,7 @@ class ObjectStore:
         if pos != size:
             raise CheckpointError(f"{self.url(key)}: upload segments hold {pos} bytes, not {size}")
         part = part_bytes(size)
-        if size < part:
+        if size <= part:
             headers = {"If-None-Match": "*"} if if_none_match else {}
             url = self._presign("put_object", key)
             return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers)
