@@ -25,6 +25,15 @@ the model. A Megatron-LM save directory (``iter_XXXXXXX`` subdirectories plus
 (or ``iteration=``) is converted and, for directory targets, DST gets Megatron's
 layout and tracker too.
 
+Object stores (``s3://``): SRC may be a megashard checkpoint or a Megatron save root (its
+tracker object) at a URL, for every target; it is read through the read seam (ranged GETs,
+pinned to the index's ETags), and shards that a local export would map are read into the
+scratch file instead. DST may be a URL only for ``--to megashard`` (torch_dist, or a Hugging
+Face import): :func:`megashard.save` writes it with the object store's commit protocol (the
+tracker after the commit) and nothing is written beside it; scratch is a private local
+temporary directory. A DST URL under which any object exists is refused. torch_dist and
+Hugging Face sources, and file targets, are local only.
+
 torch_dist checkpoints are pickle-based and megatron-core's loader unpickles them:
 convert only torch_dist checkpoints you trust. Nothing megashard writes is pickled.
 """
@@ -501,7 +510,7 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
                 tensors[k] = ShardedTensor(k, data, rec.dtype, shape, shape, (0,) * len(shape),
                                            axis_fragmentations=(1,) * len(shape), replica_id=0)
                 res.bytes += nbytes
-            if assemble:  # tensors saved in several shards (or in an object store): planned and read like an own-mode load
+            if assemble:  # several shards, or in an object store: planned and read like an own-mode load
                 read_global_tensors(src, m, assemble)
             pbar = bar(res.bytes)
             state = dict(common)

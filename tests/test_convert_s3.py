@@ -125,8 +125,8 @@ def test_torch_dist_to_s3_megashard_loads_bit_exact(s3, in_tmp):
     assert len(heads) == 1 and heads[0]["if_none_match"] == "*"  # the commit point, written once, new only
     names = _objects(url)
     assert storage.TRACKER_NAME in names and "iter_0000003/manifest.json" in names
-    assert all(n in (storage.TRACKER_NAME, "iter_0000003/manifest.json") or n.startswith("iter_0000003/.megashard-save-")
-               for n in names), names
+    assert all(n in (storage.TRACKER_NAME, "iter_0000003/manifest.json")
+               or n.startswith("iter_0000003/.megashard-save-") for n in names), names
     assert sorted(os.listdir(in_tmp)) == ["td"]  # no local temporaries, no ./s3:/ directory
 
 
@@ -142,7 +142,7 @@ def test_hugging_face_to_s3_and_back_from_s3(s3, in_tmp):
     from safetensors.torch import load_file
 
     a = load_file(str(in_tmp / "hf" / "model.safetensors"))
-    b = load_file(str(in_tmp / "back" / "model.safetensors"))
+    b = load_file(str(in_tmp / "back" / "model-00001-of-00001.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
     assert sorted(os.listdir(in_tmp)) == ["back", "hf"]
 
@@ -181,3 +181,21 @@ def test_s3_source_that_is_not_a_megashard_checkpoint_refused(s3, in_tmp):
     with pytest.raises(ConvertInputError, match="iteration 5 is not a megashard checkpoint"):
         convert(url, str(in_tmp / "o.tensors"), to="tensors", iteration=5)
     assert os.listdir(in_tmp) == []
+
+
+def test_failed_conversion_to_s3_leaves_nothing(s3, in_tmp, monkeypatch):
+    """An upload refused midway: the save removes its own objects, convert its local scratch; DST stays absent."""
+    import tempfile
+
+    write_hf(in_tmp / "hf")
+    scratch = in_tmp / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    url = s3.url("ft")
+    s3.inject(status=403, code="AccessDenied", count=1, method="PUT", match=".tensors")
+    with pytest.raises(megashard.MegashardError, match="403|AccessDenied"):
+        convert(str(in_tmp / "hf"), url)
+    assert _objects(url) == {} and storage.locate(f"{url}/release") is None
+    assert os.listdir(scratch) == []
+    convert(str(in_tmp / "hf"), url)  # and the same DST converts once the store lets it
+    assert storage.read_tracker(url) == "release"
