@@ -25,6 +25,15 @@ the model. A Megatron-LM save directory (``iter_XXXXXXX`` subdirectories plus
 (or ``iteration=``) is converted and, for directory targets, DST gets Megatron's
 layout and tracker too.
 
+Object stores (``s3://``): SRC may be a megashard checkpoint or a Megatron save root (its
+tracker object) at a URL, for every target; it is read through the read seam (ranged GETs,
+pinned to the index's ETags), and shards that a local export would map are read into the
+scratch file instead. DST may be a URL only for ``--to megashard`` (torch_dist, or a Hugging
+Face import): :func:`megashard.save` writes it with the object store's commit protocol (the
+tracker after the commit) and nothing is written beside it; scratch is a private local
+temporary directory. A DST URL under which any object exists is refused. torch_dist and
+Hugging Face sources, and file targets, are local only.
+
 torch_dist checkpoints are pickle-based and megatron-core's loader unpickles them:
 convert only torch_dist checkpoints you trust. Nothing megashard writes is pickled.
 """
@@ -112,6 +121,8 @@ def detect_format(path: str) -> Optional[str]:
 
 def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str, str, Optional[int | str], bool]:
     """(checkpoint dir, format, iteration, is a Megatron save root) for SRC."""
+    if storage.is_url(src):
+        return _resolve_url_source(src, iteration)
     src = os.path.abspath(src)
     fmt = detect_format(src)
     if fmt is None and not os.path.isdir(src):
@@ -134,6 +145,52 @@ def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str
     if fmt is None:
         raise ConvertInputError(f"{ckpt}: iteration {it} is not a megashard or torch_dist checkpoint")
     return ckpt, fmt, it, True
+
+
+def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, str, Optional[int | str], bool]:
+    """SRC at an object-store URL: a megashard checkpoint (its head), or a Megatron save root whose
+    tracker (or ``iteration``) names one. Only megashard checkpoints are read from a URL."""
+    from .objstore.url import child
+
+    src = storage.location(src)  # checked; no trailing slash
+    if storage.locate(src) is not None:
+        if iteration is not None:
+            raise ConvertInputError(f"{src} is a single checkpoint; --iteration applies to a Megatron save directory")
+        return src, "megashard", storage.parse_iteration_dir_name(src.rsplit("/", 1)[-1]), False
+    it = iteration if iteration is not None else storage.read_tracker(src)
+    if it is None:
+        raise ConvertInputError(
+            f"{src} is not a megashard checkpoint ({storage.why_not_checkpoint(src)}) and holds no "
+            f"{storage.TRACKER_NAME}; for a Megatron save root pass --iteration N{_torch_dist_hint(src)}")
+    ckpt = child(src, storage.iteration_dir_name(it))
+    if storage.locate(ckpt) is None:
+        raise ConvertInputError(f"{ckpt}: iteration {it} is not a megashard checkpoint "
+                                f"({storage.why_not_checkpoint(ckpt)}){_torch_dist_hint(ckpt)}")
+    return ckpt, "megashard", it, True
+
+
+def _torch_dist_hint(url: str) -> str:
+    """What to do when ``url`` holds a torch_dist checkpoint (one HEAD, on the error path only)."""
+    from .objstore.client import ObjectStore
+
+    store, key = ObjectStore.for_url(url)
+    if key and store.head(f"{key}/metadata.json") is not None:
+        return ("; it looks like a torch_dist checkpoint, which convert reads from a local directory only "
+                "(megatron-core's loader): copy it to a local path first")
+    return ""
+
+
+def _url_occupied(url: str) -> bool:
+    """Anything at or under ``url`` (an object named like it, or any key below it): one HEAD, one LIST."""
+    from .objstore.client import ObjectStore
+
+    store, key = ObjectStore.for_url(url)
+    if not key:
+        raise ConvertInputError(f"{url}: DST needs a key prefix inside the bucket (s3://bucket/run/converted)")
+    if store.head(key) is not None:
+        return True
+    objects, prefixes = store.list(key + "/", delimiter="/")
+    return bool(objects or prefixes)
 
 
 # ---------------------------------------------------------------------------
@@ -287,6 +344,47 @@ class _Output:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class _ObjectOutput:
+    """DST at an object-store URL (``--to megashard`` only): :func:`megashard.save` writes and commits
+    it (the object store's commit protocol), so nothing is written beside it; for a Megatron save root
+    the tracker is written after the checkpoint's commit. Scratch (tensors read from torch_dist or
+    Hugging Face) lives in a private local temporary directory, removed at the end."""
+
+    def __init__(self, dst: str, megatron_root: bool, iteration: Optional[int | str]) -> None:
+        self.final = dst
+        self.megatron_root = megatron_root
+        self.iteration = iteration
+        self._scratch: Optional[str] = None
+
+    @property
+    def target(self) -> str:
+        from .objstore.url import child
+
+        return child(self.final, storage.iteration_dir_name(self.iteration)) if self.megatron_root else self.final
+
+    def scratch_dir(self) -> str:
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="megashard-convert-")
+        return self._scratch
+
+    def commit(self) -> None:
+        self.cleanup()
+        if self.megatron_root:
+            storage.write_tracker(self.final, self.iteration)
+
+    def cleanup(self) -> None:
+        """A failed save already removed what it wrote (its own save prefix)."""
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+
+def _output(dst: str, megatron_root: bool, iteration: Optional[int | str], single_file: bool) -> Any:
+    if storage.is_url(dst):
+        return _ObjectOutput(dst, megatron_root and not single_file, iteration)
+    return _Output(dst, megatron_root, iteration, single_file)
+
+
 def _match(keys: Sequence[str], patterns: Optional[Sequence[str]]) -> List[str]:
     """--keys: a pattern that matches nothing is a usage error (exit 2), not a damaged checkpoint."""
     from .consolidated import match_keys
@@ -396,13 +494,14 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
             stack = contextlib.ExitStack()
             tensors: Dict[str, Any] = {}
             assemble: List[Tuple[str, torch.Tensor]] = []
-            files = stack.enter_context(storage.CheckpointFiles(src))
+            files = stack.enter_context(storage.checkpoint_files(src, m))
+            mappable = isinstance(files, storage.CheckpointFiles)  # an object store's shards are read into scratch
             for k in keys:
                 rec = m.tensors[k]
                 shape = tuple(rec.global_shape)
                 nbytes = numel(shape) * itemsize(rec.dtype)
                 s = rec.shards[0] if len(rec.shards) == 1 else None
-                if s is not None and s.flat is None and s.shape == shape and s.file and nbytes:
+                if mappable and s is not None and s.flat is None and s.shape == shape and s.file and nbytes:
                     data = _mapped_shard(files, s.file, int(m.files[s.file].get("bytes", 0)), s.data_offset, nbytes,
                                          rec.dtype, shape)
                 else:
@@ -411,7 +510,7 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
                 tensors[k] = ShardedTensor(k, data, rec.dtype, shape, shape, (0,) * len(shape),
                                            axis_fragmentations=(1,) * len(shape), replica_id=0)
                 res.bytes += nbytes
-            if assemble:  # tensors saved in several shards: planned and read like an own-mode load
+            if assemble:  # several shards, or in an object store: planned and read like an own-mode load
                 read_global_tensors(src, m, assemble)
             pbar = bar(res.bytes)
             state = dict(common)
@@ -522,7 +621,7 @@ def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence
 def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: Optional[bool],
                t0: float) -> ConvertResult:
     """An HF Llama directory as a Megatron save root: ``DST/release`` plus the tracker (``release``),
-    which Megatron loads as a fine-tuning start (``--load DST``) at any layout."""
+    which Megatron loads as a fine-tuning start (``--load DST``) at any layout (DST may be a URL)."""
     import megashard
     from .hf.importer import import_state, plan_import
 
@@ -531,7 +630,7 @@ def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: 
     plan = plan_import(src)
     res = ConvertResult(plan.src, dst, "hf", "megashard", "release")
     try:
-        out = _Output(dst, True, "release", False)
+        out = _output(dst, True, "release", False)
         try:
             scratch = _Scratch(out.scratch_dir())
             try:
@@ -563,6 +662,8 @@ def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: 
 def _refuse_inside(dst: str, src: str, ckpt: str) -> None:
     """DST inside SRC (or the checkpoint read), symbolic links resolved: convert would write
     into what it reads (and a later save would find foreign files there)."""
+    if storage.is_url(dst) or storage.is_url(src):
+        return  # nothing reads and writes the same object store: a URL DST only takes a local SRC
     real_dst = os.path.join(os.path.realpath(os.path.dirname(dst)), os.path.basename(dst))
     for s in dict.fromkeys((src, ckpt)):
         real_src = os.path.realpath(s)
@@ -593,27 +694,35 @@ def convert(
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise ConvertInputError(f"unknown target format {to!r}; choose one of {', '.join(FORMATS)}")
-    dst_s = storage.local_path(dst)
-    storage.local_path(src)
-    if os.path.lexists(dst_s):
-        raise ConvertInputError(f"{dst_s} exists; choose a new DST (convert never overwrites)")
-    if not os.path.isdir(os.path.dirname(dst_s)):
-        raise ConvertInputError(f"{os.path.dirname(dst_s)}: parent directory of DST does not exist")
+    src_s, dst_s = storage.location(src), storage.location(dst)  # a URL is checked, a path made absolute
+    if storage.is_url(dst_s):
+        if to != "megashard":
+            raise ConvertInputError(
+                f"{dst_s}: --to {to} writes local files only; convert to a local path and upload that (e.g. "
+                "`aws s3 cp --recursive`), or write a megashard checkpoint at the URL (--to megashard)")
+        if _url_occupied(dst_s):
+            raise ConvertInputError(f"{dst_s} exists (objects are stored under it); choose a new DST "
+                                    "(convert never overwrites)")
+    else:
+        if os.path.lexists(dst_s):
+            raise ConvertInputError(f"{dst_s} exists; choose a new DST (convert never overwrites)")
+        if not os.path.isdir(os.path.dirname(dst_s)):
+            raise ConvertInputError(f"{os.path.dirname(dst_s)}: parent directory of DST does not exist")
     from .hf import HFMappingError
 
-    if to == "megashard" and iteration is None:
+    if to == "megashard" and iteration is None and not storage.is_url(src_s):
         from .hf.importer import is_hf_dir
 
-        if is_hf_dir(os.fspath(src)):
-            _refuse_inside(dst_s, os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(src)))
+        if is_hf_dir(src_s):
+            _refuse_inside(dst_s, src_s, src_s)
             try:
-                return _hf_import(os.fspath(src), dst_s, keys, progress, t0)
+                return _hf_import(src_s, dst_s, keys, progress, t0)
             except HFMappingError as e:
                 raise ConvertInputError(str(e)) from None
     if to != "hf" and (vocab_size is not None or tokenizer is not None or hf_tensors):
         raise ConvertInputError("--vocab-size, --tokenizer and --tensors apply to --to hf")
-    ckpt, fmt, it, root = resolve_source(os.fspath(src), iteration)
-    _refuse_inside(dst_s, os.path.abspath(os.fspath(src)), ckpt)
+    ckpt, fmt, it, root = resolve_source(src_s, iteration)
+    _refuse_inside(dst_s, src_s, ckpt)
     if to == "hf" and fmt == "megashard":
         if keys is not None:
             raise ConvertInputError("--keys does not apply to --to hf (the export writes the whole model)")
@@ -630,7 +739,7 @@ def convert(
                                 "megashard -> torch_dist | tensors | safetensors | hf, Hugging Face directory -> "
                                 "megashard")
     res = ConvertResult(ckpt, dst_s, fmt, to, it)
-    out = _Output(dst_s, root and to != "hf", it, to in SINGLE_FILE)
+    out = _output(dst_s, root and to != "hf", it, to in SINGLE_FILE)
 
     def bar(total: int) -> Any:
         return _progress(total, f"{fmt} -> {to}", progress)

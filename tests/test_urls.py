@@ -1,7 +1,8 @@
 """A URL is never taken for a local path (issue 22): before, ``save(state, "s3://b/run/iter")``
 succeeded and wrote ``./s3:/b/run/iter``. ``s3://`` (and ``msc://`` with multi-storage-client)
-is an object store (tests/test_s3_checkpoint.py); any other URL, and a URL given to ``convert``
-(local directories only), is refused with a CheckpointError naming it, and nothing is created."""
+is an object store (tests/test_s3_checkpoint.py; ``convert`` reads s3:// and writes megashard checkpoints
+there: tests/test_convert_s3.py); any other URL is refused with a CheckpointError naming it, and nothing is
+created."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ import torch
 import megashard
 from megashard import CheckpointError
 from megashard.cli import main as cli_main
-from megashard.convert import convert
+from megashard.convert import ConvertInputError, convert
 
 UNSUPPORTED = ["gs://bucket/run/iter_0000100", "file:///tmp/x", "https://host/run/iter_0000100",
                "s3://Bad_Bucket/x", "s3://bucket/run/../iter_0000100"]
@@ -46,13 +47,28 @@ def test_every_entry_point_refuses_an_unusable_url_and_creates_nothing(in_tmp, u
     assert os.listdir(in_tmp) == []  # no ./gs:/... directory anywhere
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run/iter_0000100"] + UNSUPPORTED[:1])
-def test_convert_refuses_a_url_at_either_end(in_tmp, url):
+@pytest.mark.parametrize("url", UNSUPPORTED[:3])
+def test_convert_refuses_an_unusable_url_at_either_end(in_tmp, url):
     ckpt = in_tmp / "ckpt"
     megashard.save({"w": torch.arange(4.0)}, str(ckpt))
-    for call in (lambda: convert(str(ckpt), url, to="safetensors"), lambda: convert(url, str(in_tmp / "o"))):
-        with pytest.raises(CheckpointError, match="URL"):
+    for call in (lambda: convert(str(ckpt), url, to="safetensors"), lambda: convert(str(ckpt), url),
+                 lambda: convert(url, str(in_tmp / "o"))):
+        with pytest.raises(CheckpointError, match="URL") as e:
             call()
+        assert url in str(e.value) or repr(url) in str(e.value)
+    assert sorted(os.listdir(in_tmp)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("to", ["tensors", "safetensors", "hf", "torch_dist"])
+def test_convert_to_s3_writes_only_megashard_checkpoints(in_tmp, to):
+    """s3:// SRC and ``--to megashard`` s3:// DST are tests/test_convert_s3.py; a local-file target at an
+    s3:// URL is refused before any request (no endpoint here) and nothing is written."""
+    ckpt = in_tmp / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, str(ckpt))
+    url = "s3://bucket/run/out"
+    with pytest.raises(ConvertInputError, match="writes local files only") as e:
+        convert(str(ckpt), url, to=to)
+    assert url in str(e.value)
     assert sorted(os.listdir(in_tmp)) == ["ckpt"]
 
 

@@ -1,0 +1,201 @@
+"""``megashard convert`` with an s3:// end (issue 22), against the local S3 endpoint (tests/s3_endpoint.py):
+an s3:// megashard checkpoint (or Megatron save root) as SRC for every target, and an s3:// DST for
+``--to megashard`` (torch_dist, Hugging Face import), written by megashard's own save (commit protocol)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+import megashard
+from megashard import storage
+from megashard.cli import main as cli_main
+from megashard.convert import ConvertInputError, _megatron_core, convert
+from megashard.objstore.client import ObjectStore
+
+from layouts import EXP_AVG, GLOBALS, Layout, bit_equal, expected_global, full, union_state
+from test_convert import _torch_dist_shards
+from test_hf_convert import write_hf
+
+pytest.importorskip("megatron.core")
+
+IT = storage.iteration_dir_name(10)
+
+
+def _save_root(root: str) -> None:
+    """A Megatron save root at ``root`` (a path or URL): iter 10 (tracker), TP=2 x DP=2, distributed optimizer."""
+    sd = union_state(Layout(tp=2, dp=2), distopt=True)
+    sd.update(iteration=10, args=argparse.Namespace(lr=3e-4, name="toy"), rng=torch.arange(5) + 10)
+    megashard.save(sd, root.rstrip("/") + "/" + IT if storage.is_url(root) else os.path.join(root, IT))
+    storage.write_tracker(root, 10)
+
+
+def _objects(url: str) -> dict:
+    """{key under url: ETag} of every object at or under ``url``."""
+    store, key = ObjectStore.for_url(url)
+    objects, _ = store.list(key + "/")
+    return {o.key[len(key) + 1:]: o.etag for o in objects}
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """The working directory is tmp_path: a URL mistaken for a path would show up in it as ./s3:/..."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_s3_source_to_single_files_same_bytes_as_from_a_local_copy(s3, in_tmp, capsys):
+    local, url = str(in_tmp / "save"), s3.url("run")
+    _save_root(local)
+    _save_root(url)
+    s3.reset()
+    for to in ("tensors", "safetensors"):
+        a, b = str(in_tmp / f"from_s3.{to}"), str(in_tmp / f"from_local.{to}")
+        res = convert(url, a, to=to)
+        assert (res.src, res.iteration, res.tensors) == (f"{url}/{IT}", 10, 2 * len(GLOBALS))
+        convert(local, b, to=to)
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            assert fa.read() == fb.read(), to
+    from safetensors.torch import load_file
+
+    got = load_file(str(in_tmp / "from_s3.safetensors"))
+    assert sorted(got) == sorted(list(GLOBALS) + [EXP_AVG + k for k in GLOBALS])
+    for k, t in got.items():
+        assert bit_equal(t, expected_global(k)), k
+    # one checkpoint's URL (not the root), through the CLI, with --keys
+    assert cli_main(["convert", f"{url}/{IT}", str(in_tmp / "emb.safetensors"), "--to", "safetensors",
+                     "--keys", "embedding.*"]) == 0
+    assert f"{url}/{IT} (megashard) -> " in capsys.readouterr().out
+    assert list(load_file(str(in_tmp / "emb.safetensors"))) == ["embedding.word_embeddings.weight"]
+    assert {r["method"] for r in s3.requests()} <= {"GET", "HEAD"}  # SRC only read, never listed or written
+    assert sorted(os.listdir(in_tmp)) == sorted(["save", "emb.safetensors"] + [
+        f"from_{w}.{to}" for w in ("s3", "local") for to in ("tensors", "safetensors")])
+
+
+def test_s3_source_to_torch_dist(s3, in_tmp):
+    url = s3.url("run")
+    _save_root(url)
+    td = str(in_tmp / "td")
+    res = convert(url, td, to="torch_dist")
+    assert res.tensors == 2 * len(GLOBALS)
+    assert sorted(os.listdir(td)) == [IT, storage.TRACKER_NAME] and storage.read_tracker(td) == 10
+    with _megatron_core() as dc:
+        from megatron.core.dist_checkpointing import serialization
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        ck = os.path.join(td, IT)
+        common = serialization.load_common_state_dict(ck)
+        assert common["iteration"] == 10 and common["args"].lr == 3e-4
+        assert torch.equal(common["rng"], torch.arange(5) + 10)
+        meta = dc.load_tensors_metadata(ck)
+        assert set(meta) == set(GLOBALS) | {EXP_AVG + k for k in GLOBALS}
+        fulls = dc.load({k: ShardedTensor.from_rank_offsets(k, torch.empty(m.global_shape, dtype=m.dtype))
+                         for k, m in meta.items()}, ck)
+        for k in meta:
+            assert bit_equal(fulls[k], expected_global(k)), k
+
+
+def test_torch_dist_to_s3_megashard_loads_bit_exact(s3, in_tmp):
+    """A torch_dist Megatron save root -> s3://: DST/iter_0000003 committed by megashard's save (head
+    written last, conditionally), then the tracker; nothing written locally."""
+    root = in_tmp / "td"
+    ck = str(root / storage.iteration_dir_name(3))
+    os.makedirs(ck)
+    with _megatron_core() as dc:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        dc.save({"model": _torch_dist_shards(Layout(tp=2)),
+                 "extra": ShardedObject("extra", {"seed": 5}, (1,), (0,), replica_id=0),
+                 "iteration": 3, "args": argparse.Namespace(tensor_model_parallel_size=2)}, ck)
+    storage.write_tracker(str(root), 3)
+    url = s3.url("ms")
+    s3.reset()
+    res = convert(str(root), url)
+    assert (res.dst, res.source_format, res.tensors) == (url, "torch_dist", len(GLOBALS))
+    assert storage.read_tracker(url) == 3
+    got = megashard.load_consolidated(f"{url}/{storage.iteration_dir_name(3)}")
+    assert set(got) == set(GLOBALS)
+    for k, t in got.items():
+        assert bit_equal(t, full(k)), k
+    common = megashard.load_common(f"{url}/{storage.iteration_dir_name(3)}", ["iteration", "args"])
+    assert common["iteration"] == 3 and common["args"].tensor_model_parallel_size == 2
+    heads = [r for r in s3.requests() if r["method"] == "PUT" and r["key"].endswith("iter_0000003/manifest.json")]
+    assert len(heads) == 1 and heads[0]["if_none_match"] == "*"  # the commit point, written once, new only
+    names = _objects(url)
+    assert storage.TRACKER_NAME in names and "iter_0000003/manifest.json" in names
+    assert all(n in (storage.TRACKER_NAME, "iter_0000003/manifest.json")
+               or n.startswith("iter_0000003/.megashard-save-") for n in names), names
+    assert sorted(os.listdir(in_tmp)) == ["td"]  # no local temporaries, no ./s3:/ directory
+
+
+def test_hugging_face_to_s3_and_back_from_s3(s3, in_tmp):
+    """HF import straight into s3:// (DST/release + tracker), then export from s3:// to a local HF directory:
+    the safetensors bytes come back bit for bit."""
+    write_hf(in_tmp / "hf")
+    url = s3.url("ft")
+    res = convert(str(in_tmp / "hf"), url)
+    assert res.target_format == "megashard" and res.tensors == 2 * 9 + 3
+    assert storage.read_tracker(url) == "release" and storage.locate(f"{url}/release") is not None
+    convert(url, str(in_tmp / "back"), to="hf", vocab_size=100)
+    from safetensors.torch import load_file
+
+    a = load_file(str(in_tmp / "hf" / "model.safetensors"))
+    b = load_file(str(in_tmp / "back" / "model-00001-of-00001.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert sorted(os.listdir(in_tmp)) == ["back", "hf"]
+
+
+def test_existing_s3_dst_and_non_megashard_s3_targets_refused(s3, in_tmp):
+    write_hf(in_tmp / "hf")
+    taken = s3.url("taken/iter_0000001")
+    megashard.save({"w": torch.arange(4.0)}, taken)
+    before = _objects(s3.url("taken"))
+    for dst in (taken, s3.url("taken")):  # the checkpoint itself, and a root that holds one
+        with pytest.raises(ConvertInputError, match="exists.*never overwrites") as e:
+            convert(str(in_tmp / "hf"), dst)
+        assert dst in str(e.value)
+    assert _objects(s3.url("taken")) == before
+    local = str(in_tmp / "ms")
+    megashard.save({"w": torch.arange(4.0)}, local)
+    for to in ("tensors", "safetensors", "hf", "torch_dist"):
+        with pytest.raises(ConvertInputError, match="writes local files only") as e:
+            convert(local, s3.url(f"out.{to}"), to=to)
+        assert s3.url(f"out.{to}") in str(e.value)
+    store, _ = ObjectStore.for_url(s3.url("x"))
+    objects, _ = store.list("")
+    assert sorted(o.key[len("taken/"):] for o in objects) == sorted(before)  # nothing else in the bucket
+    assert sorted(os.listdir(in_tmp)) == ["hf", "ms"]
+
+
+def test_s3_source_that_is_not_a_megashard_checkpoint_refused(s3, in_tmp):
+    with pytest.raises(ConvertInputError, match="not a megashard checkpoint") as e:
+        convert(s3.url("nothing"), str(in_tmp / "o.tensors"), to="tensors")
+    assert s3.url("nothing") in str(e.value)
+    s3.boto3().put_object(Bucket=s3.bucket, Key="td/metadata.json", Body=b'{"sharded_backend": "torch_dist"}')
+    with pytest.raises(ConvertInputError, match="torch_dist checkpoint.*local directory only"):
+        convert(s3.url("td"), str(in_tmp / "o"))
+    url = s3.url("run")
+    _save_root(url)
+    with pytest.raises(ConvertInputError, match="iteration 5 is not a megashard checkpoint"):
+        convert(url, str(in_tmp / "o.tensors"), to="tensors", iteration=5)
+    assert os.listdir(in_tmp) == []
+
+
+def test_failed_conversion_to_s3_leaves_nothing(s3, in_tmp, monkeypatch):
+    """An upload refused midway: the save removes its own objects, convert its local scratch; DST stays absent."""
+    import tempfile
+
+    write_hf(in_tmp / "hf")
+    scratch = in_tmp / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    url = s3.url("ft")
+    s3.inject(status=403, code="AccessDenied", count=1, method="PUT", match=".tensors")
+    with pytest.raises(megashard.MegashardError, match="403|AccessDenied"):
+        convert(str(in_tmp / "hf"), url)
+    assert _objects(url) == {} and storage.locate(f"{url}/release") is None
+    assert os.listdir(scratch) == []
+    convert(str(in_tmp / "hf"), url)  # and the same DST converts once the store lets it
+    assert storage.read_tracker(url) == "release"
