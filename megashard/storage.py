@@ -384,13 +384,13 @@ def is_url(path: object) -> bool:
 
 
 def local_path(path: PathLike) -> str:
-    """``path`` made absolute, refusing a URL where only a local path will do (``convert``):
-    ``os.path.abspath("s3://b/x")`` is the local directory ``./s3:/b/x``, where a write would
-    land silently."""
+    """``path`` made absolute, refusing a URL where only a local path will do (file-system
+    code): ``os.path.abspath("s3://b/x")`` is the local directory ``./s3:/b/x``, where a write
+    would land silently."""
     p = os.fspath(path)
     if is_url(p):
-        raise CheckpointError(f"{p}: a URL, not a local path; this command reads and writes local directories "
-                              "only: copy the checkpoint to a local path (or a mounted bucket) first")
+        raise CheckpointError(f"{p}: a URL, not a local path; this step reads and writes local directories "
+                              "only: use a local path (or a mounted bucket)")
     return os.path.abspath(p)
 
 
