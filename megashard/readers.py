@@ -5,7 +5,8 @@ reader per node opens the files and the node reads every range it needs once: th
 the reader's passed descriptors, shared memory or the process group
 (:mod:`megashard.scatter`). Both read members only through a files object
 (:func:`megashard.storage.checkpoint_files`; in ``scatter`` only the reader has one): its
-``read_into`` fills ``(offset, view)`` requests, and only scatter's descriptor passing asks
+``read_into`` fills ``(offset, view)`` requests (rows back to back in a file as one
+:class:`~megashard.format.fastio.Requests` row run), and only scatter's descriptor passing asks
 for ``descriptor`` (where ``passes_descriptors``). Another storage (an object store) plugs
 in as a files object with the same methods.
 """
@@ -20,7 +21,7 @@ import torch
 from . import scatter as scatter_mod, storage
 from .devicecopy import DeviceCopier, device_targets, split_targets
 from .errors import CheckpointError
-from .format.fastio import default_read_threads
+from .format.fastio import Requests, default_read_threads
 from .transport import Comm
 
 SCATTER_TRANSPORTS = scatter_mod.TRANSPORTS
@@ -61,13 +62,15 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
             for off, n in spans:
                 if off < 0 or off + n > size:
                     raise CheckpointError(f"{path}: byte range {off}+{n} past end of file ({size} bytes)")
-        for f, off, run, views in row_jobs:  # rows back to back in the file: a request per row (coalesced again)
+        rows: Dict[str, List[Tuple[int, int, List[memoryview]]]] = {}
+        for f, off, run, views in row_jobs:  # rows back to back in the file: one row run (a request per row)
             size = _file_size(files, f)
             if off < 0 or off + run * len(views) > size:
                 raise CheckpointError(f"{os.path.join(base, f)}: byte range {off}+{run * len(views)} past end of "
                                       f"file ({size} bytes)")
-            by_file.setdefault(f, []).extend(zip(range(off, off + run * len(views), run), views))
-        for f, reqs in sorted(by_file.items()):
+            rows.setdefault(f, []).append((off, run, views))
+        for f in sorted(set(by_file) | set(rows)):
+            reqs = Requests(by_file.get(f, ()), rows[f]) if f in rows else by_file[f]
             total += cf.read_into(f, reqs, size=_file_size(files, f), threads=nthreads)
         if on_device:
             with DeviceCopier(device_targets(t for reqs in on_device.values() for _, t in reqs)) as copier:

@@ -235,15 +235,15 @@ class CheckpointFiles:
     def read_into(self, name: str, reqs: Sequence[Tuple[int, memoryview]], *, size: Optional[int],
                   threads: int) -> int:
         """Fill each ``(offset, view)`` of ``reqs`` from member ``name`` (opened and checked as by
-        :meth:`open`; offsets validated by the caller) with parallel, coalesced ``preadv``;
-        returns the bytes read. With no requests: only the checks."""
+        :meth:`open`; offsets validated by the caller) with parallel, coalesced ``preadv``
+        (the row runs of a :class:`~megashard.format.fastio.Requests` one ``preadv`` per
+        IOV_MAX rows); returns the bytes read. With no requests: only the checks."""
         from .format.fastio import read_requests  # imported late: storage stays torch-free
 
         fd = self.open(name, size)
         if not reqs:
             return 0
-        read_requests(fd, reqs, self.path(name), threads)
-        return sum(len(v) for _, v in reqs)
+        return read_requests(fd, reqs, self.path(name), threads)
 
     def descriptor(self, name: str, size: Optional[int]) -> int:
         """Member ``name``'s checked descriptor (cached; closed by :meth:`close`), for passing to

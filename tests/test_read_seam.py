@@ -121,8 +121,8 @@ def test_loads_without_descriptors_are_bit_exact(tmp_path) -> None:
 
 
 def test_rows_go_through_read_into_one_request_each(tmp_path) -> None:
-    """Own load of a TP-split matrix into a full one: back-to-back rows are one request each
-    (coalesced again into preadv runs by ``read_into``), bit-exact."""
+    """Own load of a TP-split matrix into a full one: back-to-back rows are one request each,
+    handed to ``read_into`` as one row run per saved half, bit-exact."""
     import megashard
     import torch
 
@@ -137,11 +137,13 @@ def test_rows_go_through_read_into_one_request_each(tmp_path) -> None:
           for r in range(2)]
     megashard.save({"a": sh[0], "b": sh[1]}, path)
     calls: List[Tuple[str, int]] = []
+    runs: List[int] = []  # rows per row run handed to read_into
     real = storage.CheckpointFiles.read_into
 
     def spy(self: Any, name: str, reqs: Any, **kw: Any) -> int:
         if reqs and name.endswith(".tensors"):
             calls.append((name, len(reqs)))
+            runs.extend(len(views) for _, _, views in getattr(reqs, "runs", ()))
         return real(self, name, reqs, **kw)
 
     dst = torch.zeros(rows, cols)
@@ -164,6 +166,7 @@ def test_rows_go_through_read_into_one_request_each(tmp_path) -> None:
     assert torch.equal(dst, full)
     assert len(jobs) == 2 and all(len(j[3]) == rows for j in jobs)  # one row job per saved half
     assert sum(k for _, k in calls) == 2 * rows  # every row one request, nothing read elsewhere
+    assert runs == [rows, rows]  # each job handed over as one row run (read one preadv per IOV_MAX rows)
 
 
 def test_read_requests_many_back_to_back_and_scattered(tmp_path) -> None:
@@ -199,3 +202,53 @@ def test_read_requests_many_back_to_back_and_scattered(tmp_path) -> None:
                 assert all(bytes(b) == data[o:o + len(b)] for o, b in want), (trial, threads)
     finally:
         os.close(fd)
+
+
+def test_row_runs_read_through_checkpoint_files_one_preadv_per_iov_max_rows(tmp_path, monkeypatch) -> None:
+    """A ``Requests`` row run (rows back to back in the file, strided destination) read by
+    ``CheckpointFiles.read_into`` lands bit-exact, one ``preadv`` per IOV_MAX rows (no per-row
+    planning); iterated, it is the plain ``(offset + i * run, view)`` requests other stores read."""
+    import random
+
+    from megashard import storage
+    from megashard.errors import FormatError
+    from megashard.format import fastio
+
+    rng = random.Random(2)
+    run, nrows = 64, 2 * fastio.IOV_MAX + 452
+    data = rng.randbytes(run * nrows + 50_000)
+    (tmp_path / "x.tensors").write_bytes(data)
+    calls: List[Tuple[int, int]] = []  # (offset, iovecs) per preadv
+    real_preadv = os.preadv
+
+    def counting_preadv(fd: int, iovs: Any, offset: int) -> int:
+        calls.append((offset, len(iovs)))
+        return real_preadv(fd, iovs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    for threads in (1, 3):
+        dst = bytearray(b"\xaa" * (2 * run * nrows))  # every other row: strided destination
+        views = [memoryview(dst)[2 * run * i:2 * run * i + run] for i in range(nrows)]
+        tail = bytearray(3 * run)
+        tail_views = [memoryview(tail)[i * run:(i + 1) * run] for i in range(3)]
+        plain = [(run * nrows + 100, memoryview(bytearray(7)))]
+        reqs = fastio.Requests(plain, [(10, run, views), (run * nrows + 1000, run, tail_views)])
+        want = plain + [(10 + i * run, v) for i, v in enumerate(views)] + \
+            [(run * nrows + 1000 + i * run, v) for i, v in enumerate(tail_views)]
+        assert len(reqs) == len(want) and list(reqs) == want and [reqs[i] for i in (0, 1, -1)] == [want[0], want[1], want[-1]]
+        calls.clear()
+        with storage.CheckpointFiles(tmp_path) as cf:
+            n = cf.read_into("x.tensors", reqs, size=len(data), threads=threads)
+        assert n == sum(len(v) for _, v in want)
+        for i in range(nrows):
+            assert dst[2 * run * i:2 * run * i + run] == data[10 + i * run:10 + (i + 1) * run], (threads, i)
+            assert dst[2 * run * i + run:2 * run * (i + 1)] == b"\xaa" * run  # the gaps between rows untouched
+        assert bytes(tail) == data[run * nrows + 1000:run * nrows + 1000 + 3 * run]
+        assert bytes(plain[0][1]) == data[run * nrows + 100:run * nrows + 107]
+        rows_calls = sorted(c for c in calls if c[0] < run * nrows)
+        assert rows_calls == [(10, fastio.IOV_MAX), (10 + fastio.IOV_MAX * run, fastio.IOV_MAX),
+                              (10 + 2 * fastio.IOV_MAX * run, 452)], threads
+        assert sorted(c for c in calls if c[0] >= run * nrows) == [(run * nrows + 100, 1), (run * nrows + 1000, 3)]
+    short = fastio.Requests((), [(0, run, [memoryview(bytearray(run)), memoryview(bytearray(run - 1))])])
+    with storage.CheckpointFiles(tmp_path) as cf, pytest.raises(FormatError, match="x.tensors: row run at offset 0"):
+        cf.read_into("x.tensors", short, size=len(data), threads=1)

@@ -147,6 +147,36 @@ def test_two_ranks_save_and_reshard_with_exact_request_counts(s3, mode):
             assert o["stats"].get("GET", 0) == 3  # head, digest and the whole index, per rank
 
 
+def test_row_runs_load_bit_exact_in_ranged_gets(s3, monkeypatch):
+    """Column halves loaded whole (own): each half's rows reach the object store's files object
+    as one row run (``fastio.Requests``), which reads it as plain requests: bit-exact, and the
+    back-to-back rows coalesce into ranged GETs, not one GET per row."""
+    from megashard.format.fastio import Requests
+    from megashard.sharded import ShardedTensor
+
+    url = s3.url("rows/iter_0000001")
+    rows, cols = 64, 512  # a half row is 1 KiB: read in place, one request per row
+    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3))
+    megashard.save({k: ShardedTensor.from_rank_offsets("w", full[:, r * 256:(r + 1) * 256].contiguous(), (1, r, 2))
+                    for r, k in enumerate("ab")}, url)
+    seen = []
+    real = objck.ObjectCheckpointFiles.read_into
+
+    def spy(self, name, reqs, **kw):
+        if isinstance(reqs, Requests):
+            seen.append([len(views) for _, _, views in reqs.runs])
+        return real(self, name, reqs, **kw)
+
+    monkeypatch.setattr(objck.ObjectCheckpointFiles, "read_into", spy)
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
+    dest = torch.zeros(rows, cols)
+    megashard.load({"w": ShardedTensor.from_rank_offsets("w", dest)}, url, mode="own")
+    assert_same(dest, full)
+    assert seen == [[rows, rows]]
+    assert 1 <= store.stats.get("GET_RANGE", 0) <= 2, dict(store.stats)  # 2 * 64 rows in one or two GETs
+
+
 def test_a_stale_resave_loses_cleanly(s3, monkeypatch):
     url = s3.url("race/iter_0000001")
     megashard.save(state(0), url)
