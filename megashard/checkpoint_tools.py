@@ -143,7 +143,6 @@ def verify_checkpoint(path: str) -> List[str]:
     length, CRC32) and the file holds no tensor the manifest does not list; every global
     tensor is covered exactly once. Read-only.
     """
-    from .format import TensorFileReader
     from .format.verify import structure_problems
 
     problems: List[str] = []

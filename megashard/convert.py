@@ -47,7 +47,6 @@ import mmap
 import os
 import secrets
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -60,7 +59,7 @@ import torch
 from . import storage
 from .errors import CheckpointError, MegashardError
 from .consolidated import DEFAULT_BATCH_BYTES
-from .manifest import Manifest, dtype_name, itemsize
+from .manifest import Manifest, itemsize
 from .plan import numel
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,6 @@ import torch
 from . import async_save as async_save_mod, jsonstate, plan, storage
 from .errors import StateDictError
 from .format import write_file
-from .index import write_index
 from .logs import log_summary, rank_prefix
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,

@@ -24,7 +24,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import CheckpointError
 from ..sharded import ShardedObject, ShardedTensor
 from . import mapping as M
 from .mapping import HFMappingError, LlamaSpec

@@ -19,7 +19,7 @@ miss those call sites, so both modules' names are replaced. The wrappers send
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from megashard import storage
 
