@@ -34,17 +34,14 @@ import gc
 import hashlib
 import http.client
 import json
-import multiprocessing as mp
 import os
 import platform
 import resource
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -56,6 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import megashard  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))
+from distributed import all_ok, run_ranks  # noqa: E402  (the tests' gloo launcher)
+from s3_endpoint import S3Server  # noqa: E402  (the tests' endpoint process: tests/scripts/s3_server.py)
 from megashard.objstore.client import ObjectStore, clear_store_cache  # noqa: E402
 from megashard.sharded import ShardedTensor  # noqa: E402
 
@@ -72,37 +72,18 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------- endpoint
 
 
-class Endpoint:
-    """The moto endpoint process (our child; only its pid is ever signalled) and its control requests."""
+class Endpoint(S3Server):
+    """The tests' moto endpoint process (our child; only its pid is ever signalled), with the
+    counters this benchmark reads."""
 
     def __init__(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        self.proc = subprocess.Popen([sys.executable, str(SERVER)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, text=True)
-        line: List[str] = []
-        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(120)
-        if not line or not line[0].strip():
-            self.stop()
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"the S3 endpoint did not start (exit {self.proc.returncode}): {err[-2000:]}")
-        self.port = int(json.loads(line[0])["port"])
-        self.url = f"http://127.0.0.1:{self.port}"
-        # drain stderr so a chatty server never blocks on a full pipe
-        threading.Thread(target=lambda: self.proc.stderr.read(), daemon=True).start()
+        self._log_dir = tempfile.mkdtemp(prefix="bench-s3-")
+        super().__init__(Path(self._log_dir) / "requests.jsonl")
+        self.url = self.endpoint
 
-    def request(self, method: str, path: str, body: Optional[bytes] = None) -> bytes:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        try:
-            conn.request(method, path, body=body)
-            resp = conn.getresponse()
-            data = resp.read()
-            if resp.status >= 300:
-                raise RuntimeError(f"S3 endpoint: {method} {path} -> HTTP {resp.status}: {data[:300]!r}")
-            return data
-        finally:
-            conn.close()
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def reset_log(self) -> None:
         self.request("POST", "/__reset_log__", b"")
@@ -121,14 +102,6 @@ class Endpoint:
             fields = f.read().rsplit(b")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, 15)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, 9)
-                self.proc.wait(10)
 
 
 def _kind(e: Dict[str, Any]) -> str:
@@ -340,73 +313,6 @@ def raw_get_1stream(store: ObjectStore, key: str, dest: memoryview) -> None:
 # ---------------------------------------------------------------------------------------------- ranks
 
 
-def _rank_entry(rank: int, world: int, store_file: str, q: Any, args: tuple) -> None:
-    """Copied in spirit from tests/distributed.py: gloo over a file store, result or traceback on the queue."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
-        q.put((rank, True, _rank_loads(rank, world, *args)))
-    except BaseException as e:  # noqa: BLE001
-        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def run_ranks(world: int, args: tuple, env: Dict[str, str], timeout: float) -> List[Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fd, store_file = tempfile.mkstemp(prefix="megashard-bench-store-")
-    os.close(fd)
-    os.unlink(store_file)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned children inherit the environment at start
-    try:
-        procs = [ctx.Process(target=_rank_entry, args=(r, world, store_file, q, args)) for r in range(world)]
-        for p in procs:
-            p.start()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    import queue as _q
-
-    results: Dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, ok, val = q.get(timeout=0.5)
-            results[rank] = (ok, val)
-        except _q.Empty:
-            if all(not p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    try:
-        os.unlink(store_file)
-    except OSError:
-        pass
-    if hung:
-        raise RuntimeError(f"ranks {hung} hung (timeout {timeout}s)")
-    bad = [f"rank {r}: {results.get(r, (False, f'exit code {procs[r].exitcode}'))[1]}" for r in range(world)
-           if not results.get(r, (False,))[0]]
-    if bad:
-        raise RuntimeError("\n".join(bad))
-    return [results[r][1] for r in range(world)]
-
-
 def _rank_loads(rank: int, world: int, url: str, shapes: Dict[str, Tuple[Tuple[int, ...], str]], reps: int,
                 digests: Dict[str, List[str]]) -> Dict[str, Any]:
     """Every round: barrier, load this rank's row half of every tensor in one mode, time it; modes alternate."""
@@ -572,8 +478,8 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         e0 = ep.cpu_s()
         c0 = cpu_now()[1]
         t0 = time.perf_counter()
-        per_rank = run_ranks(2, (ms_url, shapes, args.reps, digests),
-                             {"MEGASHARD_NODE_ID": "bench-node0"}, timeout=600)
+        per_rank = all_ok(run_ranks(_rank_loads, 2, ms_url, shapes, args.reps, digests, timeout=600,
+                                    env={"MEGASHARD_NODE_ID": "bench-node0"}))
         wall = time.perf_counter() - t0
         children_cpu = cpu_now()[1] - c0
         endpoint_cpu = ep.cpu_s() - e0
