@@ -15,6 +15,7 @@ still satisfy them and ``fp32_param`` must equal the loaded bf16 weight: a mispl
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -83,7 +84,7 @@ def _names(model):
     return {p: n for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, tp: int, mode: str, path: str):
+def _worker(rank: int, world: int, tp: int, mode: str, path: str, legacy_out: str = ""):
     import megashard
     from megatron.core import parallel_state as mpu
 
@@ -116,7 +117,8 @@ def _worker(rank: int, world: int, tp: int, mode: str, path: str):
             p.zero_()
     template = st.build_state_dict(args, [st.unwrap_model(model)], top, None,
                                    st.StateRequest(is_loading=True, rng=False, scheduler=False,
-                                                   metadata=st.sharded_sd_metadata(True)))
+                                                   metadata=st.sharded_sd_metadata(True),
+                                                   legacy_swiglu_optim=mode == "load-legacy"))
     for key in ("args", "checkpoint_version", "content_metadata"):
         template.pop(key, None)
     prepared = st.prepare_for_load(template)
@@ -133,6 +135,15 @@ def _worker(rank: int, world: int, tp: int, mode: str, path: str):
         assert torch.equal(cur["exp_avg"], 2 * main + 1), f"exp_avg of {name}"
         assert torch.equal(cur["exp_avg_sq"], main * main + 0.5), f"exp_avg_sq of {name}"
         checked[name] = int((main != 0).sum())
+    if legacy_out:  # save as megashard did before the fix: megatron-core's fc1 state, no marker
+        flatten, st.flatten_swiglu_optimizer_factories = st.flatten_swiglu_optimizer_factories, lambda *a, **k: 0
+        try:
+            sd = st.build_state_dict(args, [st.unwrap_model(model)], top, None,
+                                     st.StateRequest(metadata=st.sharded_sd_metadata(True)), iteration=1)
+        finally:
+            st.flatten_swiglu_optimizer_factories = flatten
+        del sd["content_metadata"][st.SWIGLU_OPTIM_KEY]
+        megashard.save(st.prepare_for_save(sd), legacy_out)
     mpu.destroy_model_parallel()
     return checked
 
@@ -152,7 +163,17 @@ def test_swiglu_fc1_optimizer_state_uneven_over_dp_saves_and_reshards_bit_exact(
     for state in ("exp_avg", "exp_avg_sq", "fp32_param"):
         assert m.tensors[f"optimizer.state.{state}.{FC1}"].global_shape == m.tensors[FC1].global_shape == (1, 128, 32)
 
-    checked = all_ok(run_ranks(_worker, 2, 2, "load", path))
+    legacy = str(tmp_path / "legacy")
+    checked = all_ok(run_ranks(_worker, 2, 2, "load", path, legacy))
     for rank in range(2):  # TP=2: each rank holds its own rows of w and v, all nonzero after the load
         fc1_name = [k for k in checked[rank] if k.endswith("linear_fc1.weight")]
         assert len(fc1_name) == 1 and checked[rank][fc1_name[0]] == 64 * 32
+
+    # a checkpoint saved before the fix (TP2·DP1: each fc1 piece a whole weight, so it saved) holds
+    # megatron-core's 1-D layout; the adapter requests the same elements from it at TP1·DP2
+    m = megashard.read_manifest(legacy)
+    assert m.tensors[f"optimizer.state.exp_avg.{FC1}"].global_shape == (1, 128 * 32)
+    assert "megashard_swiglu_optim" not in json.dumps(megashard.load_common(legacy, ["content_metadata"]))
+    checked = all_ok(run_ranks(_worker, 2, 1, "load-legacy", legacy))
+    assert sum(v for r in checked for k, v in r.items() if k.endswith("linear_fc1.weight")) == 128 * 32
+
