@@ -34,13 +34,14 @@ megatron-core on CPU by ``tests/test_scale_models.py`` for the ``local`` spec):
   VP chunk > 0), each bucket split evenly over DP; per parameter fp32 ``fp32_param``,
   ``exp_avg``, ``exp_avg_sq`` with the model shard's metadata, ``flattened_range`` = the
   parameter's range held by this DP rank and replica ``(r0, r1, 0)``;
-* **SwiGLU quirk, kept as megatron-core 0.16.1 produces it:** for ``linear_fc1`` the
-  optimizer state goes through the SwiGLU factory's build function, which ignores
+* SwiGLU ``linear_fc1`` optimizer state as flattened shards of the weight's two halves (the
+  parts of this DP rank's range in each), as ``megashard.megatron.state.
+  flatten_swiglu_optimizer_factories`` makes it. ``swiglu_dist_opt_quirk=True`` in
+  :func:`rank_state_dict` gives instead what megatron-core (0.16.1 and 0.19.0) builds, which
+  megashard passed on before that fix: the SwiGLU factory's build function ignores
   ``flattened_range``, halves the *flat* DP piece (``torch.chunk``) and shards each half as a
-  1-D tensor along the weight's row axis; the resulting ShardedTensors have 1-D local shapes
-  and global shapes that depend on the DP piece's length (so differ between DP ranks).
-  ``swiglu_dist_opt_quirk=False`` in :func:`rank_state_dict` gives the state a fixed
-  megatron would produce instead (flattened shards of the two halves).
+  1-D tensor along the weight's row axis, so global shapes depend on the DP piece's length
+  (differ between DP ranks: the save is refused);
 * ``rng_state`` ShardedObject (``(pp, tp)`` / ``(pp, tp, dp)`` with EP), common values.
 
 What follows megatron-core's code for the GPU setup (Transformer Engine spec) and could
@@ -571,7 +572,7 @@ def _opt_state(p: Param, c: Coords, fr: slice, quirk: bool) -> Dict[str, Any]:
             out[state] = ShardedTensor(key, _meta((n,), FP32), sh.global_shape, sh.global_offset, rid,
                                        sh.prepend, sh.local_shape, FP32, slice(fr.start, fr.stop))
         elif quirk:
-            # megatron-core 0.16.1: SwiGLU's build_fn chunks the flat piece and drops flattened_range
+            # megatron-core 0.16.1 / 0.19.0 unfixed: SwiGLU's build_fn chunks the flat piece and drops flattened_range
             tpr, tps = p.swiglu
             a = -(-n // 2)
             pieces = []
@@ -694,7 +695,7 @@ def model_keys(model: str, layout: Layout) -> List[str]:
     return ["model"] if vp == 1 else [f"model{v}" for v in range(vp)]
 
 
-def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_quirk: bool = True) -> Dict[str, Any]:
+def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_quirk: bool = False) -> Dict[str, Any]:
     """The state dict megashard.megatron passes to ``megashard.save`` on ``rank`` (meta tensors)."""
     if model not in MODELS:
         raise KeyError(f"unknown model {model!r}; known: {sorted(MODELS)}")
@@ -707,6 +708,7 @@ def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_qu
         "iteration": 1000,
         "num_floating_point_operations_so_far": 1.0e21,
         "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                             "megashard_swiglu_optim": "flattened-halves",
                              **({"distrib_optim_sharding_type": "fully_sharded_model_space"}
                                 if layout.distributed_optimizer else {})},
     }

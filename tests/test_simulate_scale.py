@@ -167,3 +167,31 @@ def test_s3_option_prints_in_the_simulators_format(capsys):
     lines = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
     assert {k.strip() for k in lines} >= {"s3_save_requests", "s3_load_own_gets", "s3_load_scatter_gets"}
     assert lines[f"{'s3_save_total':>34}"] == "16"
+
+
+def test_swiglu_fc1_optimizer_state_uneven_over_dp_saves_at_70b():
+    """llama3-70b TP8·PP8·DP2 with the DistributedOptimizer: fc1's DP pieces differ in length.
+    megatron-core's own fc1 optimizer state (``quirk``: 1-D halves of each flat piece, global
+    shape = piece length) is refused by the coordinator; what megashard.megatron passes since
+    ``flatten_swiglu_optimizer_factories`` saves, every element once with the weight's global
+    shape, and plans a load at TP4·DP4 without problems."""
+    import pytest
+
+    from megashard.errors import StateDictError
+
+    layout = sm.Layout(tp=8, pp=8, dp=2, distributed_optimizer=True)
+    fc1 = "decoder.layers.mlp.linear_fc1.weight"
+    with pytest.raises(StateDictError, match=rf"'optimizer\.state\.exp_avg\.{fc1}': rank \d+ has dtype float32 "
+                                             r"global shape \(80, \d+\), another rank has float32 \(80, \d+\)"):
+        ss.simulate_save("llama3-70b", layout, quirk=True)
+    out = ss.simulate_save("llama3-70b", layout)
+    m = _full(out)
+    for state in ("exp_avg", "exp_avg_sq", "fp32_param"):
+        key = f"optimizer.state.{state}.{fc1}"
+        t = m.tensors[key]
+        assert t.global_shape == m.tensors[fc1].global_shape == (80, 2 * 28672, 8192)
+        assert coverage_problems(key, t.global_shape,
+                                 [(Box(s.offset, s.shape), s.flat) for s in t.shards]) == []
+        assert any(s.flat is not None and s.flat[1] - s.flat[0] < numel(s.shape) for s in t.shards)
+    p = ss.plan_rank(out["_head"], out["_sections"], "llama3-70b", sm.Layout(tp=4, pp=8, dp=4, distributed_optimizer=True), 5)
+    assert p["problems"] == [] and p["read_bytes"] > 0

@@ -492,7 +492,9 @@ def load_checkpoint(
             opt_param_scheduler if load_optim else None,
             st.StateRequest(optimizer=load_optim, scheduler=load_optim, rng=load_rng, is_loading=True,
                             data_parallel_random_init=_flag(args, "data_parallel_random_init"),
-                            metadata=st.sharded_sd_metadata(use_dist_opt)),
+                            metadata=st.sharded_sd_metadata(use_dist_opt),
+                            legacy_swiglu_optim=(saved_type == st.DISTRIB_OPTIM_SHARDING_TYPE
+                                                 and st.SWIGLU_OPTIM_KEY not in content_md)),
         )
         # the non-tensor values come from the checkpoint (load_common / load results)
         for key in ("args", "checkpoint_version", "content_metadata"):

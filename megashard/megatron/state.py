@@ -21,11 +21,12 @@ From megatron-core only the data model (``ShardedTensor``, ``ShardedObject``,
 ``ShardedTensorFactory``, ``LocalNonpersistentObject``, ``apply_factories``,
 ``apply_factory_merges``) and the models'/optimizers' own ``sharded_state_dict`` /
 ``load_state_dict`` are used -- never the ``dist_checkpointing`` strategies -- so this
-works with megatron-core 0.16 and later. Four megatron-core 0.16 quirks of the
+works with megatron-core 0.16 and later. Five megatron-core quirks of the
 DistributedOptimizer are handled here (see :func:`allow_flattened_range`,
-:func:`ensure_distributed_optimizer_state`, :func:`_load_fs_model_space`,
-:func:`_unshare_step_tensors`); they use DistributedOptimizer methods present from 0.16
-to the current main branch (``gbuf_ranges``, ``_get/_set_main_param_and_optimizer_states``).
+:func:`flatten_swiglu_optimizer_factories`, :func:`ensure_distributed_optimizer_state`,
+:func:`_load_fs_model_space`, :func:`_unshare_step_tensors`); they use DistributedOptimizer
+methods present from 0.16 to the current main branch (``gbuf_ranges``,
+``_get/_set_main_param_and_optimizer_states``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import argparse
 import base64
 import contextlib
 import enum
+import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -49,6 +51,11 @@ CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
 RNG_FORMAT = "megashard-rng-v1"
+#: ``content_metadata`` entry of checkpoints whose SwiGLU ``linear_fc1`` DistributedOptimizer state
+#: is stored as flattened shards of the weight's two halves (:func:`flatten_swiglu_optimizer_factories`);
+#: saves before it stored megatron-core's 1-D layout (read with ``legacy_swiglu_optim``)
+SWIGLU_OPTIM_KEY = "megashard_swiglu_optim"
+SWIGLU_OPTIM_FLAT = "flattened-halves"
 
 Path = Tuple[Any, ...]
 
@@ -460,6 +467,132 @@ def allow_flattened_range() -> Iterator[None]:
         cls.validate_metadata_integrity = original
 
 
+def _merge_id(fn: Any) -> Tuple[Any, Any]:
+    return getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+
+
+def flatten_swiglu_optimizer_factories(optimizer_sd: Any, model_sds: Sequence[Any], legacy: bool = False) -> int:
+    """Make the DistributedOptimizer state of SwiGLU's ``linear_fc1`` flattened shards of its halves.
+
+    ``sharded_param_state_fs_model_space`` copies the model's ShardedTensorFactory for fc1
+    (``apply_swiglu_sharded_factory``) with this DP rank's flat piece of the state and its
+    ``flattened_range``; the factory's build function (megatron-core 0.16.1 and 0.19.0 alike)
+    ignores the range, halves the *flat piece* with ``torch.chunk`` and shards each half as a
+    1-D tensor along the weight's row axis. Global shapes then follow the piece's length, so
+    DP ranks holding pieces of different lengths disagree (the save is refused), and pieces of
+    equal length claim the same elements. Each such factory (recognised by the model factory's
+    build function, whose merge is ``torch.cat`` along dim 0: :data:`CAT0_MERGES`) is replaced
+    by one that builds the model factory's parts for the whole local weight (on the meta device)
+    and cuts this rank's range out of them: one flattened ShardedTensor per half it overlaps,
+    with the half's global shape and offset, so the state reshards over TP, PP and DP.
+
+    ``legacy``: a checkpoint saved before this (no :data:`SWIGLU_OPTIM_KEY` in its
+    ``content_metadata``) holds megatron-core's layout, which only saved where each fc1 piece
+    was a whole weight; that layout is the flattened global ``[w; v]`` (1-D, after the
+    prepended axes), and the same elements are requested from it instead. Returns the number
+    of factories replaced.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    by_build: Dict[int, Any] = {}
+    for sub in model_sds:
+        for _, leaf in iter_leaves(sub):
+            if isinstance(leaf, ShardedTensorFactory) and _merge_id(leaf.merge_fn) in CAT0_MERGES:
+                by_build[id(leaf.build_fn)] = leaf
+    if not by_build:
+        return 0
+    replaced = 0
+    for path, leaf in iter_leaves(optimizer_sd):
+        if not (isinstance(leaf, ShardedTensorFactory) and leaf.flattened_range is not None
+                and id(leaf.build_fn) in by_build and isinstance(leaf.data, torch.Tensor)):
+            continue
+        shape = tuple(by_build[id(leaf.build_fn)].data.shape)
+        if _meta_parts(leaf.build_fn, shape, leaf.key, leaf.data.dtype, leaf.replica_id) is None:
+            get_logger(__name__).debug("%s: factory parts do not tile the weight; left as megatron-core builds it",
+                                       leaf.key)
+            continue
+        build = functools.partial(_build_flat_parts, leaf.build_fn, shape, legacy)
+        set_path(optimizer_sd, path, ShardedTensorFactory(leaf.key, leaf.data, build, _cat_flat_parts,
+                                                          leaf.replica_id, flattened_range=leaf.flattened_range))
+        replaced += 1
+    return replaced
+
+
+def _meta_parts(build_fn: Any, shape: Tuple[int, ...], key: str, dtype: torch.dtype,
+                replica_id: Any) -> Optional[List[Any]]:
+    """The model factory's parts for a whole local weight of ``shape`` (meta device), if they are
+    consecutive row blocks of it in order (what ``torch.cat`` along dim 0 undoes), else None."""
+    whole = torch.empty(shape, dtype=dtype, device="meta")
+    parts = build_fn(key, whole, replica_id, None)
+    if not isinstance(parts, list) or not parts:
+        return None
+    pos = 0
+    for p in parts:
+        data = getattr(p, "data", None)
+        if (type(p).__name__ != "ShardedTensor" or getattr(p, "flattened_range", None) is not None
+                or not isinstance(data, torch.Tensor) or data.dim() != len(shape) or tuple(data.shape[1:]) != shape[1:]
+                or not data.is_contiguous() or data.storage_offset() != pos
+                or tuple(p.local_shape) != tuple(data.shape)):
+            return None
+        pos += data.numel()
+    return parts if pos == whole.numel() else None
+
+
+def _build_flat_parts(build_fn: Any, shape: Tuple[int, ...], legacy: bool, key: str, t: torch.Tensor,
+                      replica_id: Any, flattened_range: Optional[slice]) -> List[Any]:
+    """Build function of :func:`flatten_swiglu_optimizer_factories`' factories."""
+    from dataclasses import replace
+
+    parts = _meta_parts(build_fn, shape, key, t.dtype, replica_id)
+    fr = flattened_range if flattened_range is not None else slice(0, t.numel())
+    if parts is None or t.dim() != 1 or t.numel() != fr.stop - fr.start:
+        raise StateDictError(f"{key}: SwiGLU optimizer state of {t.numel()} elements for range {fr} "
+                             f"of a weight shaped {list(shape)}: cannot be split into its halves")
+    out = []
+    start = 0
+    with allow_flattened_range():
+        for p in parts:
+            n = p.data.numel()
+            lo, hi = max(fr.start, start), min(fr.stop, start + n)
+            if hi > lo:
+                data = t[lo - fr.start:hi - fr.start]
+                if legacy:
+                    out.append(_legacy_part(p, data, lo - start))
+                else:
+                    out.append(replace(p, data=data, dtype=t.dtype, flattened_range=slice(lo - start, hi - start)))
+            start += n
+    return out
+
+
+def _legacy_part(p: Any, data: torch.Tensor, first: int) -> Any:
+    """``data`` (flat elements ``first``… of part ``p``) as the 1-D ShardedTensor of the layout
+    saved before :data:`SWIGLU_OPTIM_KEY`: the global ``[w; v]`` flattened after the prepended axes."""
+    from dataclasses import replace
+
+    pre = p.prepend_axis_num
+    row = 1
+    for d in p.local_shape[1:]:
+        row *= int(d)
+    if tuple(p.local_shape[1:]) != tuple(p.global_shape[pre + 1:]):
+        raise StateDictError(f"{p.key}: checkpoint saved before {SWIGLU_OPTIM_KEY}: its 1-D SwiGLU optimizer "
+                             "layout needs full rows; load with --no-load-optim")
+    flat_numel = int(p.global_shape[pre]) * row
+    return replace(p, data=data, dtype=data.dtype, local_shape=(data.numel(),),
+                   global_shape=(*p.global_shape[:pre], flat_numel),
+                   global_offset=(*p.global_offset[:pre], int(p.global_offset[pre]) * row + first),
+                   axis_fragmentations=None, flattened_range=None)
+
+
+def _cat_flat_parts(parts: Any) -> torch.Tensor:
+    """Merge of :func:`flatten_swiglu_optimizer_factories`' factories: the flat piece again."""
+    with torch.no_grad():
+        return torch.cat(list(parts))
+
+
+#: merges that are ``torch.cat`` along dim 0 (elided when the load filled the factory's tensor)
+_CAT0 = CAT0_MERGES | {(__name__, _cat_flat_parts.__qualname__)}
+
+
 def _inner_optimizers(optimizer: Any) -> List[Tuple[Any, Any]]:
     """(megatron optimizer, torch optimizer) for every optimizer of a (chained) Megatron optimizer."""
     out = []
@@ -550,6 +683,9 @@ class StateRequest:
     is_loading: bool = False
     data_parallel_random_init: bool = False
     metadata: Dict[str, Any] = field(default_factory=dict)
+    #: request SwiGLU fc1 DistributedOptimizer state in the 1-D layout of checkpoints saved
+    #: before :data:`SWIGLU_OPTIM_KEY` (see :func:`flatten_swiglu_optimizer_factories`)
+    legacy_swiglu_optim: bool = False
 
 
 def build_state_dict(
@@ -579,6 +715,8 @@ def build_state_dict(
     sd["content_metadata"] = clean_metadata(request.metadata)
     if request.rng and not request.is_loading:
         sd["content_metadata"][RNG_LAYOUT_KEY] = rng_layout()
+    if not request.is_loading:
+        sd["content_metadata"][SWIGLU_OPTIM_KEY] = SWIGLU_OPTIM_FLAT
 
     for key, chunk in zip(model_keys(model), model):
         sd[key] = chunk.sharded_state_dict(metadata=request.metadata)
@@ -590,6 +728,8 @@ def build_state_dict(
             sd["optimizer"] = optimizer.sharded_state_dict(
                 sd, is_loading=request.is_loading, metadata=request.metadata
             )
+        flatten_swiglu_optimizer_factories(sd["optimizer"], [sd[k] for k in model_keys(model)],
+                                           legacy=request.legacy_swiglu_optim)
     if request.scheduler and opt_param_scheduler is not None:
         sd["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if request.rng:
@@ -747,8 +887,7 @@ def _merges_to_run(x: Any, loaded: Any) -> Any:
         sub = _child(loaded, k)
         if type(v).__name__ == "ShardedTensorFactory":
             fn = getattr(v, "merge_fn", None)
-            if ((getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) in CAT0_MERGES
-                    and _tiles_in_order(sub, getattr(v, "data", None))):
+            if _merge_id(fn) in _CAT0 and _tiles_in_order(sub, getattr(v, "data", None)):
                 loaded[k] = v.data
             else:
                 out[k] = v
