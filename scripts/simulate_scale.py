@@ -267,12 +267,12 @@ def s3_own_gets(ranges: Sequence[Range]) -> Dict[str, int]:
     return {"GET": 3, "HEAD": len({f for f, _o, n in ranges if n}), "data": s3_range_gets(ranges)}
 
 
-def s3_scatter_gets(node_ranges: Sequence[Range], files: int) -> Dict[str, int]:
+def s3_scatter_gets(reader_ranges: Sequence[Range], node_ranges: Sequence[Range]) -> Dict[str, int]:
     """A node reader's requests in a scatter load: head, digest and the whole index (3 GETs; it
-    sends the index to the node's ranks), one HEAD per file of the checkpoint (it confirms every
-    file for ranks that allocate from the index it sends), every byte the node's ranks need, once
-    (the union, coalesced)."""
-    return {"GET": 3, "HEAD": files, "data": s3_range_gets(node_ranges)}
+    sends the index to the node's ranks), one HEAD per file its own plan reads (the node's other
+    files are checked by the GETs themselves), every byte the node's ranks need, once (the union,
+    coalesced)."""
+    return {"GET": 3, "HEAD": len({f for f, _o, n in reader_ranges if n}), "data": s3_range_gets(node_ranges)}
 
 
 def _total(per: Sequence[Dict[str, int]], count: int) -> Dict[str, Any]:
@@ -301,9 +301,8 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
     node_gets = []
     for nd in _sample(nodes, sample):
         members = range(nd * ranks_per_node, min(world, (nd + 1) * ranks_per_node))
-        union = [x for r in members
-                 for x in plan_rank(head, sections, model, layout, r, rows_ok=False, ranges=True)["ranges"]]
-        node_gets.append(s3_scatter_gets(union, len(sizes)))
+        ranges = [plan_rank(head, sections, model, layout, r, rows_ok=False, ranges=True)["ranges"] for r in members]
+        node_gets.append(s3_scatter_gets(ranges[0], [x for rr in ranges for x in rr]))
     return {
         "s3_files": len(sizes),
         "s3_save_requests": save,

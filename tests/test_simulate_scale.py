@@ -127,7 +127,8 @@ def test_s3_get_arithmetic():
     assert ss.s3_range_gets([("a", 0, 16 * mib), ("a", 16 * mib, 1)]) == 2  # 16 MiB + 1 byte
     assert ss.s3_range_gets([("a", 0, 40 * mib), ("a", 8 * mib, 4 * mib)]) == 3  # overlap inside
     assert ss.s3_own_gets([("a", 0, 100), ("b", 0, 10), ("c", 5, 0)]) == {"GET": 3, "HEAD": 2, "data": 2}
-    assert ss.s3_scatter_gets([("a", 0, 100), ("a", 0, 100)], files=5) == {"GET": 3, "HEAD": 5, "data": 1}
+    assert ss.s3_scatter_gets([("a", 0, 100)], [("a", 0, 100), ("a", 0, 100), ("b", 0, 1)]) == {
+        "GET": 3, "HEAD": 1, "data": 2}
 
 
 def test_s3_report_small_config_exact():
@@ -151,13 +152,14 @@ def test_s3_report_small_config_exact():
     assert rep["s3_load_own_gets"] == {"GET": 12, "HEAD": sum(files_read), "data": sum(files_read),
                                        "total": 12 + 2 * sum(files_read)}
     assert rep["s3_load_own_max_rank_gets"] == max(3 + 2 * k for k in files_read)
-    # scatter: one reader per node (2 nodes): head + digest + whole index, a HEAD per file of the
-    # checkpoint, one GET per file the node reads
-    node_files = [len({f for r in (2 * nd, 2 * nd + 1) for f, _, n in
-                       ss.plan_rank(head, sections, "tiny-gpt", layout, r, rows_ok=False, ranges=True)["ranges"] if n})
-                  for nd in range(2)]
-    assert rep["s3_load_scatter_gets"] == {"GET": 6, "HEAD": 16, "data": sum(node_files),
-                                           "total": 22 + sum(node_files)}
+    # scatter: one reader per node (2 nodes): head + digest + whole index, a HEAD per file the
+    # reader's own plan reads, one GET per file the node reads
+    scatter_plans = [ss.plan_rank(head, sections, "tiny-gpt", layout, r, rows_ok=False, ranges=True)["ranges"]
+                     for r in range(4)]
+    node_files = [len({f for r in (2 * nd, 2 * nd + 1) for f, _, n in scatter_plans[r] if n}) for nd in range(2)]
+    reader_files = [len({f for f, _, n in scatter_plans[2 * nd] if n}) for nd in range(2)]
+    assert rep["s3_load_scatter_gets"] == {"GET": 6, "HEAD": sum(reader_files), "data": sum(node_files),
+                                           "total": 6 + sum(reader_files) + sum(node_files)}
     assert (rep["s3_load_own_gets"]["data"], rep["s3_load_scatter_gets"]["data"]) == (22, 12)  # as computed today
 
 
