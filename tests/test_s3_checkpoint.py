@@ -256,9 +256,18 @@ def test_inspect_and_verify_an_s3_checkpoint(s3, capsys):
     url = s3.url("tools/iter_0000009")
     megashard.save(state(5), url)
     assert verify_checkpoint(url) == []
-    assert cli_main(["inspect", url]) == 0
-    assert "iter_0000009" in capsys.readouterr().out or True
+    assert cli_main(["inspect", url, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["path"] == url and info["totals"]["iteration"] == 12 and info["totals"]["files"] == 1
     check_loaded(megashard.load(template(state(5)), url, verify=True), state(5))
+    # one flipped bit in the shard object: verify names it, a verified load refuses it
+    store, key = ObjectStore.for_url(url)
+    obj = next(o for n, o in _objects(url).items() if n.endswith(".tensors"))
+    data = bytearray(store.get_bytes(obj.key, 64 * MiB)[0])
+    data[-100] ^= 1
+    store.put_bytes(obj.key, bytes(data))
+    problems = verify_checkpoint(url)
+    assert problems and any(".tensors" in p for p in problems), problems
 
 
 _SAVER = textwrap.dedent("""
