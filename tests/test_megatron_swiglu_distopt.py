@@ -15,9 +15,11 @@ still satisfy them and ``fp32_param`` must equal the loaded bf16 weight: a mispl
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -84,16 +86,44 @@ def _names(model):
     return {p: n for n, p in model.named_parameters()}
 
 
+def _adapter_args(path: str, use_for: str) -> types.SimpleNamespace:
+    """The few Megatron-LM args :mod:`megashard.megatron.checkpointing` reads (no RNG state)."""
+    return types.SimpleNamespace(**{use_for: path}, use_distributed_optimizer=True, no_save_rng=True,
+                                 no_load_rng=True, num_layers=1, hidden_size=32, num_attention_heads=4)
+
+
+@contextlib.contextmanager
+def _saving_as_before_the_fix():
+    """megashard's saves before the SwiGLU fix: megatron-core's fc1 optimizer state, no marker."""
+    from megashard.megatron import state as st
+
+    flatten, build = st.flatten_swiglu_optimizer_factories, st.build_state_dict
+
+    def build_unmarked(*a, **k):
+        sd = build(*a, **k)
+        del sd["content_metadata"][st.SWIGLU_OPTIM_KEY]
+        return sd
+
+    st.flatten_swiglu_optimizer_factories, st.build_state_dict = (lambda *a, **k: 0), build_unmarked
+    try:
+        yield
+    finally:
+        st.flatten_swiglu_optimizer_factories, st.build_state_dict = flatten, build
+
+
 def _worker(rank: int, world: int, tp: int, mode: str, path: str, legacy_out: str = ""):
+    """``mode``: save / load / load-legacy (:mod:`megashard.megatron.state` requests, as before),
+    save-adapter-legacy / load-adapter (``megashard.megatron``'s save_checkpoint / load_checkpoint)."""
     import megashard
     from megatron.core import parallel_state as mpu
 
+    import megashard.megatron as msm
     from megashard.megatron import state as st
 
     model, top, opt = _build(tp)
     names = _names(model)
     args = None
-    if mode == "save":
+    if mode.startswith("save"):
         with torch.no_grad():
             for p, s, e in _ranges(opt):
                 cur = opt._get_main_param_and_optimizer_states(p)
@@ -101,9 +131,13 @@ def _worker(rank: int, world: int, tp: int, mode: str, path: str, legacy_out: st
                 assert torch.equal(main, p.detach().view(-1)[s:e].float())
                 cur["exp_avg"].copy_(2 * main + 1)
                 cur["exp_avg_sq"].copy_(main * main + 0.5)
-        sd = st.build_state_dict(args, [st.unwrap_model(model)], top, None,
-                                 st.StateRequest(metadata=st.sharded_sd_metadata(True)), iteration=1)
-        megashard.save(st.prepare_for_save(sd), path)
+        if mode == "save-adapter-legacy":
+            with _saving_as_before_the_fix():
+                msm.save_checkpoint(1, [model], top, None, args=_adapter_args(path, "save"), async_save=False)
+        else:
+            sd = st.build_state_dict(args, [st.unwrap_model(model)], top, None,
+                                     st.StateRequest(metadata=st.sharded_sd_metadata(True)), iteration=1)
+            megashard.save(st.prepare_for_save(sd), path)
         fc1 = [(s, e, p.numel()) for p, s, e in _ranges(opt) if names[p].endswith("linear_fc1.weight")]
         mpu.destroy_model_parallel()
         return fc1
@@ -115,17 +149,20 @@ def _worker(rank: int, world: int, tp: int, mode: str, path: str, legacy_out: st
                     t.zero_()
         for p in model.parameters():
             p.zero_()
-    template = st.build_state_dict(args, [st.unwrap_model(model)], top, None,
-                                   st.StateRequest(is_loading=True, rng=False, scheduler=False,
-                                                   metadata=st.sharded_sd_metadata(True),
-                                                   legacy_swiglu_optim=mode == "load-legacy"))
-    for key in ("args", "checkpoint_version", "content_metadata"):
-        template.pop(key, None)
-    prepared = st.prepare_for_load(template)
-    with torch.no_grad():
-        loaded = st.finish_load(megashard.load(prepared.request, path), prepared)
-    st.load_model_state([model], loaded)
-    st.load_optimizer_state(top, loaded["optimizer"])
+    if mode == "load-adapter":  # the layout is the checkpoint's to tell (its content_metadata)
+        assert msm.load_checkpoint([model], top, None, args=_adapter_args(path, "load")) == (1, 0)
+    else:
+        template = st.build_state_dict(args, [st.unwrap_model(model)], top, None,
+                                       st.StateRequest(is_loading=True, rng=False, scheduler=False,
+                                                       metadata=st.sharded_sd_metadata(True),
+                                                       legacy_swiglu_optim=mode == "load-legacy"))
+        for key in ("args", "checkpoint_version", "content_metadata"):
+            template.pop(key, None)
+        prepared = st.prepare_for_load(template)
+        with torch.no_grad():
+            loaded = st.finish_load(megashard.load(prepared.request, path), prepared)
+        st.load_model_state([model], loaded)
+        st.load_optimizer_state(top, loaded["optimizer"])
     checked = {}
     for p, s, e in _ranges(opt):
         cur = opt._get_main_param_and_optimizer_states(p)
@@ -136,13 +173,9 @@ def _worker(rank: int, world: int, tp: int, mode: str, path: str, legacy_out: st
         assert torch.equal(cur["exp_avg_sq"], main * main + 0.5), f"exp_avg_sq of {name}"
         checked[name] = int((main != 0).sum())
     if legacy_out:  # save as megashard did before the fix: megatron-core's fc1 state, no marker
-        flatten, st.flatten_swiglu_optimizer_factories = st.flatten_swiglu_optimizer_factories, lambda *a, **k: 0
-        try:
+        with _saving_as_before_the_fix():
             sd = st.build_state_dict(args, [st.unwrap_model(model)], top, None,
                                      st.StateRequest(metadata=st.sharded_sd_metadata(True)), iteration=1)
-        finally:
-            st.flatten_swiglu_optimizer_factories = flatten
-        del sd["content_metadata"][st.SWIGLU_OPTIM_KEY]
         megashard.save(st.prepare_for_save(sd), legacy_out)
     mpu.destroy_model_parallel()
     return checked
@@ -177,3 +210,22 @@ def test_swiglu_fc1_optimizer_state_uneven_over_dp_saves_and_reshards_bit_exact(
     checked = all_ok(run_ranks(_worker, 2, 1, "load-legacy", legacy))
     assert sum(v for r in checked for k, v in r.items() if k.endswith("linear_fc1.weight")) == 128 * 32
 
+
+
+def test_checkpoint_saved_before_the_fix_resumes_through_save_and_load_checkpoint(tmp_path):
+    """The adapter's own load_checkpoint reads the pre-fix layout: it tells it from the checkpoint's
+    ``content_metadata`` (DistributedOptimizer ``fully_sharded_model_space``, no marker), nobody passes
+    ``legacy_swiglu_optim``. Saved at TP2·DP1 by save_checkpoint with the fix patched out (what
+    megashard before the fix wrote), loaded at TP1·DP2, where fc1 is split unevenly over DP."""
+    import megashard
+
+    root = str(tmp_path / "run")
+    all_ok(run_ranks(_worker, 2, 2, "save-adapter-legacy", root))
+    ckpt = os.path.join(root, "iter_0000001")
+    md = megashard.load_common(ckpt, ["content_metadata"])["content_metadata"]
+    assert md["distrib_optim_sharding_type"] == "fully_sharded_model_space" and "megashard_swiglu_optim" not in md
+    m = megashard.read_manifest(ckpt)
+    assert m.tensors[f"optimizer.state.exp_avg.{FC1}"].global_shape == (1, 128 * 32)  # the 1-D layout
+    checked = all_ok(run_ranks(_worker, 2, 1, "load-adapter", root))
+    fc1 = [v for r in checked for k, v in r.items() if k.endswith("linear_fc1.weight")]
+    assert len(fc1) == 2 and sum(fc1) == 128 * 32 and 0 not in fc1, checked
