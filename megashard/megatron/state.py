@@ -48,6 +48,14 @@ from .compat import CAT0_MERGES
 CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
+#: DistributedOptimizer shardings megashard loads: its own, and the two megatron-core's
+#: ``torch_dist`` saves write (``megashard convert`` keeps them as they are), loaded through
+#: megatron-core's own ``load_parameter_state_from_*``. ``dp_reshardable`` (Megatron-LM's
+#: default, 0.16 and 0.19) follows the optimizer's internal buckets: it loads only at the TP
+#: and PP it was saved with (:func:`check_distrib_optim_load`).
+DISTRIB_OPTIM_LOADABLE = (DISTRIB_OPTIM_SHARDING_TYPE, "fully_reshardable", "dp_reshardable")
+#: ``content_metadata`` entries that shape a DistributedOptimizer's sharded state dict
+_DISTRIB_OPTIM_METADATA = ("distrib_optim_sharding_type", "distrib_optim_fully_reshardable_mem_efficient")
 RNG_FORMAT = "megashard-rng-v1"
 
 Path = Tuple[Any, ...]
@@ -415,6 +423,30 @@ def sharded_sd_metadata(use_distributed_optimizer: bool) -> Dict[str, Any]:
 
 def clean_metadata(md: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in md.items() if k != "dp_cp_group"}
+
+
+def check_distrib_optim_load(ckpt: str, content_metadata: Dict[str, Any], saved_tp_pp: Tuple[int, int],
+                             run_tp_pp: Tuple[int, int]) -> Dict[str, Any]:
+    """The ``metadata`` entries to load the checkpoint's DistributedOptimizer state with (its own
+    sharding type), or a CheckpointError that says what to do when this run cannot load it."""
+    saved = content_metadata.get("distrib_optim_sharding_type")
+    if saved is None:  # megashard's own checkpoints before content metadata, or no optimizer
+        return {}
+    what = f"{ckpt} stores DistributedOptimizer state as {saved!r}"
+    if saved not in DISTRIB_OPTIM_LOADABLE:
+        raise CheckpointError(
+            f"{what}, which megashard cannot load (it loads {', '.join(map(repr, DISTRIB_OPTIM_LOADABLE))}): "
+            "save the torch_dist checkpoint again with Megatron's --dist-ckpt-optim-fully-reshardable and "
+            "convert that, or resume with --no-load-optim (a fresh optimizer)")
+    if saved == "dp_reshardable" and tuple(saved_tp_pp) != tuple(run_tp_pp):
+        fmt = lambda tp_pp: f"TP{tp_pp[0]}·PP{tp_pp[1]}"  # noqa: E731
+        raise CheckpointError(
+            f"{what} (Megatron-LM's default for torch_dist), which follows the optimizer's internal buckets "
+            f"and loads only at the TP and PP it was saved with ({fmt(saved_tp_pp)}; this run: "
+            f"{fmt(run_tp_pp)}): resume at {fmt(saved_tp_pp)} (megashard's next save reshards freely), or "
+            "save the torch_dist checkpoint with Megatron's --dist-ckpt-optim-fully-reshardable and convert "
+            "that, or resume with --no-load-optim (a fresh optimizer)")
+    return {k: content_metadata[k] for k in _DISTRIB_OPTIM_METADATA if k in content_metadata}
 
 
 @contextlib.contextmanager
@@ -960,7 +992,7 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
     """
     state = regroup_optimizer_state(optimizer, state)
     opts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-    if _is_fs_model_space(state):
+    if isinstance(state, dict) and "param_state_sharding_type" in state:
         pairs = [(opts[0], state)]
     elif isinstance(state, dict) and all(isinstance(k, int) for k in state) and len(state) == len(opts):
         pairs = [(o, state[k]) for o, k in zip(opts, sorted(state))]
@@ -970,11 +1002,47 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
     for opt, sub in pairs:
         if _is_fs_model_space(sub) and "param_state" in sub:
             deferred.append((opt, sub.pop("param_state")))
+        elif isinstance(sub, dict) and sub.get("param_state_sharding_type") == "dp_reshardable":
+            _check_dp_reshardable(opt, sub.get("param_state"))
     with torch.no_grad():
         optimizer.load_state_dict(state)
         for opt, param_state in deferred:
             _load_fs_model_space(opt, param_state)
         _unshare_step_tensors(opts)
+
+
+def _check_dp_reshardable(opt: Any, param_state: Any) -> None:
+    """Ready ``dp_reshardable`` param state (a converted torch_dist checkpoint) for megatron-core's
+    ``load_parameter_state_from_dp_reshardable``.
+
+    Its buckets must have this run's sizes (the same model, TP, PP and DDP bucketing): a
+    CheckpointError that says what to do, not megatron-core's bare assertion. Every entry's
+    ``step`` is this rank's live tensor put back after the load (a LocalNonpersistentObject),
+    which megatron-core would copy over the checkpoint's step it has just set from the param
+    groups: it is dropped (None: not copied).
+    """
+    if not isinstance(param_state, dict):
+        raise StateDictError("dp_reshardable DistributedOptimizer state without its buckets (param_state)")
+    saved = param_state.get("per_bucket_numel_unpadded")
+    mine = getattr(opt, "per_bucket_numel_unpadded", None)
+    if saved is not None and mine is not None and saved != mine:
+        raise CheckpointError(
+            f"the checkpoint's dp_reshardable DistributedOptimizer state has buckets of {saved} elements, "
+            f"this run's optimizer {mine}: it loads only into the model, TP, PP and bucket sizes that saved "
+            "it; save the torch_dist checkpoint with Megatron's --dist-ckpt-optim-fully-reshardable and "
+            "convert that, or resume with --no-load-optim")
+
+    def rec(x: Any) -> None:
+        if isinstance(x, dict):
+            if "padding" in x and "step" in x:
+                x["step"] = None
+            for v in x.values():
+                rec(v)
+        elif isinstance(x, list):
+            for v in x:
+                rec(v)
+
+    rec(param_state)
 
 
 def _unshare_step_tensors(opts: Sequence[Any]) -> None:
