@@ -62,7 +62,10 @@ def _resume_bit_exact(tree, ms, tmp_path, base):
     run, losses = mlm(tree, [*DISTOPT, *TRAIN, "--load", str(ms), "--save", str(out), "--save-format", "tensors"])
     assert "holds a megashard checkpoint: loading with megashard" in run.output
     assert "at iteration 2 (optimizer loaded, rng loaded)" in run.output
-    assert sorted(losses) == [3, 4] and losses == {i: base[1][i] for i in (3, 4)}
+    # the first iteration after the resume logs the same loss (the next line is not compared: Megatron-LM's
+    # resumed runs log a different loss there whatever the checkpoint, see test_megatron_lm_configs.py);
+    # the final checkpoint holds the uninterrupted run's training state
+    assert sorted(losses) == [3, 4] and losses[3] == base[1][3]
     _same(base[0] / "iter_0000004", out / "iter_0000004", "converted, resumed")
 
 
@@ -100,6 +103,6 @@ def test_megashard_converted_to_torch_dist_and_resumed_by_megatron(mlm_tree, bas
     run, losses = mlm(mlm_tree, [*DISTOPT, *TRAIN, "--load", str(td), "--save", str(out), "--save-format", "tensors"])
     assert "loading with megashard" not in run.output  # Megatron-LM's own loader
     assert "successfully loaded checkpoint from" in run.output
-    assert sorted(losses) == [3, 4] and losses == {i: base[1][i] for i in (3, 4)}
+    assert sorted(losses) == [3, 4] and losses[3] == base[1][3]
     _same(base[0] / "iter_0000004", out / "iter_0000004", "megashard -> torch_dist, resumed by Megatron-LM")
     assert os.path.isdir(base[0] / "iter_0000002")  # the source is untouched

@@ -869,6 +869,34 @@ def _load_fs_model_space(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor
                     idx += 1
 
 
+@dataclass
+class _FullyReshardable:
+    """``fully_reshardable`` param state, set aside for :func:`_load_fully_reshardable`."""
+
+    state: Dict[int, Dict[str, torch.Tensor]]
+
+
+def _load_fully_reshardable(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor]]) -> None:
+    """megatron-core's ``load_parameter_state_from_fully_reshardable`` minus the torch-Adam bug
+    of :func:`_load_fs_model_space` (KeyError 'step'): every entry holds this parameter's whole
+    (TP-local) state in its shape; this rank keeps its DP range of it."""
+    from collections import ChainMap
+
+    idx = -1  # the order of sharded_param_state_fully_reshardable: every buffer's param_index_map
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        for per_dtype in gbuf_range_maps.values():
+            ranges = ChainMap(*(m["param_map"] for m in per_dtype))
+            for model_param in opt.buffers[gbuf_idx].param_index_map:
+                idx += 1
+                if model_param not in ranges:
+                    continue
+                r = ranges[model_param]["param"]
+                src = {("param" if k == "fp32_param" else k): v.flatten()[r.start:r.end]
+                       for k, v in param_state[idx].items() if k != "step"}
+                current = opt._get_main_param_and_optimizer_states(model_param)
+                opt._set_main_param_and_optimizer_states(model_param, {k: src.get(k, current[k]) for k in current})
+
+
 #: where a sub-optimizer's state keeps what is not a per-parameter tensor: param groups
 #: (``FP32Optimizer``; ``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer``)
 #: and the step torch's Adam shares between parameters (``DistributedOptimizer`` keeps it
@@ -1002,12 +1030,17 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
     for opt, sub in pairs:
         if _is_fs_model_space(sub) and "param_state" in sub:
             deferred.append((opt, sub.pop("param_state")))
+        elif isinstance(sub, dict) and sub.get("param_state_sharding_type") == "fully_reshardable":
+            deferred.append((opt, _FullyReshardable(sub.pop("param_state"))))
         elif isinstance(sub, dict) and sub.get("param_state_sharding_type") == "dp_reshardable":
             _check_dp_reshardable(opt, sub.get("param_state"))
     with torch.no_grad():
         optimizer.load_state_dict(state)
         for opt, param_state in deferred:
-            _load_fs_model_space(opt, param_state)
+            if isinstance(param_state, _FullyReshardable):
+                _load_fully_reshardable(opt, param_state.state)
+            else:
+                _load_fs_model_space(opt, param_state)
         _unshare_step_tensors(opts)
 
 
