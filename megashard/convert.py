@@ -378,6 +378,28 @@ def _rank0_state(src: str, m: Manifest) -> Tuple[Dict[str, Any], Dict[str, Any]]
     return common, {u: _finalize_tree(v) for u, v in objects.items()}
 
 
+def _without_sharded(tree: Any) -> Any:
+    """Rank 0's saved tree without the markers where sharded entries were (their tensors and
+    objects go in by global key), and without the dicts and lists that held only such markers.
+
+    megatron-core merges a torch_dist checkpoint's common state with what it loads: a marker
+    (or a list of the two halves of a SwiGLU weight's markers) where it loads a tensor is a
+    conflict ("Duplicate non-dict and non-list values"), so Megatron-LM could not resume."""
+    from .loading import _SHARDED
+
+    def only_markers(v: Any) -> bool:
+        if v is _SHARDED:
+            return True
+        kids = list(v.values()) if isinstance(v, dict) else v if isinstance(v, list) else None
+        return bool(kids) and all(only_markers(x) for x in kids)
+
+    if isinstance(tree, dict):
+        return {k: _without_sharded(v) for k, v in tree.items() if not only_markers(v)}
+    if isinstance(tree, list):
+        return [_without_sharded(v) for v in tree]
+    return tree
+
+
 def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence[str]],
                              bar: Callable[[int], Any], res: ConvertResult) -> None:
     from .index import read_manifest
@@ -414,7 +436,7 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
             if assemble:  # tensors saved in several shards: planned and read like an own-mode load
                 read_global_tensors(src, m, assemble)
             pbar = bar(res.bytes)
-            state = dict(common)
+            state = _without_sharded(common)
             state[TORCH_DIST_ENTRY] = tensors
             if m.objects:
                 state[OBJECTS_ENTRY] = {

@@ -1,6 +1,6 @@
 """DistributedOptimizer state across ``megashard convert``, through Megatron-LM's own ``pretrain_gpt.py``
-(CPU, gloo, 2 ranks at TP1·DP2 so the optimizer state is sharded, bf16 so it holds fp32 main params,
-SwiGLU so one of them is a ShardedTensorFactory), on whichever megatron-core release is installed.
+(CPU, gloo, 2 ranks at TP1·DP2 so the optimizer state is sharded, bf16 so it holds fp32 main params),
+on whichever megatron-core release is installed.
 
 Megatron-LM saves torch_dist DistributedOptimizer state as ``dp_reshardable`` by default (0.16 and
 0.19: the optimizer's internal buckets, one flat tensor each) or, with
@@ -25,7 +25,7 @@ from test_megatron_lm_install import ARGS, SCRIPT, mlm, mlm_tree  # noqa: F401 -
 import megashard
 from megashard.convert import convert
 
-DISTOPT = ["--use-distributed-optimizer", "--bf16", "--swiglu", "--tensor-model-parallel-size", "1"]
+DISTOPT = ["--use-distributed-optimizer", "--bf16", "--tensor-model-parallel-size", "1"]
 TRAIN = ["--train-iters", "4", "--save-interval", "2"]
 
 

@@ -861,19 +861,8 @@ def _load_fs_model_space(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor
         for per_dtype in gbuf_range_maps.values():
             for gbuf_range_map in per_dtype:
                 for model_param in gbuf_range_map["param_map"]:
-                    entry = param_state[idx]
-                    src = {("param" if k == "fp32_param" else k): v for k, v in entry.items() if k != "step"}
-                    current = opt._get_main_param_and_optimizer_states(model_param)
-                    opt._set_main_param_and_optimizer_states(
-                        model_param, {k: src.get(k, current[k]) for k in current})
+                    _set_states(opt, model_param, param_state[idx])
                     idx += 1
-
-
-@dataclass
-class _FullyReshardable:
-    """``fully_reshardable`` param state, set aside for :func:`_load_fully_reshardable`."""
-
-    state: Dict[int, Dict[str, torch.Tensor]]
 
 
 def _load_fully_reshardable(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor]]) -> None:
@@ -891,10 +880,8 @@ def _load_fully_reshardable(opt: Any, param_state: Dict[int, Dict[str, torch.Ten
                 if model_param not in ranges:
                     continue
                 r = ranges[model_param]["param"]
-                src = {("param" if k == "fp32_param" else k): v.flatten()[r.start:r.end]
-                       for k, v in param_state[idx].items() if k != "step"}
-                current = opt._get_main_param_and_optimizer_states(model_param)
-                opt._set_main_param_and_optimizer_states(model_param, {k: src.get(k, current[k]) for k in current})
+                _set_states(opt, model_param, {k: v.flatten()[r.start:r.end] for k, v in param_state[idx].items()
+                                               if isinstance(v, torch.Tensor) and k != "step"})
 
 
 #: where a sub-optimizer's state keeps what is not a per-parameter tensor: param groups
@@ -1029,31 +1016,31 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
     deferred = []
     for opt, sub in pairs:
         if _is_fs_model_space(sub) and "param_state" in sub:
-            deferred.append((opt, sub.pop("param_state")))
-        elif isinstance(sub, dict) and sub.get("param_state_sharding_type") == "fully_reshardable":
-            deferred.append((opt, _FullyReshardable(sub.pop("param_state"))))
-        elif isinstance(sub, dict) and sub.get("param_state_sharding_type") == "dp_reshardable":
-            _check_dp_reshardable(opt, sub.get("param_state"))
+            deferred.append((opt, _load_fs_model_space, sub.pop("param_state")))
+        elif isinstance(sub, dict) and sub.get("param_state_sharding_type") in _OTHER_LOADERS and "param_state" in sub:
+            deferred.append((opt, _OTHER_LOADERS[sub["param_state_sharding_type"]], sub.pop("param_state")))
     with torch.no_grad():
         optimizer.load_state_dict(state)
-        for opt, param_state in deferred:
-            if isinstance(param_state, _FullyReshardable):
-                _load_fully_reshardable(opt, param_state.state)
-            else:
-                _load_fs_model_space(opt, param_state)
+        for opt, load, param_state in deferred:
+            load(opt, param_state)
         _unshare_step_tensors(opts)
 
 
-def _check_dp_reshardable(opt: Any, param_state: Any) -> None:
-    """Ready ``dp_reshardable`` param state (a converted torch_dist checkpoint) for megatron-core's
-    ``load_parameter_state_from_dp_reshardable``.
+def _set_states(opt: Any, model_param: Any, entry: Dict[str, Any]) -> None:
+    """Set one parameter's main param and optimizer states from a loaded entry. Keys the entry
+    lacks (``step``: restored from the param groups) keep their current value: megatron-core's
+    loaders copy every key of the live state (with torch's Adam: KeyError 'step', or on 0.16
+    a copy from the rank-local ``step`` put back after the load)."""
+    src = {("param" if k == "fp32_param" else k): v for k, v in entry.items()
+           if k not in ("step", "padding") and isinstance(v, torch.Tensor)}
+    current = opt._get_main_param_and_optimizer_states(model_param)
+    opt._set_main_param_and_optimizer_states(model_param, {k: src.get(k, current[k]) for k in current})
 
-    Its buckets must have this run's sizes (the same model, TP, PP and DDP bucketing): a
-    CheckpointError that says what to do, not megatron-core's bare assertion. Every entry's
-    ``step`` is this rank's live tensor put back after the load (a LocalNonpersistentObject),
-    which megatron-core would copy over the checkpoint's step it has just set from the param
-    groups: it is dropped (None: not copied).
-    """
+
+def _load_dp_reshardable(opt: Any, param_state: Any) -> None:
+    """megatron-core's ``load_parameter_state_from_dp_reshardable`` (a converted torch_dist
+    checkpoint's default) with :func:`_set_states`. Its buckets must have this run's sizes (the
+    same model, TP, PP and DDP bucketing): else a CheckpointError that says what to do."""
     if not isinstance(param_state, dict):
         raise StateDictError("dp_reshardable DistributedOptimizer state without its buckets (param_state)")
     saved = param_state.get("per_bucket_numel_unpadded")
@@ -1064,18 +1051,20 @@ def _check_dp_reshardable(opt: Any, param_state: Any) -> None:
             f"this run's optimizer {mine}: it loads only into the model, TP, PP and bucket sizes that saved "
             "it; save the torch_dist checkpoint with Megatron's --dist-ckpt-optim-fully-reshardable and "
             "convert that, or resume with --no-load-optim")
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        for dtype, per_dtype in gbuf_range_maps.items():
+            for bucket_idx, gbuf_range_map in enumerate(per_dtype):
+                entries = [e for e in param_state[gbuf_idx][dtype][bucket_idx] if not e.get("padding")]
+                if len(entries) != len(gbuf_range_map["param_map"]):
+                    raise CheckpointError(
+                        f"dp_reshardable bucket {gbuf_idx}/{bucket_idx}: {len(entries)} parameters in the "
+                        f"checkpoint, {len(gbuf_range_map['param_map'])} in this run; resume with --no-load-optim")
+                for entry, model_param in zip(entries, gbuf_range_map["param_map"]):
+                    _set_states(opt, model_param, entry)
 
-    def rec(x: Any) -> None:
-        if isinstance(x, dict):
-            if "padding" in x and "step" in x:
-                x["step"] = None
-            for v in x.values():
-                rec(v)
-        elif isinstance(x, list):
-            for v in x:
-                rec(v)
 
-    rec(param_state)
+#: DistributedOptimizer param-state loaders of the torch_dist shardings (see DISTRIB_OPTIM_LOADABLE)
+_OTHER_LOADERS = {"fully_reshardable": _load_fully_reshardable, "dp_reshardable": _load_dp_reshardable}
 
 
 def _unshare_step_tensors(opts: Sequence[Any]) -> None:
