@@ -454,6 +454,23 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
             scratch.close()
     if m.world_size > 1:
         res.dropped.append(f"rank-local state of ranks 1..{m.world_size - 1} (torch_dist keeps rank 0's)")
+    res.dropped.extend(_megatron_cannot_load(common, m))
+
+
+def _megatron_cannot_load(common: Dict[str, Any], m: Manifest) -> List[str]:
+    """What Megatron-LM cannot resume from a megashard checkpoint converted to torch_dist, and how
+    to resume without it (the tensors are written all the same)."""
+    notes = []
+    md = common.get("content_metadata")
+    if isinstance(md, dict) and md.get("distrib_optim_sharding_type") == "fully_sharded_model_space":
+        notes.append("for Megatron-LM: the DistributedOptimizer state, saved as 'fully_sharded_model_space', "
+                     "which megatron-core 0.16 and later no longer load from torch_dist (resume with "
+                     "--no-load-optim, or resume from the megashard checkpoint itself)")
+    if any(e.get("key") == "rng_state" for e in m.objects.values()):
+        notes.append("for Megatron-LM: the RNG state, stored in megashard's JSON form (resume with --no-load-rng)")
+    for n in notes:
+        log.warning("%s", n)
+    return notes
 
 
 # ---------------------------------------------------------------------------

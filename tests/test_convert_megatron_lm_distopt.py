@@ -11,7 +11,8 @@ in the parameter's shape); megashard saves ``fully_sharded_model_space``. Checke
   losses and the final checkpoint (model, exp_avg, exp_avg_sq, fp32 main params) equal an
   uninterrupted megashard run's bit for bit;
 * a converted ``dp_reshardable`` checkpoint at another TP is refused with a message that says what to do;
-* megashard -> ``convert --to torch_dist`` -> Megatron-LM resumes it with its own loader, bit-exact.
+* megashard -> ``convert --to torch_dist`` -> Megatron-LM resumes the model with its own loader; the
+  DistributedOptimizer and RNG state it cannot load (convert says so, and how to resume).
 """
 from __future__ import annotations
 
@@ -95,14 +96,44 @@ def test_fully_reshardable_converted_and_resumed(mlm_tree, base, tmp_path):  # n
     _resume_bit_exact(mlm_tree, ms, tmp_path, base)
 
 
-def test_megashard_converted_to_torch_dist_and_resumed_by_megatron(mlm_tree, base, tmp_path):  # noqa: F811
+def test_megashard_converted_to_torch_dist_resumed_by_megatron_without_optimizer(mlm_tree, base, tmp_path):  # noqa: F811
+    """megashard -> torch_dist: Megatron-LM resumes the model with its own loader. Its DistributedOptimizer
+    state (``fully_sharded_model_space``: megatron-core 0.16+ builds flattened ShardedTensors for it and
+    then refuses them, "ShardedTensor.flattened_range is not supported") and the RNG state (megashard's
+    JSON form) it cannot load: convert says so and how to resume."""
     td = tmp_path / "td"
     res = convert(str(base[0]), str(td), to="torch_dist", iteration=2)
     assert res.target_format == "torch_dist" and res.iteration == 2
-    out = tmp_path / "resumed"
-    run, losses = mlm(mlm_tree, [*DISTOPT, *TRAIN, "--load", str(td), "--save", str(out), "--save-format", "tensors"])
+    assert any("DistributedOptimizer state, saved as 'fully_sharded_model_space'" in d and "--no-load-optim" in d
+               for d in res.dropped), res.dropped
+    assert any("RNG state" in d and "--no-load-rng" in d for d in res.dropped), res.dropped
+    run, losses = mlm(mlm_tree, [*DISTOPT, *TRAIN, "--load", str(td), "--no-load-optim", "--no-load-rng",
+                                 "--save-format", "tensors"])
     assert "loading with megashard" not in run.output  # Megatron-LM's own loader
     assert "successfully loaded checkpoint from" in run.output
+    # the model is the uninterrupted run's at iteration 2: the same loss at iteration 3 (the optimizer is
+    # fresh, so the step after it differs)
     assert sorted(losses) == [3, 4] and losses[3] == base[1][3]
-    _same(base[0] / "iter_0000004", out / "iter_0000004", "megashard -> torch_dist, resumed by Megatron-LM")
     assert os.path.isdir(base[0] / "iter_0000002")  # the source is untouched
+
+
+def test_distrib_optim_shardings_megashard_loads_or_refuses():
+    """Which saved DistributedOptimizer shardings a run loads, and the refusals' advice (no run needed)."""
+    from megashard.errors import CheckpointError
+    from megashard.megatron.state import check_distrib_optim_load
+
+    md = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True,
+          "singleton_local_shards": False}
+    assert check_distrib_optim_load("C", md, (2, 1), (1, 2)) == {
+        "distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True}
+    for kind in ("fully_sharded_model_space", "dp_reshardable"):
+        assert check_distrib_optim_load("C", {"distrib_optim_sharding_type": kind}, (2, 1), (2, 1)) == {
+            "distrib_optim_sharding_type": kind}
+    assert check_distrib_optim_load("C", {}, (2, 1), (1, 1)) == {}
+    with pytest.raises(CheckpointError, match=r"^C stores DistributedOptimizer state as 'dp_reshardable' .*"
+                                              r"\(TP2·PP1; this run: TP2·PP2\): resume at TP2·PP1 .*"
+                                              r"--dist-ckpt-optim-fully-reshardable .* --no-load-optim"):
+        check_distrib_optim_load("C", {"distrib_optim_sharding_type": "dp_reshardable"}, (2, 1), (2, 2))
+    with pytest.raises(CheckpointError, match=r"^C stores DistributedOptimizer state as 'dp_zero_gather_scatter', "
+                                              r"which megashard cannot load .*--no-load-optim"):
+        check_distrib_optim_load("C", {"distrib_optim_sharding_type": "dp_zero_gather_scatter"}, (1, 1), (1, 1))
