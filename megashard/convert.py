@@ -30,8 +30,10 @@ convert only torch_dist checkpoints you trust. Nothing megashard writes is pickl
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
+import enum
 import json
 import logging
 import mmap
@@ -397,7 +399,31 @@ def _without_sharded(tree: Any) -> Any:
         return {k: _without_sharded(v) for k, v in tree.items() if not only_markers(v)}
     if isinstance(tree, list):
         return [_without_sharded(v) for v in tree]
-    return tree
+    if isinstance(tree, argparse.Namespace):  # Megatron's args
+        return argparse.Namespace(**{k: _without_sharded(v) for k, v in vars(tree).items()})
+    return _picklable(tree)
+
+
+def _picklable(value: Any) -> Any:
+    """A placeholder of :mod:`megashard.jsonstate` as a value torch_dist's common state may hold.
+
+    megatron-core 0.16 reads that state with ``torch.load(weights_only=True)``, which refuses
+    megashard's placeholder classes (an unregistered enum in ``args`` or the rerun state):
+    an enum member whose class is already imported becomes that member (nothing is imported
+    for it), any other placeholder its stored text."""
+    from . import jsonstate
+
+    if isinstance(value, jsonstate.UnregisteredEnum):
+        tag = value.tag
+        cls = sys.modules.get(str(tag.get("module")))
+        for part in str(tag.get("qualname", "")).split("."):
+            cls = getattr(cls, part, None) if cls is not None else None
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and str(tag.get("name")) in cls.__members__:
+            return cls[str(tag["name"])]
+        return str(tag.get("name"))
+    if isinstance(value, jsonstate.Unrepresentable):
+        return value.repr
+    return value
 
 
 def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence[str]],
