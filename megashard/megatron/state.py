@@ -15,7 +15,9 @@ so that a megashard checkpoint holds the same top-level keys as a ``torch_dist``
   and a load in another layout ignores it with a warning (:func:`rng_layout_change`);
 * ``args`` is reduced to JSON-representable values (anything else becomes its repr);
 * the distributed optimizer uses the ``fully_sharded_model_space`` sharding (flattened
-  ShardedTensors per model parameter), which megashard reshards across TP/PP/DP.
+  ShardedTensors per model parameter), which megashard reshards across TP/PP/DP; a converted
+  torch_dist checkpoint's ``dp_reshardable`` / ``fully_reshardable`` state is loaded in its
+  own sharding (:data:`DISTRIB_OPTIM_LOADABLE`).
 
 From megatron-core only the data model (``ShardedTensor``, ``ShardedObject``,
 ``ShardedTensorFactory``, ``LocalNonpersistentObject``, ``apply_factories``,
