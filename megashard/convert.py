@@ -39,8 +39,10 @@ convert only torch_dist checkpoints you trust. Nothing megashard writes is pickl
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
+import enum
 import json
 import logging
 import mmap
@@ -475,6 +477,52 @@ def _rank0_state(src: str, m: Manifest) -> Tuple[Dict[str, Any], Dict[str, Any]]
     return common, {u: _finalize_tree(v) for u, v in objects.items()}
 
 
+def _without_sharded(tree: Any) -> Any:
+    """Rank 0's saved tree without the markers where sharded entries were (their tensors and
+    objects go in by global key), and without the dicts and lists that held only such markers.
+
+    megatron-core merges a torch_dist checkpoint's common state with what it loads: a marker
+    (or a list of the two halves of a SwiGLU weight's markers) where it loads a tensor is a
+    conflict ("Duplicate non-dict and non-list values"), so Megatron-LM could not resume."""
+    from .loading import _SHARDED
+
+    def only_markers(v: Any) -> bool:
+        if v is _SHARDED:
+            return True
+        kids = list(v.values()) if isinstance(v, dict) else v if isinstance(v, list) else None
+        return bool(kids) and all(only_markers(x) for x in kids)
+
+    if isinstance(tree, dict):
+        return {k: _without_sharded(v) for k, v in tree.items() if not only_markers(v)}
+    if isinstance(tree, list):
+        return [_without_sharded(v) for v in tree]
+    if isinstance(tree, argparse.Namespace):  # Megatron's args
+        return argparse.Namespace(**{k: _without_sharded(v) for k, v in vars(tree).items()})
+    return _picklable(tree)
+
+
+def _picklable(value: Any) -> Any:
+    """A placeholder of :mod:`megashard.jsonstate` as a value torch_dist's common state may hold.
+
+    megatron-core 0.16 reads that state with ``torch.load(weights_only=True)``, which refuses
+    megashard's placeholder classes (an unregistered enum in ``args`` or the rerun state):
+    an enum member whose class is already imported becomes that member (nothing is imported
+    for it), any other placeholder its stored text."""
+    from . import jsonstate
+
+    if isinstance(value, jsonstate.UnregisteredEnum):
+        tag = value.tag
+        cls = sys.modules.get(str(tag.get("module")))
+        for part in str(tag.get("qualname", "")).split("."):
+            cls = getattr(cls, part, None) if cls is not None else None
+        if isinstance(cls, type) and issubclass(cls, enum.Enum) and str(tag.get("name")) in cls.__members__:
+            return cls[str(tag["name"])]
+        return str(tag.get("name"))
+    if isinstance(value, jsonstate.Unrepresentable):
+        return value.repr
+    return value
+
+
 def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence[str]],
                              bar: Callable[[int], Any], res: ConvertResult) -> None:
     from .index import read_manifest
@@ -512,7 +560,7 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
             if assemble:  # several shards, or in an object store: planned and read like an own-mode load
                 read_global_tensors(src, m, assemble)
             pbar = bar(res.bytes)
-            state = dict(common)
+            state = _without_sharded(common)
             state[TORCH_DIST_ENTRY] = tensors
             if m.objects:
                 state[OBJECTS_ENTRY] = {
@@ -530,6 +578,23 @@ def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence
             scratch.close()
     if m.world_size > 1:
         res.dropped.append(f"rank-local state of ranks 1..{m.world_size - 1} (torch_dist keeps rank 0's)")
+    res.dropped.extend(_megatron_cannot_load(common, m))
+
+
+def _megatron_cannot_load(common: Dict[str, Any], m: Manifest) -> List[str]:
+    """What Megatron-LM cannot resume from a megashard checkpoint converted to torch_dist, and how
+    to resume without it (the tensors are written all the same)."""
+    notes = []
+    md = common.get("content_metadata")
+    if isinstance(md, dict) and md.get("distrib_optim_sharding_type") == "fully_sharded_model_space":
+        notes.append("for Megatron-LM: the DistributedOptimizer state, saved as 'fully_sharded_model_space', "
+                     "which megatron-core 0.16 and later no longer load from torch_dist (resume with "
+                     "--no-load-optim, or resume from the megashard checkpoint itself)")
+    if any(e.get("key") == "rng_state" for e in m.objects.values()):
+        notes.append("for Megatron-LM: the RNG state, stored in megashard's JSON form (resume with --no-load-rng)")
+    for n in notes:
+        log.warning("%s", n)
+    return notes
 
 
 # ---------------------------------------------------------------------------

@@ -479,10 +479,9 @@ def load_checkpoint(
                       and not getattr(ckpt_args, "no_save_optim", False) and optimizer is not None)
         plan["rng"], plan["optim"] = load_rng, load_optim
         use_dist_opt = bool(_flag(args, "use_distributed_optimizer"))
-        saved_type = content_md.get("distrib_optim_sharding_type")
-        if load_optim and use_dist_opt and saved_type not in (None, st.DISTRIB_OPTIM_SHARDING_TYPE):
-            raise CheckpointError(f"{ckpt} stores DistributedOptimizer state as {saved_type!r}; "
-                                  f"megashard reads {st.DISTRIB_OPTIM_SHARDING_TYPE!r}")
+        metadata = st.sharded_sd_metadata(use_dist_opt)
+        if load_optim and use_dist_opt:  # the sharding the checkpoint holds (converted: Megatron's)
+            metadata.update(st.check_distrib_optim_load(ckpt, content_md, ckpt_tp_pp, run_tp_pp))
         chunks = [st.unwrap_model(m) for m in st.as_chunk_list(ddp_model)]
         # a strict load overwrites every element of the optimizer state: no need to zero it first
         if load_optim and strict_load:
@@ -492,8 +491,9 @@ def load_checkpoint(
             opt_param_scheduler if load_optim else None,
             st.StateRequest(optimizer=load_optim, scheduler=load_optim, rng=load_rng, is_loading=True,
                             data_parallel_random_init=_flag(args, "data_parallel_random_init"),
-                            metadata=st.sharded_sd_metadata(use_dist_opt),
-                            legacy_swiglu_optim=(saved_type == st.DISTRIB_OPTIM_SHARDING_TYPE
+                            metadata=metadata,
+                            legacy_swiglu_optim=(content_md.get("distrib_optim_sharding_type")
+                                                 == st.DISTRIB_OPTIM_SHARDING_TYPE
                                                  and st.SWIGLU_OPTIM_KEY not in content_md)),
         )
         # the non-tensor values come from the checkpoint (load_common / load results)

@@ -15,7 +15,9 @@ so that a megashard checkpoint holds the same top-level keys as a ``torch_dist``
   and a load in another layout ignores it with a warning (:func:`rng_layout_change`);
 * ``args`` is reduced to JSON-representable values (anything else becomes its repr);
 * the distributed optimizer uses the ``fully_sharded_model_space`` sharding (flattened
-  ShardedTensors per model parameter), which megashard reshards across TP/PP/DP.
+  ShardedTensors per model parameter), which megashard reshards across TP/PP/DP; a converted
+  torch_dist checkpoint's ``dp_reshardable`` / ``fully_reshardable`` state is loaded in its
+  own sharding (:data:`DISTRIB_OPTIM_LOADABLE`).
 
 From megatron-core only the data model (``ShardedTensor``, ``ShardedObject``,
 ``ShardedTensorFactory``, ``LocalNonpersistentObject``, ``apply_factories``,
@@ -50,6 +52,14 @@ from .compat import CAT0_MERGES
 CHECKPOINT_VERSION = 3.0
 #: DistributedOptimizer sharding stored by megashard: reshardable over TP, PP and DP.
 DISTRIB_OPTIM_SHARDING_TYPE = "fully_sharded_model_space"
+#: DistributedOptimizer shardings megashard loads: its own, and the two megatron-core's
+#: ``torch_dist`` saves write (``megashard convert`` keeps them as they are), loaded through
+#: megatron-core's own ``load_parameter_state_from_*``. ``dp_reshardable`` (Megatron-LM's
+#: default, 0.16 and 0.19) follows the optimizer's internal buckets: it loads only at the TP
+#: and PP it was saved with (:func:`check_distrib_optim_load`).
+DISTRIB_OPTIM_LOADABLE = (DISTRIB_OPTIM_SHARDING_TYPE, "fully_reshardable", "dp_reshardable")
+#: ``content_metadata`` entries that shape a DistributedOptimizer's sharded state dict
+_DISTRIB_OPTIM_METADATA = ("distrib_optim_sharding_type", "distrib_optim_fully_reshardable_mem_efficient")
 RNG_FORMAT = "megashard-rng-v1"
 #: ``content_metadata`` entry of checkpoints whose SwiGLU ``linear_fc1`` DistributedOptimizer state
 #: is stored as flattened shards of the weight's two halves (:func:`flatten_swiglu_optimizer_factories`);
@@ -422,6 +432,30 @@ def sharded_sd_metadata(use_distributed_optimizer: bool) -> Dict[str, Any]:
 
 def clean_metadata(md: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in md.items() if k != "dp_cp_group"}
+
+
+def check_distrib_optim_load(ckpt: str, content_metadata: Dict[str, Any], saved_tp_pp: Tuple[int, int],
+                             run_tp_pp: Tuple[int, int]) -> Dict[str, Any]:
+    """The ``metadata`` entries to load the checkpoint's DistributedOptimizer state with (its own
+    sharding type), or a CheckpointError that says what to do when this run cannot load it."""
+    saved = content_metadata.get("distrib_optim_sharding_type")
+    if saved is None:  # megashard's own checkpoints before content metadata, or no optimizer
+        return {}
+    what = f"{ckpt} stores DistributedOptimizer state as {saved!r}"
+    if saved not in DISTRIB_OPTIM_LOADABLE:
+        raise CheckpointError(
+            f"{what}, which megashard cannot load (it loads {', '.join(map(repr, DISTRIB_OPTIM_LOADABLE))}): "
+            "save the torch_dist checkpoint again with Megatron's --dist-ckpt-optim-fully-reshardable and "
+            "convert that, or resume with --no-load-optim (a fresh optimizer)")
+    if saved == "dp_reshardable" and tuple(saved_tp_pp) != tuple(run_tp_pp):
+        fmt = lambda tp_pp: f"TP{tp_pp[0]}·PP{tp_pp[1]}"  # noqa: E731
+        raise CheckpointError(
+            f"{what} (Megatron-LM's default for torch_dist), which follows the optimizer's internal buckets "
+            f"and loads only at the TP and PP it was saved with ({fmt(saved_tp_pp)}; this run: "
+            f"{fmt(run_tp_pp)}): resume at {fmt(saved_tp_pp)} (megashard's next save reshards freely), or "
+            "save the torch_dist checkpoint with Megatron's --dist-ckpt-optim-fully-reshardable and convert "
+            "that, or resume with --no-load-optim (a fresh optimizer)")
+    return {k: content_metadata[k] for k in _DISTRIB_OPTIM_METADATA if k in content_metadata}
 
 
 @contextlib.contextmanager
@@ -968,12 +1002,27 @@ def _load_fs_model_space(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor
         for per_dtype in gbuf_range_maps.values():
             for gbuf_range_map in per_dtype:
                 for model_param in gbuf_range_map["param_map"]:
-                    entry = param_state[idx]
-                    src = {("param" if k == "fp32_param" else k): v for k, v in entry.items() if k != "step"}
-                    current = opt._get_main_param_and_optimizer_states(model_param)
-                    opt._set_main_param_and_optimizer_states(
-                        model_param, {k: src.get(k, current[k]) for k in current})
+                    _set_states(opt, model_param, param_state[idx])
                     idx += 1
+
+
+def _load_fully_reshardable(opt: Any, param_state: Dict[int, Dict[str, torch.Tensor]]) -> None:
+    """megatron-core's ``load_parameter_state_from_fully_reshardable`` minus the torch-Adam bug
+    of :func:`_load_fs_model_space` (KeyError 'step'): every entry holds this parameter's whole
+    (TP-local) state in its shape; this rank keeps its DP range of it."""
+    from collections import ChainMap
+
+    idx = -1  # the order of sharded_param_state_fully_reshardable: every buffer's param_index_map
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        for per_dtype in gbuf_range_maps.values():
+            ranges = ChainMap(*(m["param_map"] for m in per_dtype))
+            for model_param in opt.buffers[gbuf_idx].param_index_map:
+                idx += 1
+                if model_param not in ranges:
+                    continue
+                r = ranges[model_param]["param"]
+                _set_states(opt, model_param, {k: v.flatten()[r.start:r.end] for k, v in param_state[idx].items()
+                                               if isinstance(v, torch.Tensor) and k != "step"})
 
 
 #: where a sub-optimizer's state keeps what is not a per-parameter tensor: param groups
@@ -1099,7 +1148,7 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
     """
     state = regroup_optimizer_state(optimizer, state)
     opts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-    if _is_fs_model_space(state):
+    if isinstance(state, dict) and "param_state_sharding_type" in state:
         pairs = [(opts[0], state)]
     elif isinstance(state, dict) and all(isinstance(k, int) for k in state) and len(state) == len(opts):
         pairs = [(o, state[k]) for o, k in zip(opts, sorted(state))]
@@ -1108,12 +1157,55 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
     deferred = []
     for opt, sub in pairs:
         if _is_fs_model_space(sub) and "param_state" in sub:
-            deferred.append((opt, sub.pop("param_state")))
+            deferred.append((opt, _load_fs_model_space, sub.pop("param_state")))
+        elif isinstance(sub, dict) and sub.get("param_state_sharding_type") in _OTHER_LOADERS and "param_state" in sub:
+            deferred.append((opt, _OTHER_LOADERS[sub["param_state_sharding_type"]], sub.pop("param_state")))
     with torch.no_grad():
         optimizer.load_state_dict(state)
-        for opt, param_state in deferred:
-            _load_fs_model_space(opt, param_state)
+        for opt, load, param_state in deferred:
+            load(opt, param_state)
         _unshare_step_tensors(opts)
+
+
+def _set_states(opt: Any, model_param: Any, entry: Dict[str, Any]) -> None:
+    """Set one parameter's main param and optimizer states from a loaded entry. Keys the entry
+    lacks (``step``: restored from the param groups) keep their current value: megatron-core's
+    loaders copy every key of the live state (with torch's Adam: KeyError 'step', or on 0.16
+    a copy from the rank-local ``step`` put back after the load)."""
+    src = {("param" if k == "fp32_param" else k): v for k, v in entry.items()
+           if k not in ("step", "padding") and isinstance(v, torch.Tensor)}
+    current = opt._get_main_param_and_optimizer_states(model_param)
+    opt._set_main_param_and_optimizer_states(model_param, {k: src.get(k, current[k]) for k in current})
+
+
+def _load_dp_reshardable(opt: Any, param_state: Any) -> None:
+    """megatron-core's ``load_parameter_state_from_dp_reshardable`` (a converted torch_dist
+    checkpoint's default) with :func:`_set_states`. Its buckets must have this run's sizes (the
+    same model, TP, PP and DDP bucketing): else a CheckpointError that says what to do."""
+    if not isinstance(param_state, dict):
+        raise StateDictError("dp_reshardable DistributedOptimizer state without its buckets (param_state)")
+    saved = param_state.get("per_bucket_numel_unpadded")
+    mine = getattr(opt, "per_bucket_numel_unpadded", None)
+    if saved is not None and mine is not None and saved != mine:
+        raise CheckpointError(
+            f"the checkpoint's dp_reshardable DistributedOptimizer state has buckets of {saved} elements, "
+            f"this run's optimizer {mine}: it loads only into the model, TP, PP and bucket sizes that saved "
+            "it; save the torch_dist checkpoint with Megatron's --dist-ckpt-optim-fully-reshardable and "
+            "convert that, or resume with --no-load-optim")
+    for gbuf_idx, gbuf_range_maps in enumerate(opt.gbuf_ranges):
+        for dtype, per_dtype in gbuf_range_maps.items():
+            for bucket_idx, gbuf_range_map in enumerate(per_dtype):
+                entries = [e for e in param_state[gbuf_idx][dtype][bucket_idx] if not e.get("padding")]
+                if len(entries) != len(gbuf_range_map["param_map"]):
+                    raise CheckpointError(
+                        f"dp_reshardable bucket {gbuf_idx}/{bucket_idx}: {len(entries)} parameters in the "
+                        f"checkpoint, {len(gbuf_range_map['param_map'])} in this run; resume with --no-load-optim")
+                for entry, model_param in zip(entries, gbuf_range_map["param_map"]):
+                    _set_states(opt, model_param, entry)
+
+
+#: DistributedOptimizer param-state loaders of the torch_dist shardings (see DISTRIB_OPTIM_LOADABLE)
+_OTHER_LOADERS = {"fully_reshardable": _load_fully_reshardable, "dp_reshardable": _load_dp_reshardable}
 
 
 def _unshare_step_tensors(opts: Sequence[Any]) -> None:
