@@ -481,6 +481,21 @@ class _EarlyWriteback:
             self.thread.join()
 
 
+def _planned(tensors: Mapping[str, torch.Tensor], align: int,
+             threads: int | None) -> tuple[list[_Item], int, int, int, int, int]:
+    """What :func:`write_file` and :func:`file_segments` both start from: the checked items,
+    their layout (version, flags, metadata length, file size) and the thread count."""
+    _check_align(align)
+    items = _prepare(tensors)
+    version, flags, metadata_len, file_size = _plan(items, align)
+    nthreads = threads if threads is not None else default_threads()
+    if nthreads < 1:
+        raise FormatError(f"threads must be >= 1, got {threads}")
+    if sum(i.nbytes for i in items) < INLINE_BYTES:
+        nthreads = 1  # starting threads would cost more than they save
+    return items, version, flags, metadata_len, file_size, nthreads
+
+
 def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,
                align: int = 4096, fsync: bool = False,
                threads: int | None = None, direct: bool = False) -> list[L.TensorInfo]:
@@ -492,15 +507,8 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
     direct=True writes large tensors' data with O_DIRECT (see the module docstring;
     it needs align >= 4096 to apply and otherwise changes nothing).
     """
-    _check_align(align)
     path_s = os.fspath(path)
-    items = _prepare(tensors)
-    version, flags, metadata_len, file_size = _plan(items, align)
-    nthreads = threads if threads is not None else default_threads()
-    if nthreads < 1:
-        raise FormatError(f"threads must be >= 1, got {threads}")
-    if sum(i.nbytes for i in items) < INLINE_BYTES:
-        nthreads = 1  # starting threads would cost more than they save
+    items, version, flags, metadata_len, file_size, nthreads = _planned(tensors, align, threads)
 
     fd = os.open(path_s, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     ok = False
@@ -569,14 +577,7 @@ def file_segments(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, thr
     the tensors must not change until the segments have been sent. ``infos`` are
     :func:`write_file`'s. Same layout code as :func:`write_file`, so the bytes are equal.
     """
-    _check_align(align)
-    items = _prepare(tensors)
-    version, flags, metadata_len, file_size = _plan(items, align)
-    nthreads = threads if threads is not None else default_threads()
-    if nthreads < 1:
-        raise FormatError(f"threads must be >= 1, got {threads}")
-    if sum(i.nbytes for i in items) < INLINE_BYTES:
-        nthreads = 1
+    items, version, flags, metadata_len, file_size, nthreads = _planned(tensors, align, threads)
     run_parallel([partial(_hash_item, it) for it in sorted(items, key=lambda i: -i.nbytes)], nthreads)
     segments: List[Tuple[int, memoryview]] = [
         (0, memoryview(_prologue(items, version, flags, metadata_len))),
