@@ -467,9 +467,9 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
 
 
 def _write_tensors(tensors: Mapping[str, torch.Tensor], path: str, align: int, fsync: bool,
-                   threads: Optional[int], direct: bool = False) -> Tuple[List[Any], int]:
+                   threads: Optional[int], direct: bool = False) -> Tuple[List[Any], int, Dict[str, Any]]:
     infos = write_file(tensors, path, align=align, fsync=fsync, threads=threads, direct=direct)
-    return infos, os.path.getsize(path)
+    return infos, os.path.getsize(path), {}
 
 
 def _write_into(job: _WriteJob, target: Any, token: str, rank: int, align: int, fsync: bool,
@@ -484,16 +484,15 @@ def _write_into(job: _WriteJob, target: Any, token: str, rank: int, align: int, 
 
 
 def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool, threads: Optional[int],
-               write: Callable[..., Tuple[List[Any], int]] = _write_tensors) -> Dict[str, Any]:
+               write: Callable[..., Tuple[List[Any], int, Dict[str, Any]]] = _write_tensors) -> Dict[str, Any]:
     """Write this rank's files into the save's temporary directory; the records the index
-    needs. ``write(tensors, path, align, fsync, threads) -> (infos, file size)``."""
+    needs. ``write(tensors, path, align, fsync, threads) -> (infos, file size, extra file record)``."""
     files: Dict[str, Dict[str, Any]] = {}
     placed: Dict[Tuple[str, str], Any] = {}
     for stem, tensors in sorted(job.groups.items()):
         fname = f"{stem}-r{rank:05d}.tensors"
-        written = write(tensors, f"{temp_dir}/{fname}", align, fsync, threads)  # (infos, size[, extra record])
-        infos, size = written[0], written[1]
-        files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos), **(written[2] if len(written) > 2 else {})}
+        infos, size, extra = write(tensors, f"{temp_dir}/{fname}", align, fsync, threads)  # extra: e.g. the ETag
+        files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos), **extra}
         for inf in infos:
             placed[(stem, inf.name)] = (fname, inf)
     records = [m.record(name, None, 0, 0, 0) for name, m in job.zero_records]

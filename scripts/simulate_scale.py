@@ -64,7 +64,8 @@ def _wire(obj: Any) -> int:
     return len(json.dumps(obj, separators=(",", ":")).encode())
 
 
-def _fake_write(tensors: Dict[str, Any], path: str, align: int, fsync: bool, threads: Optional[int]) -> Tuple[List[Any], int]:
+def _fake_write(tensors: Dict[str, Any], path: str, align: int, fsync: bool,
+                threads: Optional[int]) -> Tuple[List[Any], int, Dict[str, Any]]:
     """Stands in for ``format.write_file``: offsets laid out like a .tensors file (a metadata
     block, a header per tensor, data aligned to ``align``), nothing written."""
     pos = 4096 * (1 + (len(tensors) * 160) // 4096)
@@ -76,7 +77,7 @@ def _fake_write(tensors: Dict[str, Any], path: str, align: int, fsync: bool, thr
         infos.append(SimpleNamespace(name=name, header_offset=pos, data_offset=data, nbytes=nbytes,
                                      crc32=(data * 2654435761) & 0xFFFFFFFF))
         pos = data + nbytes
-    return infos, pos + 8
+    return infos, pos + 8, {}
 
 
 def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool) -> saving._SaveState:
