@@ -1,7 +1,6 @@
 """Run ``examples/pretrain_gpt.py`` (or another script) under torchrun and parse its output."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -13,6 +12,7 @@ from typing import Dict, List, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "pretrain_gpt.py")
 TESTS = os.path.join(REPO, "tests")
+FAST_EXIT = "megatron_helpers.fast_exit"
 
 #: tiny, fast defaults shared by every test run (CPU, 2 ranks)
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -61,9 +61,10 @@ def parse(args: List[str], rc: int, out: str) -> Run:
 
 def torchrun(script: str, args: List[str], nproc: int = 2, timeout: int = 240,
              env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> Run:
-    """``python -m torch.distributed.run --nproc-per-node N script args`` on loopback."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), script, *args]
+    """``python -m torch.distributed.run --nproc-per-node N script args`` on loopback; the launcher and
+    its ranks end without the interpreter's teardown (``megatron_helpers.fast_exit`` says why)."""
+    cmd = [sys.executable, "-m", FAST_EXIT, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", FAST_EXIT, script, *args]
     e = dict(os.environ)
     e.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(
         p for p in (REPO, TESTS, e.get("PYTHONPATH")) if p)})
@@ -80,13 +81,7 @@ def pretrain(args: List[str], nproc: int = 2, **kw) -> Run:
 
 
 def compare_checkpoints(a: str, b: str, prefixes: Optional[List[str]] = None) -> Dict[str, object]:
-    """Global tensors of two megashard checkpoints, compared bit for bit (separate process)."""
-    cmd = [sys.executable, "-m", "megatron_helpers.ckpt_compare", a, b]
-    for p in prefixes or []:
-        cmd += ["--prefix", p]
-    e = dict(os.environ)
-    e.update({"PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(
-        p for p in (REPO, TESTS, e.get("PYTHONPATH")) if p)})
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120, env=e)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    """Global tensors of two megashard checkpoints, compared bit for bit (in this process)."""
+    from megatron_helpers.ckpt_compare import compare
+
+    return compare(a, b, prefixes)
