@@ -156,11 +156,10 @@ def initialize(args: argparse.Namespace) -> torch.device:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    if torch.distributed.get_rank() == 0:
-        print(f"layout: TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-              f"VP={args.virtual_pipeline_model_parallel_size or 1} DP={args.data_parallel_size} "
-              f"world={args.world_size} device={'cuda' if use_cuda else 'cpu'} "
-              f"distributed-optimizer={bool(args.use_distributed_optimizer)}", flush=True)
+    log0(f"layout: TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+         f"VP={args.virtual_pipeline_model_parallel_size or 1} DP={args.data_parallel_size} "
+         f"world={args.world_size} device={'cuda' if use_cuda else 'cpu'} "
+         f"distributed-optimizer={bool(args.use_distributed_optimizer)}")
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
@@ -391,9 +390,16 @@ def msm_unwrap(m: Any) -> Any:
     return unwrap_model(m)
 
 
+def say(msg: str) -> None:
+    """One line in one write: ranks share torchrun's stdout, and ``print`` writes the text and its
+    newline separately, so another rank's line could land between them."""
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
 def log0(msg: str) -> None:
     if torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
+        say(msg)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -445,8 +451,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         iteration += 1
         num_flops += flops_per_iteration(args)
         if is_reporter:
-            print(f"iteration {iteration} | loss {loss!r} | lr {optimizer.param_groups[0]['lr']!r} | "
-                  f"grad-norm {grad_norm!r}", flush=True)
+            say(f"iteration {iteration} | loss {loss!r} | lr {optimizer.param_groups[0]['lr']!r} | "
+                f"grad-norm {grad_norm!r}")
         if args.async_save:  # like Megatron-LM's train(): commit a finished async save, never wait
             msm.finalize_async_save(blocking=False)
         if args.save and args.save_interval and iteration % args.save_interval == 0:

@@ -168,3 +168,27 @@ def test_a_url_is_never_taken_for_a_local_load_directory(monkeypatch):
     monkeypatch.setattr(hooks, "_megatron_args", lambda: types.SimpleNamespace(load="msc://profile/run",
                                                                                  pretrained_checkpoint=None))
     assert hooks.make_load_wrapper(original)(None, None, None) == "megatron's" and len(calls) == 1
+
+
+def test_example_writes_each_line_in_one_write(monkeypatch):
+    """Ranks share torchrun's stdout: a line written as text then newline (``print``) let another rank's
+    line land in between ("done at iteration 6iteration 6 | loss ..."), and the loss went unparsed."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "pretrain_gpt.py")
+    spec = importlib.util.spec_from_file_location("example_pretrain_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    writes = []
+
+    class Out:
+        def write(self, s):
+            writes.append(s)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(example.sys, "stdout", Out())
+    example.say("iteration 6 | loss 4.8 | lr 0.0001 | grad-norm 1.07")
+    assert writes == ["iteration 6 | loss 4.8 | lr 0.0001 | grad-norm 1.07\n"]
