@@ -297,7 +297,8 @@ def _megatron_core() -> Iterator[Any]:
 
 
 class _Output:
-    """Where DST goes: everything is written beside it and renamed into place at the end.
+    """Where DST goes: everything is written beside it, in a temp dir named and owned as a save's
+    (``storage.make_temp_dir``), and renamed into place at the end.
 
     For a Megatron save root, DST becomes ``DST/iter_XXXXXXX`` plus the tracker.
     """
@@ -305,11 +306,11 @@ class _Output:
     def __init__(self, dst: str, megatron_root: bool, iteration: Optional[int | str], single_file: bool) -> None:
         self.final = os.path.abspath(dst)
         self.token = secrets.token_hex(6)
-        self.tmp = storage.temp_dir_name(self.final, self.token)
+        # with a save's owner record, so a clean-up tells a killed conversion's leftovers from a running one's
+        self.tmp = storage.make_temp_dir(self.final, self.token)
         self.single_file = single_file
         self.megatron_root = megatron_root and not single_file
         self.iteration = iteration
-        os.makedirs(self.tmp)
 
     @property
     def target(self) -> str:
@@ -329,6 +330,7 @@ class _Output:
         shutil.rmtree(os.path.join(self.tmp, "scratch"), ignore_errors=True)
         if self.megatron_root:
             storage.write_tracker(self.tmp, self.iteration)
+            os.unlink(os.path.join(self.tmp, storage.OWNER_NAME))  # DST is the whole temp dir
             src = self.tmp
         else:
             src = self.target

@@ -251,3 +251,21 @@ def test_failure_midway_leaves_no_dst_and_no_temporaries(megatron_root, tmp_path
             convert(str(src), str(tmp_path / dst), to=to)
         assert not isinstance(e.value, ConvertInputError)  # damaged input: exit code 1, not a usage error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_killed_conversion_leaves_a_temp_dir_that_cleanup_knows_is_dead(megatron_root, tmp_path):
+    """convert's temporary directory carries the owner record a save's has: after a SIGKILL, ``recover``'s
+    clean-up removes it at once (its owner is gone) instead of waiting a day for it to look stale; a
+    committed DST holds no owner record."""
+    dst = tmp_path / "out"
+    code = ("import os, sys; from megashard import convert; "
+            "o = convert._Output(sys.argv[1], True, 10, False); print(o.tmp, flush=True); os._exit(9)")
+    p = subprocess.run([sys.executable, "-c", code, str(dst)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    tmp = p.stdout.strip()
+    assert p.returncode == 9 and os.path.isdir(tmp), p.stderr
+    assert storage.cleanup_stale_temps(tmp_path) == [tmp]
+    assert sorted(os.listdir(tmp_path)) == []
+    res = convert(str(megatron_root), str(dst), to="torch_dist", iteration=10)
+    assert res.iteration == 10 and storage.read_tracker(str(dst)) == 10
+    assert sorted(os.listdir(dst)) == ["iter_0000010", storage.TRACKER_NAME] and sorted(os.listdir(tmp_path)) == ["out"]
