@@ -330,7 +330,6 @@ class _Output:
         shutil.rmtree(os.path.join(self.tmp, "scratch"), ignore_errors=True)
         if self.megatron_root:
             storage.write_tracker(self.tmp, self.iteration)
-            os.unlink(os.path.join(self.tmp, storage.OWNER_NAME))  # DST is the whole temp dir
             src = self.tmp
         else:
             src = self.target
@@ -340,6 +339,9 @@ class _Output:
             os.link(src, self.final)  # fails rather than replace a file created meanwhile
         else:
             os.rename(src, self.final)
+            if self.megatron_root:  # kept up to the rename, as a save's: a killed conversion's names its owner
+                with contextlib.suppress(OSError):  # committed all the same
+                    os.unlink(os.path.join(self.final, storage.OWNER_NAME))
         storage.fsync_path(os.path.dirname(self.final))
         self.cleanup()
 
