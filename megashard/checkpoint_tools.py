@@ -207,4 +207,5 @@ def verify_checkpoint(path: str) -> List[str]:
         if extra:
             problems.append(f"{os.path.join(base, fname)}: {len(extra)} tensor(s) the manifest does not list, "
                             f"e.g. {extra[0]!r}")
-    return problems
+    # one problem once: a damaged file is found by its own check and again by the state tree naming it
+    return list(dict.fromkeys(problems))

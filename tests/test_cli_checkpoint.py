@@ -75,3 +75,18 @@ def test_verify_reports_missing_file_and_coverage_hole(ckpt, capsys):
 def test_verify_not_a_checkpoint(tmp_path, capsys):
     assert main(["verify", str(tmp_path)]) != 0
     assert "not a megashard checkpoint" in "".join(capsys.readouterr())
+
+
+def test_verify_reports_a_truncated_file_once(tmp_path, capsys):
+    """A truncated shard file is one problem, printed once (the state tree's reference to the
+    same file must not repeat it)."""
+    path = str(tmp_path / "ck")
+    megashard.save({"w": torch.arange(1000.0), "v": torch.ones(10)}, path)
+    (name,) = [f for f in os.listdir(path) if f.endswith(".tensors")]
+    os.truncate(os.path.join(path, name), 600)
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    failed = [ln for ln in out.splitlines() if ln.startswith("FAILED")]
+    assert failed == [f"FAILED: {os.path.join(path, name)}: size 600 differs from the manifest's "
+                      f"{megashard.read_manifest(path).files[name]['bytes']} bytes; the file is damaged or was replaced"]
+    assert out.splitlines()[-1] == f"{path}: 1 problem(s)"
