@@ -1267,7 +1267,7 @@ def _child(root: str, name: str) -> str:
     return os.path.join(root, name)
 
 
-def _iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> set:
+def _iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> set[str]:
     """``iter_N`` / ``release`` names in local directory ``root``, also those only present as
     ``.<name>.<kind>-*`` entries of the given kinds."""
     try:
