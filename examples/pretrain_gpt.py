@@ -21,8 +21,10 @@ and before exit.
 
 Output (rank of the last pipeline stage, TP 0, DP 0): one line per iteration,
 ``iteration 3 | loss 4.8123456789 | lr ... | grad-norm ...`` with the loss printed
-exactly (``repr`` of the float32 value), and ``started from checkpoint …`` /
-``started from scratch``.
+exactly (``repr`` of the float32 value), ``started from checkpoint …`` (saying what the load
+restored: ``full state``, or without optimizer and why) / ``started from scratch``, and
+``saved checkpoint at iteration N to DIR`` once a save is committed (``--async-save``: ``save started
+at iteration N …`` at the snapshot, ``… (committed)`` when finalized).
 """
 from __future__ import annotations
 
@@ -419,14 +421,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     t0 = time.perf_counter()
     start_iteration, num_flops = 0, 0.0
+    restored: Dict[str, Any] = {}  # load_checkpoint says what it restored under "megashard_loaded"
     if args.load or args.pretrained_checkpoint:
-        start_iteration, num_flops = msm.load_checkpoint(model, optimizer, scheduler, args=args)
+        start_iteration, num_flops = msm.load_checkpoint(model, optimizer, scheduler, checkpointing_context=restored,
+                                                         args=args)
     loaded_dir = msm.find_checkpoint(args.load, args.ckpt_step) if args.load else None
     if loaded_dir is None and args.pretrained_checkpoint:
         loaded_dir = msm.find_checkpoint(args.pretrained_checkpoint)
     if loaded_dir:
         what = ("weights only (--finetune)" if args.finetune else
-                "without optimizer (--no-load-optim)" if args.no_load_optim else "full state")
+                "without optimizer (--no-load-optim)" if args.no_load_optim else
+                "without optimizer (the checkpoint holds none: saved with --no-save-optim)"
+                if not restored.get("megashard_loaded", {}).get("optimizer", True) else "full state")
         log0(f"started from checkpoint {loaded_dir} (iteration {start_iteration}, {what}, "
              f"num-floating-point-operations-so-far {num_flops!r}) in {time.perf_counter() - t0:.2f} s")
     else:
@@ -439,10 +445,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     is_reporter = (mpu.is_pipeline_last_stage(ignore_virtual=True)
                    and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0)
-    def save(it: int) -> None:
+    pending: List[int] = []  # an --async-save in flight: its iteration, until committed
+
+    def committed(done: bool) -> None:
+        if done and pending:
+            it = pending.pop()
+            log0(f"saved checkpoint at iteration {it} to {msm.checkpoint_dir(args.save, it)} (committed)")
+
+    def save(it: int, digests: str = "") -> None:
+        """Save; log "saved checkpoint" once it is committed ("save started" at an async snapshot)."""
         if args.async_save:  # before the next save: the previous one is committed first
-            msm.finalize_async_save(blocking=True)
+            committed(msm.finalize_async_save(blocking=True))
         msm.save_checkpoint(it, model, optimizer, scheduler, num_flops, args=args)
+        if args.async_save:
+            pending.append(it)
+        log0(f"{'save started' if args.async_save else 'saved checkpoint'} at iteration {it} to "
+             f"{msm.checkpoint_dir(args.save, it)}{digests}")
 
     iteration = start_iteration
     saved_at = None
@@ -454,26 +472,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             say(f"iteration {iteration} | loss {loss!r} | lr {optimizer.param_groups[0]['lr']!r} | "
                 f"grad-norm {grad_norm!r}")
         if args.async_save:  # like Megatron-LM's train(): commit a finished async save, never wait
-            msm.finalize_async_save(blocking=False)
+            committed(msm.finalize_async_save(blocking=False))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save(iteration)
+            save(iteration, f" | params-digest {params_digest(model)} | rng-digest {rng_digest()}")
             saved_at = iteration
-            log0(f"saved checkpoint at iteration {iteration} to {msm.checkpoint_dir(args.save, iteration)} "
-                 f"| params-digest {params_digest(model)} | rng-digest {rng_digest()}")
         if args.exit_interval and iteration % args.exit_interval == 0:
             if args.save and saved_at != iteration:
                 save(iteration)
                 saved_at = iteration
-                log0(f"saved checkpoint at iteration {iteration} to {msm.checkpoint_dir(args.save, iteration)}")
             log0(f"exiting at iteration {iteration} (--exit-interval)")
             break
     else:
         # like Megatron-LM's pretrain(): a final save unless the interval just saved
         if args.save and iteration != 0 and saved_at != iteration and iteration != start_iteration:
             save(iteration)
-            log0(f"saved checkpoint at iteration {iteration} to {msm.checkpoint_dir(args.save, iteration)}")
     if args.async_save:  # before exit: wait for and commit the last async save (else it is abandoned)
-        msm.finalize_async_save(blocking=True)
+        committed(msm.finalize_async_save(blocking=True))
     log0(f"done at iteration {iteration}")
     torch.distributed.barrier()
     mpu.destroy_model_parallel()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Any, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import jsonstate, storage
 from .errors import MegashardError
@@ -18,14 +18,18 @@ def _manifest(path: str) -> Manifest:
 
 
 def _location(path: str) -> str:
-    from .storage import checkpoint_location
-
-    return checkpoint_location(path)
+    return storage.read_location(path)
 
 
 def inspect_checkpoint(path: str) -> Dict[str, Any]:
     """Summary of a checkpoint: totals first (what a user asks first), then layout, files and
-    every global tensor with its shards."""
+    every global tensor with its shards. For a Megatron save root, the checkpoint its tracker
+    names, with the root's iterations (``save_root``); without a tracker, only those."""
+    root = storage.save_root(path)
+    if root is not None and root["tracker"] is None:
+        return {"save_root": root}
+    if root is not None:
+        path = storage.root_checkpoint(root)
     m = _manifest(path)
     tensors = {}
     for key, t in m.tensors.items():
@@ -38,6 +42,7 @@ def inspect_checkpoint(path: str) -> Dict[str, Any]:
         }
     return {
         "totals": _totals(path, m),
+        **({"save_root": root} if root is not None else {}),
         "path": storage.location(path),
         "world_size": m.world_size,
         "layout": m.layout,
@@ -92,9 +97,24 @@ def _totals(path: str, m: Manifest) -> Dict[str, Any]:
         "world_size": m.world_size,
         "iteration": iteration,
         "holds": {k: v for k, v in holds.items() if v is not None},
+        "saved_args": _saved_args(top.get("args")),
         "other_state": sorted(str(k) for k, v in top.items() if str(k) not in ("iteration", "args", "optimizer")
                               and "rng" not in str(k) and not _only_sharded(v)),
     }
+
+
+#: The saved Megatron args a user checks first (model size and parallel sizes), by Megatron's names.
+SUMMARY_ARGS = ("padded_vocab_size", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                "num_query_groups", "ffn_hidden_size", "seq_length", "num_experts", "tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                "context_parallel_size", "data_parallel_size", "world_size")
+
+
+def _saved_args(args: Any) -> Dict[str, Any]:
+    """Those of :data:`SUMMARY_ARGS` the saved ``args`` (a Namespace or dict) hold as plain values."""
+    values = args if isinstance(args, dict) else vars(args) if hasattr(args, "__dict__") else {}
+    return {k: values[k] for k in SUMMARY_ARGS
+            if k in values and type(values[k]) in (int, float, str, bool)}
 
 
 def _only_sharded(value: Any) -> bool:
@@ -133,7 +153,7 @@ def _tree_refs(node: Any) -> Iterator[Dict[str, Any]]:
             yield from _tree_refs(v)
 
 
-def verify_checkpoint(path: str) -> List[str]:
+def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] = None) -> List[str]:
     """Every problem found (empty list = every byte of the checkpoint is as saved).
 
     Checks: the manifest parses and matches ``manifest.sha256``; every listed file is a
@@ -141,7 +161,8 @@ def verify_checkpoint(path: str) -> List[str]:
     structure (header, index, zero fill, terminator) is intact and every tensor passes
     its CRC32/SHA-256; every manifest entry matches the file's own index (name, offsets,
     length, CRC32) and the file holds no tensor the manifest does not list; every global
-    tensor is covered exactly once. Read-only.
+    tensor is covered exactly once. Read-only. ``progress(bytes done, bytes in all)`` is called
+    before the first file and after each. A Megatron save root: the checkpoint its tracker names.
     """
     from .format.verify import structure_problems
 
@@ -152,8 +173,14 @@ def verify_checkpoint(path: str) -> List[str]:
     except MegashardError as e:
         return [str(e)]
     entries: Dict[str, Dict[str, Any]] = {}
+    total, done = sum(max(0, _int(info.get("bytes", 0))) for info in m.files.values()), 0
+    if progress is not None:
+        progress(0, total)
     with storage.checkpoint_files(base, m) as cf:
         for fname, info in sorted(m.files.items()):
+            if progress is not None and done:
+                progress(done, total)
+            done += max(0, _int(info.get("bytes", 0)))
             fpath = cf.path(fname)
             try:
                 cf.open(fname, int(info.get("bytes", 0)))
@@ -166,6 +193,8 @@ def verify_checkpoint(path: str) -> List[str]:
             except MegashardError as e:
                 problems.append(f"{fpath}: missing" if not storage.is_url(fpath) and not os.path.lexists(fpath)
                                 else str(e))
+    if progress is not None:
+        progress(done, total)
     listed: Dict[str, Dict[str, str]] = {}  # file -> {tensor name: the index entry naming it}
 
     def check_entry(where: str, file: Any, name: str, data_offset: int, nbytes: int, crc32: int) -> None:
@@ -207,4 +236,5 @@ def verify_checkpoint(path: str) -> List[str]:
         if extra:
             problems.append(f"{os.path.join(base, fname)}: {len(extra)} tensor(s) the manifest does not list, "
                             f"e.g. {extra[0]!r}")
-    return problems
+    # one problem once: a damaged file is found by its own check and again by the state tree naming it
+    return list(dict.fromkeys(problems))

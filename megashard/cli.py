@@ -1,7 +1,9 @@
 """The ``megashard`` command line: inspect and verify `.tensors` files and checkpoints.
 
-    megashard inspect PATH [--json]   # a file: version + tensors; a directory: the checkpoint summary
+    megashard inspect PATH [--json] [--long]  # a file: version + tensors; a checkpoint: its summary
     megashard verify PATH [--json]    # every hash; exit 0 only when all match, else 1
+    megashard recover PATH            # restore an interrupted re-save, remove dead saves' temporaries
+    (PATH may be a Megatron save root: its iterations are listed, its tracker's checkpoint is read)
     megashard convert SRC DST [--to megashard|torch_dist|tensors|safetensors|hf] [--keys PATTERN ...]
                       [--iteration N]  # one process; see megashard.convert
     megashard convert SRC DST --to hf (--vocab-size N | --tokenizer DIR) [--tensors]  # a Hugging Face directory
@@ -107,8 +109,31 @@ def _print_nested(value: Any, out: TextIO, indent: int = 0) -> None:
         print(f"{pad}{value}", file=out)
 
 
-def _print_checkpoint_summary(s: dict[str, Any], out: TextIO) -> None:
-    """Totals first (size, files, tensors, layout, iteration, contents), then the details."""
+def _args_lines(a: dict[str, Any]) -> list[str]:
+    """The saved args' model and parallel sizes, one line each (what a user compares first)."""
+    model = []
+    if "padded_vocab_size" in a:
+        real = f" from {a['vocab_size']}" if "vocab_size" in a else ""
+        model.append(f"vocabulary {a['padded_vocab_size']} (padded{real})")
+    elif "vocab_size" in a:
+        model.append(f"vocabulary {a['vocab_size']}")
+    for key, label in (("hidden_size", "hidden"), ("num_layers", "layers"), ("num_attention_heads", "heads"),
+                       ("num_query_groups", "query groups"), ("ffn_hidden_size", "ffn"), ("seq_length", "sequence"),
+                       ("num_experts", "experts")):
+        if key in a:
+            model.append(f"{label} {a[key]}")
+    parallel = [f"{label} {a[key]}" for key, label in (
+        ("tensor_model_parallel_size", "TP"), ("pipeline_model_parallel_size", "PP"),
+        ("virtual_pipeline_model_parallel_size", "VP"), ("expert_model_parallel_size", "EP"),
+        ("context_parallel_size", "CP"), ("data_parallel_size", "DP")) if key in a]
+    world = f" (world {a['world_size']})" if "world_size" in a else ""
+    return ([f"model:        {', '.join(model)}"] if model else []) + (
+        [f"parallel:     {', '.join(parallel)}{world}"] if parallel else [])
+
+
+def _print_checkpoint_summary(s: dict[str, Any], out: TextIO, long: bool = False) -> None:
+    """Totals (size, files, tensors, layout, iteration, saved args, contents); with ``long``, every
+    file and global tensor."""
     t = s.get("totals")
     if not isinstance(t, dict):
         _print_nested(s, out)
@@ -118,14 +143,32 @@ def _print_checkpoint_summary(s: dict[str, Any], out: TextIO) -> None:
     print(f"tensors:      {t['global_tensors']} global tensors in {t['shards']} shards", file=out)
     print(f"layout:       {t['layout']} (saved by {t['world_size']} ranks)", file=out)
     print(f"iteration:    {t['iteration'] if t['iteration'] is not None else 'unknown'}", file=out)
+    for line in _args_lines(t.get("saved_args") or {}):
+        print(line, file=out)
     print("holds:", file=out)
     holds = t["holds"]
     for what in ("model", "optimizer", "rng", "args"):
         print(f"  {what + ':':<11} {holds.get(what, 'no')}", file=out)
     if t["other_state"]:
         print(f"  {'other:':<11} {', '.join(t['other_state'])}", file=out)
-    print("", file=out)
-    _print_nested({k: v for k, v in s.items() if k not in ("totals", "path")}, out)
+    if not long:
+        print(f"details:      megashard inspect --long {s.get('path')}", file=out)
+        return
+    print(f"objects:      {len(s.get('objects', []))}; distinct rank state trees: {s.get('distinct_rank_trees')}",
+          file=out)
+    print("files:", file=out)
+    files = s.get("files", {})
+    width = max((len(n) for n in files), default=0)
+    for name, info in files.items():
+        print(f"  {name:<{width}}  rank {info.get('rank')}, {_human_bytes(int(info.get('bytes', 0)))}, "
+              f"{info.get('tensors')} tensors", file=out)
+    print("tensors:", file=out)
+    tensors = s.get("tensors", {})
+    rows = [(k, v["dtype"], "[" + ", ".join(map(str, v["shape"])) + "]", _human_bytes(v["bytes"]),
+             f"{v['shards']} shard{'s' if v['shards'] != 1 else ''}") for k, v in tensors.items()]
+    widths = [max((len(r[c]) for r in rows), default=0) for c in range(4)]
+    for r in rows:
+        print("  " + "  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + f"{r[3]}, {r[4]}", file=out)
 
 
 def _checkpoint_tools() -> Any:
@@ -140,14 +183,31 @@ def _is_moved_checkpoint(path: str) -> bool:
     return not os.path.lexists(path) and storage.locate(path) is not None
 
 
+def _is_checkpoint_arg(path: str) -> bool:
+    """A checkpoint or Megatron save root (directory or URL), not a single ``.tensors`` file."""
+    return storage.is_url(path) or os.path.isdir(path) or _is_moved_checkpoint(path)
+
+
+def _print_save_root(root: dict[str, Any], out: TextIO) -> None:
+    its = ", ".join(str(i) for i in root["iterations"]) or "none"
+    named = (f"the tracker names {root['tracker']}" if root["tracker"] is not None
+             else f"no {storage.TRACKER_NAME}")
+    print(f"save root:    {root['path']}", file=out)
+    print(f"iterations:   {its} ({named})", file=out)
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     path = args.path
-    if os.path.isdir(path) or _is_moved_checkpoint(path):
+    if _is_checkpoint_arg(path):
         summary = _checkpoint_tools().inspect_checkpoint(path)
         if args.json:
             print(json.dumps(summary, indent=2, default=str))
-        else:
-            _print_checkpoint_summary(summary, sys.stdout)
+            return 0
+        if isinstance(summary.get("save_root"), dict):
+            _print_save_root(summary["save_root"], sys.stdout)
+            summary = {k: v for k, v in summary.items() if k != "save_root"}
+        if summary:
+            _print_checkpoint_summary(summary, sys.stdout, long=args.long)
         return 0
     summary = _file_summary(path)
     if args.json:
@@ -157,10 +217,38 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """A tqdm bar of bytes on stderr, only when stderr is a terminal (never in a pipe or a log);
+    callable as ``progress(done, total)``, or None where there is no terminal."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.bar = label, None
+
+    def __enter__(self) -> Any:
+        return self if sys.stderr.isatty() else None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.label, unit="B", unit_scale=True, unit_divisor=1000,
+                            file=sys.stderr, leave=False, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     path = args.path
-    if os.path.isdir(path) or _is_moved_checkpoint(path):
-        problems = list(_checkpoint_tools().verify_checkpoint(path))
+    root = None
+    if _is_checkpoint_arg(path):
+        root = storage.save_root(path)
+        if root is not None:
+            path = storage.root_checkpoint(root)  # the one its tracker names
+        with _Progress(f"verify {os.path.basename(path)}") as progress:
+            problems = list(_checkpoint_tools().verify_checkpoint(path, progress=progress))
         count = None
     else:
         from .format import open_file
@@ -177,6 +265,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"{path}: {len(problems)} problem(s)")
     else:
         what = f"{count} tensors, all hashes match" if count is not None else "checkpoint verified"
+        if root is not None:
+            what += f" (iteration {root['tracker']}, named by {root['path']}'s tracker)"
         print(f"OK: {path}: {what}")
     return 1 if problems else 0
 
@@ -199,11 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"megashard {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     i = sub.add_parser("inspect", help="show a .tensors file's tensors, or a checkpoint directory's summary")
-    i.add_argument("path", help=".tensors file or checkpoint directory")
-    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("path", help=".tensors file, checkpoint or Megatron save root (directory or s3:// URL)")
+    i.add_argument("--json", action="store_true", help="machine-readable output (every detail)")
+    i.add_argument("-l", "--long", action="store_true", help="a checkpoint: also every file and global tensor")
     i.set_defaults(func=_cmd_inspect)
     v = sub.add_parser("verify", help="check every CRC32/SHA-256; exit 1 if any mismatch")
-    v.add_argument("path", help=".tensors file or checkpoint directory")
+    v.add_argument("path", help=".tensors file, checkpoint or Megatron save root (directory or s3:// URL)")
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=_cmd_verify)
     c = sub.add_parser("convert", help="torch_dist -> megashard, megashard -> torch_dist, one .tensors / "
@@ -225,22 +316,35 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", type=int, metavar="BYTES", help="--to hf: safetensors shard size "
                    "(default 5e9)")
     c.set_defaults(func=_cmd_convert)
-    r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place and "
-                       "remove superseded copies (the only command that changes a checkpoint's directory)")
-    r.add_argument("path", help="checkpoint directory, or s3:// URL")
+    r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place, "
+                       "remove superseded copies and dead saves' temporaries, and list what was removed (the only "
+                       "command that changes a checkpoint's directory)")
+    r.add_argument("path", help="checkpoint or Megatron save root (every iteration): directory or s3:// URL")
     r.add_argument("--older-than", type=float, default=storage.DEFAULT_STALE_AGE_S, metavar="SECONDS",
-                   help="s3://: remove what saves that did not finish left (their objects, unfinished multipart "
-                   "uploads) once older than this (default: one day; 0 when no save of it can be running)")
+                   help="remove what saves that did not finish left once older than this: at s3://, their objects "
+                   "and unfinished multipart uploads; on a file system, temp dirs whose owner is not provably dead "
+                   "(another machine's, or none; a dead owner on this machine's go at once) (default: one day; 0 "
+                   "when no save of it can be running)")
     r.set_defaults(func=_cmd_recover)
     return p
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
-    found = storage.recover(args.path, older_than_s=args.older_than)
-    if found is None:
+    rec = storage.recover_path(args.path, older_than_s=args.older_than)
+    for final, copy in rec.restored:
+        print(f"restored {final} from {copy}")
+    for gone in rec.removed:
+        print(f"removed {gone} ({storage.leftover_kind(gone)})")
+    root = rec.root
+    if root is not None and root["iterations"]:
+        tracked = (f"tracker names iteration {root['tracker']}" if root["tracker"] is not None
+                   else f"no {storage.TRACKER_NAME}")
+        print(f"OK: {root['path']}: save root, {tracked}; iterations {', '.join(map(str, root['iterations']))}")
+        return 0
+    if rec.found is None:
         print(f"{args.path}: no complete checkpoint found", file=sys.stderr)
         return 1
-    print(f"OK: {found}")
+    print(f"OK: {rec.found}")
     return 0
 
 

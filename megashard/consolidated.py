@@ -23,7 +23,7 @@ import torch
 from .index import read_manifest
 from .loading import LoadStats, _LoadWork, _plan_sharded
 from .readers import read_own, verify_delivered
-from .storage import checkpoint_location
+from .storage import read_location
 from .errors import CheckpointError
 from .manifest import Manifest, TensorRecord, itemsize
 from .plan import numel
@@ -181,6 +181,8 @@ def load_consolidated(
 ) -> Any:
     """``{global key: full tensor}`` of a checkpoint, in this process alone (no process group).
 
+    ``checkpoint_dir``: a checkpoint, or a Megatron save root (the checkpoint its tracker names).
+
     ``keys``: global keys or shell patterns (``"decoder.layers.*"``); default all.
     Tensors are read on CPU in parallel, then moved to ``device`` one by one. The
     bytes read (equal to the bytes of the requested tensors) are in the
@@ -190,7 +192,8 @@ def load_consolidated(
     Non-tensor state (``args``, ``iteration``, ...) comes from :func:`megashard.load_common`.
     """
     t0 = time.perf_counter()
-    base = checkpoint_location(checkpoint_dir)  # an interrupted re-save's complete copy is read in place
+    # a Megatron save root: the checkpoint its tracker names; an interrupted re-save's complete copy is read in place
+    base = read_location(checkpoint_dir)
     manifest = read_manifest(base)
     wanted = match_keys(list(manifest.tensors), keys)
     stats = LoadStats(mode="consolidated")

@@ -58,6 +58,9 @@ Recovery rule (:func:`recover`; :func:`locate` finds the same checkpoint read-on
   newest such directory (by its manifest's mtime) back to ``<name>`` and use it.
 * otherwise there is no checkpoint called ``<name>``.
 
+:func:`recover` then removes the leftovers of dead saves of ``<name>`` (the rule below);
+:func:`recover_path` (``megashard recover``) applies both to every iteration of a Megatron save root.
+
 Deleting a directory renames it to ``.<name>.del-<random>`` first and then removes its
 manifest, so a half-deleted directory is never mistaken for a checkpoint.
 
@@ -85,6 +88,7 @@ import socket
 import stat
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import procinfo
@@ -108,6 +112,12 @@ __all__ = [
     "commit_dir",
     "is_checkpoint",
     "recover",
+    "recover_path",
+    "Recovery",
+    "save_root",
+    "save_root_iterations",
+    "root_checkpoint",
+    "read_location",
     "locate",
     "checkpoint_location",
     "why_not_checkpoint",
@@ -939,27 +949,39 @@ def why_not_checkpoint(path: PathLike) -> str:
     return f"{path} is a checkpoint"
 
 
-def recover(final_dir: PathLike, older_than_s: Optional[float] = None) -> Optional[str]:
+def recover(final_dir: PathLike, older_than_s: Optional[float] = None,
+            into: Optional["Recovery"] = None) -> Optional[str]:
     """Apply the recovery rule; return the path of the complete checkpoint, or None.
 
     The one function that repairs a checkpoint's directory (``megashard recover DIR``);
     read paths use :func:`locate` and change nothing. It only renames an ``.old-*``
     back when ``<name>`` is missing, and only deletes ``.old-*`` copies (holding only
     megashard's names) that existed before ``<name>`` was found to be a checkpoint, so
-    a copy a concurrent save moves aside later is never touched.
+    a copy a concurrent save moves aside later is never touched. Then it removes the
+    leftovers of dead saves of this name (:func:`cleanup_stale_temps`, the same rule a
+    save's commit applies; ``older_than_s`` as there). ``into`` records what it restored
+    and removed.
     """
+    into = into if into is not None else Recovery()
+    age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
     if is_url(final_dir):
         from .objstore import checkpoint as objck
 
-        for gone in objck.cleanup(location(final_dir), older_than_s=DEFAULT_STALE_AGE_S if older_than_s is None
-                                  else older_than_s):
+        for gone in objck.cleanup(location(final_dir), older_than_s=age):
             logger.warning("removed %s", gone)
+            into.removed.append(gone)
         return objck.locate(location(final_dir))
     parent, name = _split_final(final_dir)
+    found = _recover_local(parent, name, into)
+    into.removed.extend(cleanup_stale_temps(parent, name, older_than_s=age))
+    return found
+
+
+def _recover_local(parent: str, name: str, into: "Recovery") -> Optional[str]:
     final = os.path.join(parent, name)
     olds = _aux_dirs(parent, name, "old")  # listed before <name> is checked (see above)
     if is_checkpoint(final):
-        _remove_superseded(olds)
+        into.removed.extend(_remove_superseded(olds))
         return final
     if os.path.lexists(final):
         if any(is_checkpoint(o) for o in olds):
@@ -981,11 +1003,65 @@ def recover(final_dir: PathLike, older_than_s: Optional[float] = None) -> Option
         return final if is_checkpoint(final) else None
     fsync_path(parent)
     logger.warning("restored %s from %s (a save crashed mid-commit)", final, best)
-    _remove_superseded([o for o in olds if o != best])
+    into.restored.append((final, best))
+    into.removed.extend(_remove_superseded([o for o in olds if o != best]))
     return final
 
 
-def _remove_superseded(olds: List[str]) -> None:
+@dataclass
+class Recovery:
+    """What :func:`recover` / :func:`recover_path` did: checkpoints put back from an interrupted
+    re-save's copy (``(checkpoint, copy)``) and leftovers removed (paths or URLs)."""
+
+    restored: List[Tuple[str, str]] = field(default_factory=list)
+    removed: List[str] = field(default_factory=list)
+    found: Optional[str] = None  # the complete checkpoint (for a checkpoint path)
+    root: Optional[Dict[str, Any]] = None  # the Megatron save root (save_root()), re-read after recovery
+
+
+def recover_path(path: PathLike, older_than_s: Optional[float] = None) -> Recovery:
+    """``megashard recover PATH``: a checkpoint (:func:`recover`), or a Megatron save root (a
+    directory or URL holding a tracker or ``iter_N`` checkpoints): every iteration of it
+    recovered, the leftovers of dead saves in it removed by the same rule
+    (:func:`cleanup_stale_temps`; at a URL, :func:`megashard.objstore.checkpoint.cleanup` of each
+    iteration). A local directory that is not a checkpoint is handled as a root."""
+    rec = Recovery()
+    loc = location(path)
+    root = save_root(loc)
+    if root is None and not (not is_url(loc) and os.path.isdir(loc) and not os.path.islink(loc)
+                             and not _has_manifest(loc)):
+        rec.found = recover(loc, older_than_s, rec)
+        return rec
+    age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
+    if is_url(loc):
+        from .objstore import checkpoint as objck
+
+        for name in objck.child_names(loc):
+            if parse_iteration_dir_name(name) is not None:
+                recover(_child(loc, name), age, rec)
+    else:
+        for name in sorted(_iteration_names(loc, kinds=("old", "tmp", "del"))):
+            recover(os.path.join(loc, name), age, rec)
+        rec.removed.extend(cleanup_stale_temps(loc, older_than_s=age))  # e.g. the tracker's temporaries
+    rec.root = save_root(loc)
+    return rec
+
+
+def leftover_kind(path: str) -> str:
+    """What a path :func:`recover_path` removed was, in words (for its report)."""
+    m = _AUX_RE.match(os.path.basename(path.rstrip("/")))
+    kind = m.group("kind") if m else None
+    if kind == "old":
+        return "a copy an interrupted re-save left, superseded by the checkpoint"
+    if kind == "del":
+        return "an interrupted deletion"
+    if kind == "tmp" and not os.path.basename(path).startswith(f".{TRACKER_NAME}."):
+        return "a save that is no longer running left it"
+    return "left by a save that did not finish"
+
+
+def _remove_superseded(olds: List[str]) -> List[str]:
+    removed = []
     for stale in olds:
         why = replace_problem(stale)
         if why is not None:
@@ -993,6 +1069,8 @@ def _remove_superseded(olds: List[str]) -> None:
             continue
         logger.info("removing superseded %s", stale)
         remove_checkpoint(stale)
+        removed.append(stale)
+    return removed
 
 
 def _newest_mtime(path: str) -> float:
@@ -1179,6 +1257,76 @@ def _parse_tracker(raw: bytes, path: str) -> Union[int, str]:
         f"tracker file {path} holds {shown!r}, not an iteration number or 'release'; "
         "fix or delete it, or load an explicit checkpoint directory"
     )
+
+
+def _child(root: str, name: str) -> str:
+    if is_url(root):
+        from .objstore.url import child
+
+        return child(root, name)
+    return os.path.join(root, name)
+
+
+def _iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> set[str]:
+    """``iter_N`` / ``release`` names in local directory ``root``, also those only present as
+    ``.<name>.<kind>-*`` entries of the given kinds."""
+    try:
+        entries = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    names = set()
+    for e in entries:
+        m = _AUX_RE.match(e)
+        n = m.group("name") if m and m.group("kind") in kinds else e
+        if parse_iteration_dir_name(n) is not None:
+            names.add(n)
+    return names
+
+
+def save_root_iterations(root: PathLike) -> List[Union[int, str]]:
+    """The iterations a Megatron save root holds as megashard checkpoints (``iter_N``, or
+    ``release``; locally also one that only an interrupted re-save's complete copy holds,
+    as :func:`locate` finds it), ascending, ``release`` last. Read-only."""
+    loc = location(root)
+    if is_url(loc):
+        from .objstore import checkpoint as objck
+
+        names = [n for n in objck.child_names(loc) if parse_iteration_dir_name(n) is not None]
+    else:
+        names = sorted(_iteration_names(loc))
+    its = [parse_iteration_dir_name(n) for n in names if locate(_child(loc, n)) is not None]
+    return sorted(its, key=lambda it: (it == "release", it if isinstance(it, int) else 0))
+
+
+def save_root(path: PathLike) -> Optional[Dict[str, Any]]:
+    """``{"path", "tracker", "iterations"}`` when ``path`` is a Megatron save root (what
+    ``--save``/``--load`` take: not itself a checkpoint, holding a tracker or ``iter_N``
+    checkpoints); None otherwise. ``tracker`` is the iteration the tracker names, or None."""
+    loc = location(path)
+    if locate(loc) is not None:
+        return None
+    tracker = read_tracker(loc)
+    iterations = save_root_iterations(loc)
+    if tracker is None and not iterations:
+        return None
+    return {"path": loc, "tracker": tracker, "iterations": iterations}
+
+
+def root_checkpoint(root: Mapping[str, Any]) -> str:
+    """The checkpoint a save root's tracker names; a root without a tracker is a CheckpointError
+    that names its checkpoints (guessing would read the wrong one)."""
+    if root["tracker"] is None:
+        shown = ", ".join(_child(root["path"], iteration_dir_name(i)) for i in root["iterations"])
+        raise CheckpointError(f"{root['path']} is a Megatron save root without {TRACKER_NAME}; "
+                              f"name one of its checkpoints: {shown}")
+    return _child(root["path"], iteration_dir_name(root["tracker"]))
+
+
+def read_location(path: PathLike) -> str:
+    """:func:`checkpoint_location`, following a Megatron save root's tracker to the checkpoint it
+    names (``load_consolidated``, ``megashard inspect|verify``). Read-only."""
+    root = save_root(path)
+    return checkpoint_location(path if root is None else root_checkpoint(root))
 
 
 # --------------------------------------------------------------------------- retention

@@ -87,7 +87,7 @@ def test_directory_dispatch(tmp_path: Path, monkeypatch, capsys) -> None:  # typ
     fake.inspect_checkpoint = lambda path: calls.append(("inspect", path)) or {  # type: ignore[attr-defined]
         "iteration": 7, "tensors": {"w": {"shape": [4, 4]}}, "files": ["a.tensors"]}
     problems: list[str] = []
-    fake.verify_checkpoint = lambda path: calls.append(("verify", path)) or problems  # type: ignore[attr-defined]
+    fake.verify_checkpoint = lambda path, progress=None: calls.append(("verify", path)) or problems  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "megashard.checkpoint_tools", fake)
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -82,6 +82,12 @@ def test_async_save_resume_is_bit_exact(tp2, tmp_path):
     root = tmp_path / "async"
     run = pretrain(["--tensor-model-parallel-size", "2", "--save", str(root), "--async-save", *ITERS]).check()
     assert run.losses == base.losses  # snapshotting never perturbs training
+    # the log says "save started" at the snapshot and "saved checkpoint" only once it is committed
+    lines = run.output.splitlines()
+    started = [i for i, ln in enumerate(lines) if ln.startswith(f"save started at iteration 3 to {ckpt(root, 3)}")]
+    saved = [i for i, ln in enumerate(lines) if ln == f"saved checkpoint at iteration 3 to {ckpt(root, 3)} (committed)"]
+    assert len(started) == 1 and len(saved) == 1 and started[0] < saved[0], run.output[-3000:]
+    assert not [ln for ln in lines if ln.startswith("saved checkpoint at iteration 3") and "digest" in ln]
     assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip() == "6"
     assert not [n for n in os.listdir(root) if n.startswith(".")]  # nothing abandoned
     resumed = pretrain(["--tensor-model-parallel-size", "2", "--load", str(root), "--ckpt-step", "3",
@@ -138,6 +144,16 @@ def test_no_load_optim_keeps_weights_resets_optimizer(tp2):
     assert run.losses[4] == base.losses[4]   # forward of the loaded weights: identical
     assert run.losses[5] != base.losses[5]   # fresh Adam moments and scheduler: a different update
     assert run.lrs[4] != base.lrs[4]
+
+
+def test_a_checkpoint_without_optimizer_resumes_saying_so(tmp_path):
+    """Saved with --no-save-optim: the resume loads no optimizer state and says so (not "full state")."""
+    root = tmp_path / "noopt"
+    args = ["--train-iters", "2", "--lr-decay-iters", "4", "--save-interval", "2"]
+    pretrain([*args, "--save", str(root), "--no-save-optim"], nproc=1).check()
+    run = pretrain(["--train-iters", "3", "--lr-decay-iters", "4", "--load", str(root)], nproc=1).check()
+    assert run.started.startswith(f"started from checkpoint {ckpt(root, 2)} (iteration 2, without optimizer "
+                                  "(the checkpoint holds none: saved with --no-save-optim), "), run.started
 
 
 def test_exit_on_missing_checkpoint(tmp_path):

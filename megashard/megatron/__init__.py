@@ -18,19 +18,27 @@ megatron-core run on CPU (gloo); it is never applied when CUDA is available.
 """
 from __future__ import annotations
 
-from .args import add_arguments, with_arguments
-from .checkpointing import (
-    TRACKER_FILENAME,
-    async_request,
-    checkpoint_dir,
-    finalize_async_save,
-    find_checkpoint,
-    is_megashard_checkpoint,
-    load_checkpoint,
-    read_tracker,
-    save_checkpoint,
-)
-from .hooks import install, uninstall
+import warnings
+
+#: What megatron-core warns at import when Transformer Engine / Apex are missing (it falls back to
+#: torch): said to every user of the adapter, who did not ask; silenced for this import only.
+_TE_APEX_WARNING = r"Transformer Engine and Apex are not installed"
+
+with warnings.catch_warnings():  # restores the process's filters on exit
+    warnings.filterwarnings("ignore", message=_TE_APEX_WARNING, category=UserWarning)
+    from .args import add_arguments, with_arguments
+    from .checkpointing import (
+        TRACKER_FILENAME,
+        async_request,
+        checkpoint_dir,
+        finalize_async_save,
+        find_checkpoint,
+        is_megashard_checkpoint,
+        load_checkpoint,
+        read_tracker,
+        save_checkpoint,
+    )
+    from .hooks import install, uninstall
 
 
 def register_megatron_enums() -> None:
@@ -51,7 +59,9 @@ def register_megatron_enums() -> None:
                 jsonstate.register_enum(v)
 
 
-register_megatron_enums()
+with warnings.catch_warnings():  # its first import of megatron.core is what warns
+    warnings.filterwarnings("ignore", message=_TE_APEX_WARNING, category=UserWarning)
+    register_megatron_enums()
 
 __all__ = [
     "add_arguments",

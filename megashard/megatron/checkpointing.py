@@ -423,7 +423,9 @@ def load_checkpoint(
     checkpoint exists (or exits when ``--exit-on-missing-checkpoint``). ``--finetune``
     loads only the model (iteration 0); ``--no-load-optim`` / ``--no-load-rng`` skip
     those parts; ``--ckpt-step N`` loads ``iter_N`` whatever the tracker says. The RNG
-    state is ignored with a warning when TP or PP differ from the checkpoint's.
+    state is ignored with a warning when TP or PP differ from the checkpoint's. A given
+    ``checkpointing_context`` dict gets ``"megashard_loaded"``: what was restored
+    (``optimizer``/``rng`` booleans: false also when the checkpoint holds none).
 
     Collective, and every step is agreed: which checkpoint to load (``target``, from
     :func:`resolve_load_target` when not given), preparing the template, reading, and
@@ -538,6 +540,10 @@ def load_checkpoint(
         plan["fresh"].zero()  # never leave uninitialised optimizer state behind a failed load
         raise
     iteration, num_flops = out
+    if checkpointing_context is not None:  # what was restored, for a caller's own log (examples/pretrain_gpt.py)
+        checkpointing_context["megashard_loaded"] = {"checkpoint": ckpt, "iteration": iteration,
+                                                     "optimizer": plan["optim"], "rng": plan["rng"],
+                                                     "finetune": finetune}
     log.info("loaded checkpoint %s at iteration %d (optimizer %s, rng %s%s) in %.2f s",
              ckpt, iteration, "loaded" if plan["optim"] else "not loaded",
              "loaded" if plan["rng"] else "not loaded", ", finetune" if finetune else "",

@@ -400,6 +400,13 @@ def why_not_checkpoint(url: str) -> str:
     return f"{url} is a checkpoint"
 
 
+def child_names(url: str) -> List[str]:
+    """The names directly under ``url`` that hold objects (a save root's ``iter_N``), one LIST."""
+    store, key, _ = _location(url)
+    _, prefixes = store.list(key + "/", delimiter="/")
+    return [p[len(key) + 1:].rstrip("/") for p in prefixes]
+
+
 def write_tracker(root: str, text: str) -> None:
     store, key, _ = _location(root)
     store.put_bytes(f"{key}/{TRACKER_NAME}", text.encode())

@@ -53,7 +53,9 @@ def parse(args: List[str], rc: int, out: str) -> Run:
         m = re.match(r"params-digest (\w+) \| rng-digest (\w+)", line)
         if m:
             r.digests["start"], r.rng["start"] = m.group(1), m.group(2)
-        m = re.match(r"saved checkpoint at iteration (\d+) .*params-digest (\w+) \| rng-digest (\w+)", line)
+        # the state a save took: "saved checkpoint ..." (sync), "save started ..." (--async-save, at the snapshot)
+        m = re.match(r"(?:saved checkpoint|save started) at iteration (\d+) .*params-digest (\w+) \| rng-digest (\w+)",
+                     line)
         if m:
             r.digests[f"saved@{m.group(1)}"], r.rng[f"saved@{m.group(1)}"] = m.group(2), m.group(3)
     return r
