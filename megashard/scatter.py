@@ -478,7 +478,7 @@ class _Reader:
         problem = None
         if not same_host:
             problem = ("the node's ranks do not all share this rank's kernel (boot id) and PID namespace: "
-                       "no common /dev/shm, or their pids cannot be watched for crashes")
+                       "no shared memory through /proc/PID/fd, or their pids cannot be watched for crashes")
         elif free < need:
             problem = (f"{free / 2**20:.1f} MiB of memory available for shared memory (MEGASHARD_SHM_MAX_BYTES "
                        f"caps it), the ring needs {need / 2**20:.1f} MiB; lower scatter_chunk_bytes")

@@ -75,7 +75,7 @@ def stall_timeout() -> float:
 
 def host_identity() -> str:
     """This kernel's boot id and this process's PID namespace ('' if unknown). Ranks with equal
-    identities share a /dev/shm-capable kernel and can watch each other's pids; a node id that
+    identities share a kernel (its memory) and can open each other's /proc/PID/fd and watch each other's pids; a node id that
     groups ranks of different machines shows up as different boot ids."""
     boot, ns = procinfo.boot_id(), procinfo.namespace("pid")
     return f"{boot}/{ns}" if boot and ns else ""
