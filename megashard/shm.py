@@ -167,7 +167,9 @@ class Ring:
     @classmethod
     def attach(cls, handle: Sequence[int], consumers: int, slots: int, slot_bytes: int, index: int) -> "Ring":
         """Open the reader's segment (its :meth:`handle`) as consumer ``index`` and check its header."""
-        pid, rfd, dev, ino = (int(x) for x in handle)
+        if not (isinstance(handle, (list, tuple)) and len(handle) == 4 and all(type(x) is int for x in handle)):
+            raise ShmError(f"the node's reader named no usable shared memory ring ({handle!r:.100})")
+        pid, rfd, dev, ino = handle
         path = f"/proc/{pid}/fd/{rfd}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)

@@ -505,6 +505,8 @@ def test_shm_ring_protocol_single_process() -> None:
             shm.Ring.attach(wrong, 2, 2, 16, 0)
         with pytest.raises(shm.ShmError, match=r"has \d+ bytes, expected"):
             shm.Ring.attach(ring.handle(), 2, 3, 16, 0)
+        with pytest.raises(shm.ShmError, match="named no usable shared memory ring"):
+            shm.Ring.attach(None, 2, 2, 16, 0)  # type: ignore[arg-type]
         me = os.getpid()
         assert ring.wait_slot_free(1, [me, me], blocking=False)
         ring.slot(0, 16).copy_(torch.arange(16, dtype=torch.uint8))
