@@ -477,8 +477,12 @@ class _Reader:
         free = shm.available_bytes()
         problem = None
         if not same_host:
-            problem = ("the node's ranks do not all share this rank's kernel (boot id) and PID namespace: "
+            problem = ("the node's ranks do not all share this rank's kernel (boot id), PID namespace and user id: "
                        "no shared memory through /proc/PID/fd, or their pids cannot be watched for crashes")
+        elif not shm.dumpable():
+            problem = ("this process is not dumpable (it changed its user id without an exec, or called "
+                       "prctl(PR_SET_DUMPABLE, 0)): the node's other ranks cannot open its shared memory "
+                       "through /proc/PID/fd")
         elif free < need:
             problem = (f"{free / 2**20:.1f} MiB of memory available for shared memory (MEGASHARD_SHM_MAX_BYTES "
                        f"caps it), the ring needs {need / 2**20:.1f} MiB; lower scatter_chunk_bytes")

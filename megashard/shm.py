@@ -29,6 +29,7 @@ This module never talks to ``torch.distributed``.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -52,6 +53,7 @@ VERSION = 1
 _HEAD = 8  # header words before the per-consumer records
 _PER_CONSUMER = 4  # done, failed, pid, unused
 _PAGE = mmap.PAGESIZE
+_PR_GET_DUMPABLE = 3
 _fence_lock = threading.Lock()
 
 
@@ -74,11 +76,22 @@ def stall_timeout() -> float:
 
 
 def host_identity() -> str:
-    """This kernel's boot id and this process's PID namespace ('' if unknown). Ranks with equal
-    identities share a kernel (its memory) and can open each other's /proc/PID/fd and watch each other's pids; a node id that
-    groups ranks of different machines shows up as different boot ids."""
+    """This kernel's boot id, this process's PID namespace and user id ('' if unknown). Ranks with
+    equal identities share a kernel (its memory), watch each other's pids and may open each other's
+    /proc/PID/fd (see :func:`dumpable`); a node id that groups ranks of different machines shows up
+    as different boot ids."""
     boot, ns = procinfo.boot_id(), procinfo.namespace("pid")
-    return f"{boot}/{ns}" if boot and ns else ""
+    return f"{boot}/{ns}/uid {os.geteuid()}" if boot and ns else ""
+
+
+def dumpable() -> bool:
+    """Whether the kernel lets this user's other processes open this one's descriptors through
+    /proc/PID/fd: only if it is dumpable (it did not change its user id without an exec, nor call
+    ``prctl(PR_SET_DUMPABLE, 0)``). True when that cannot be told: opening the ring will say."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
+    except (OSError, AttributeError):
+        return True
 
 
 pid_alive = procinfo.pid_alive

@@ -159,7 +159,16 @@ def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     except megashard.DistributedError as e:
         forced = f"{type(e).__name__}: {e}"
     del os.environ["MEGASHARD_SHM_MAX_BYTES"]
+    import ctypes
+
     from megashard import shm
+
+    libc = ctypes.CDLL(None)
+    if rank == 0:  # the reader made itself non-dumpable: the others could not open its /proc/PID/fd
+        assert libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+    undumpable = _load(layout, rank, path)
+    if rank == 0:
+        assert libc.prctl(4, 1, 0, 0, 0) == 0
 
     if rank == 1:  # a node id that groups ranks of different machines (another boot id)
         shm.host_identity = lambda: "another-machine/pid:[1]"
@@ -170,7 +179,7 @@ def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     except ValueError as e:
         bad_arg = str(e)
     return {"auto": auto, "forced": forced, "logs": records, "bad_arg": bad_arg, "pid": os.getpid(),
-            "elsewhere": elsewhere}
+            "elsewhere": elsewhere, "undumpable": undumpable}
 
 
 def test_scatter_falls_back_when_shm_too_small(tmp_path) -> None:
@@ -178,6 +187,7 @@ def test_scatter_falls_back_when_shm_too_small(tmp_path) -> None:
     for r in res:
         assert r["auto"]["bad"] == [] and r["auto"]["transport"] == "group"
         assert r["elsewhere"]["bad"] == [] and r["elsewhere"]["transport"] == "group"
+        assert r["undumpable"]["bad"] == [] and r["undumpable"]["transport"] == "group"
         assert r["forced"].startswith("DistributedError") and "0.0 MiB of memory available for shared memory" in r["forced"], r["forced"]
         assert "scatter_transport" in r["bad_arg"]
     lines = [m for m in res[0]["logs"] if "MiB of memory available" in m]
@@ -185,6 +195,7 @@ def test_scatter_falls_back_when_shm_too_small(tmp_path) -> None:
     assert "MEGASHARD_SHM_MAX_BYTES" in lines[0] and "scatter_chunk_bytes" in lines[0]
     assert [m for m in res[1]["logs"] if "MiB of memory available" in m] == []  # only the reader decides and says so
     assert len([m for m in res[0]["logs"] if "do not all share this rank's kernel" in m]) == 1
+    assert len([m for m in res[0]["logs"] if "this process is not dumpable" in m]) == 1
     assert _segments([r["pid"] for r in res]) == []
 
 
