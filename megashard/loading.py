@@ -36,7 +36,7 @@ from .transport import Comm, node_readers
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SCATTER_CHUNK = 8 << 20  # bytes per ring slot / staging buffer of a scatter load (4 slots fit a 64 MB /dev/shm)
+DEFAULT_SCATTER_CHUNK = 8 << 20  # bytes per ring slot / staging buffer of a scatter load (4 slots: 32 MiB of shared memory per node)
 
 
 @dataclass

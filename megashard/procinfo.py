@@ -1,8 +1,8 @@
 """Which process is which, across pid reuse: boot id, PID namespace, start time, liveness.
 
-One place for what a save's owner record (:mod:`megashard.storage`) and a shared-memory
-segment's name (:mod:`megashard.shm`) record about their creator, and for the checks that
-later prove that creator gone. Linux ``/proc`` only; every function answers "unknown"
+One place for what a save's owner record (:mod:`megashard.storage`) records about its
+creator, and for the checks that later prove that creator gone (and, for :mod:`megashard.shm`,
+whether the node's ranks share a kernel and PID namespace and are alive). Linux ``/proc`` only; every function answers "unknown"
 rather than guess when ``/proc`` does not say.
 """
 from __future__ import annotations

@@ -18,13 +18,14 @@ so a failure anywhere surfaces in the same agreement on every rank):
    accepts descriptors from) and waits for its answer: a rank whose socket fails on
    either side gets those bytes through the ring instead (logged once by the reader);
    then it sends each rank a schedule: which byte
-   ranges it reads itself through the passed descriptors, and the ring segment's
-   name and where this rank's shared ranges lie in it; or, for ``group``, that
-   chunks come as point-to-point messages in a fixed order;
-3. agreement "setup" (reader: files present and ranges valid, ring created, after
-   removing segments of crashed jobs; the others: schedule received and consistent
-   with the descriptors they took); the ranks open the ring; agreement "open"; every
-   rank unlinks the ring's name;
+   ranges it reads itself through the passed descriptors, where to open the ring (an
+   anonymous memory file the reader created first: its pid, descriptor, device and
+   inode; it has no name, so nothing outlives the node's ranks) and where this rank's
+   shared ranges lie in it; or, for ``group``, that chunks come as point-to-point
+   messages in a fixed order;
+3. agreement "setup" (reader: files present and ranges valid, ring created; the
+   others: schedule received and consistent with the descriptors they took); the
+   ranks open the ring through ``/proc/<reader pid>/fd/<fd>``; agreement "open";
 4. transfer. ``shm``: every rank reads the bytes only it needs straight into its
    tensors (``preadv``, as in ``own`` mode), while the reader fills ring slots
    (:mod:`megashard.shm`) with the bytes several ranks need and each rank copies
@@ -181,7 +182,6 @@ class _Consumer:
             except MegashardError as e:
                 req["fd_error"] = str(e)
         ring: Optional[shm.Ring] = None
-        name: Optional[str] = None
         direct: Optional[_DirectReads] = None
         try:
             try:
@@ -190,7 +190,6 @@ class _Consumer:
                 if "fd_pass" in sched:  # descriptors first; any failure here means "use the ring"
                     _send_json(self.comm, {"error": self.receive_fds(listener, sched["fd_pass"])}, self.reader)
                     sched = _recv_json(self.comm, self.reader)
-                name = sched.get("name")
                 if [str(f) for f in sched.get("fd_files", [])] != list(self.fds):
                     if sched.get("fd_files"):
                         raise CheckpointError(f"scatter schedule from reader rank {self.reader} names files "
@@ -210,7 +209,8 @@ class _Consumer:
             self.comm.agree(err, "scatter load (setup)")
             if sched["transport"] == "shm":
                 try:
-                    ring = shm.Ring.attach(name, sched["consumers"], sched["slots"], sched["slot_bytes"], sched["index"])
+                    ring = shm.Ring.attach(sched["ring"], sched["consumers"], sched["slots"], sched["slot_bytes"],
+                                           sched["index"])
                     needed = [k for k, _ in sched["extents"]]
                     ring.set_done(sched["index"], needed[0] if needed else sched["n_extents"])
                     if not shm.pid_alive(sched["reader_pid"]):
@@ -218,8 +218,6 @@ class _Consumer:
                 except MegashardError as e:
                     err = _err(e, f"opening the node's shared memory from reader rank {self.reader}")
             self.comm.agree(err, "scatter load (open)")
-            if name:
-                shm.unlink(name)
             if ring is not None and direct is not None:
                 return self.transfer_shm(ring, sched, direct)
             if sched["transport"] == "none":  # this rank needs no bytes; its reader reads its own alone
@@ -231,8 +229,6 @@ class _Consumer:
                 direct.finish(True)  # (a no-op after a transfer) before its descriptors close
             fdpass.close_all(list(self.fds.values()))
             self.fds.clear()
-            if name:
-                shm.unlink(name)
             if ring is not None:
                 ring.close()
 
@@ -402,7 +398,7 @@ class _Reader:
                 if isinstance(names, dict):
                     self.touched.setdefault(str(f), {}).update({str(n): r for n, r in names.items()})
         sched: Dict[str, Any] = {}
-        mode, name = "group", None
+        mode = "group"
         try:
             self.check_ranges()
             if not any(n for r in self.consumers for _, _, n in self.requests[r]):
@@ -420,14 +416,18 @@ class _Reader:
         except Exception as e:  # noqa: BLE001 - still send schedules: the ranks must reach the agreement
             self.fail(f"{type(e).__name__}: planning the scatter load: {e}")
             mode = "group"
-        if mode == "shm":
-            name = shm.new_name()
-            scheds = self.shm_schedules(sched, name)
-        else:
-            scheds = {r: {"transport": mode, "chunk": self.chunk} for r in self.consumers}
         ring: Optional[shm.Ring] = None
         direct: Optional[_DirectReads] = None
         try:
+            if mode == "shm" and self.err is None:
+                try:  # first: the schedules say where to open it
+                    ring = shm.Ring.create(len(self.consumers), sched["slots"], sched["slot_bytes"])
+                except MegashardError as e:
+                    self.fail(_err(e, "creating the node's shared memory ring"))
+            if mode == "shm":
+                scheds = self.shm_schedules(sched, ring.handle() if ring is not None else None)
+            else:
+                scheds = {r: {"transport": mode, "chunk": self.chunk} for r in self.consumers}
             if mode == "shm" and self.err is None:
                 direct = self.start_direct(sched)  # this rank's own bytes: read while the others set up
             for r in self.consumers:
@@ -435,15 +435,8 @@ class _Reader:
                     _send_json(self.comm, scheds[r], r)
                 except MegashardError as e:
                     self.fail(_err(e, f"sending rank {r} its scatter schedule"))
-            if mode == "shm" and self.err is None:
-                try:
-                    ring = shm.Ring.create(name, len(self.consumers), sched["slots"], sched["slot_bytes"])
-                except MegashardError as e:
-                    self.fail(_err(e, "creating the node's shared memory ring"))
             self.comm.agree(self.err, "scatter load (setup)")
-            self.comm.agree(None, "scatter load (open)")
-            if name:
-                shm.unlink(name)
+            self.comm.agree(None, "scatter load (open)")  # every rank has the ring open (or said why not)
             if ring is not None and direct is not None:
                 self.transfer_shm(ring, sched, direct)
             elif mode == "none":
@@ -455,8 +448,6 @@ class _Reader:
                 direct.finish(True)  # (a no-op after a transfer) before its files close
             if self.files is not None:
                 self.files.close()
-            if name:
-                shm.unlink(name)
             if ring is not None:
                 ring.close()
         return (self.nread, 0, mode), self.err
@@ -486,13 +477,15 @@ class _Reader:
         free = shm.available_bytes()
         problem = None
         if not same_host:
-            problem = ("the node's ranks do not all share this rank's kernel (boot id) and PID namespace: "
-                       "no common /dev/shm, or their pids cannot be watched for crashes")
-        elif not os.path.isdir(shm.SHM_DIR):
-            problem = f"{shm.SHM_DIR} does not exist (mount a tmpfs there, e.g. docker --shm-size)"
+            problem = ("the node's ranks do not all share this rank's kernel (boot id), PID namespace and user id: "
+                       "no shared memory through /proc/PID/fd, or their pids cannot be watched for crashes")
+        elif not shm.dumpable():
+            problem = ("this process is not dumpable (it changed its user id without an exec, or called "
+                       "prctl(PR_SET_DUMPABLE, 0)): the node's other ranks cannot open its shared memory "
+                       "through /proc/PID/fd")
         elif free < need:
-            problem = (f"{shm.SHM_DIR} has {free / 2**20:.1f} MiB free (MEGASHARD_SHM_MAX_BYTES caps it), the ring needs "
-                       f"{need / 2**20:.1f} MiB; enlarge it (docker --shm-size) or lower scatter_chunk_bytes")
+            problem = (f"{free / 2**20:.1f} MiB of memory available for shared memory (MEGASHARD_SHM_MAX_BYTES "
+                       f"caps it), the ring needs {need / 2**20:.1f} MiB; lower scatter_chunk_bytes")
         if problem is None:
             return "shm"
         if self.transport == "shm":
@@ -588,12 +581,12 @@ class _Reader:
                         problems[first])
         return passed
 
-    def shm_schedules(self, sched: Dict[str, Any], name: str) -> Dict[int, Dict[str, Any]]:
+    def shm_schedules(self, sched: Dict[str, Any], ring: Optional[List[int]]) -> Dict[int, Dict[str, Any]]:
         out = {}
         for c, r in enumerate(self.consumers):
             files = sorted({d[0] for d in sched["direct"][c]})
             where = {f: j for j, f in enumerate(files)}
-            out[r] = {"transport": "shm", "name": name, "consumers": len(self.consumers), "index": c,
+            out[r] = {"transport": "shm", "ring": ring, "consumers": len(self.consumers), "index": c,
                       "slots": sched["slots"], "slot_bytes": sched["slot_bytes"], "reader_pid": os.getpid(),
                       "n_extents": len(sched["extents"]), "extents": sorted(sched["per_consumer"][c].items()),
                       "fd_files": files, "direct": [[where[f], a, n, i, pos] for f, a, n, i, pos in sched["direct"][c]]}

@@ -1,4 +1,4 @@
-"""A ring of POSIX shared-memory buffers for scatter loads within one node.
+"""A ring of shared-memory buffers for scatter loads within one node.
 
 The node's reader fills ring slots with extents of checkpoint files; every other
 rank of the node copies its byte ranges straight out of the mapping into its
@@ -17,28 +17,26 @@ Every counter has exactly one writer (no atomics needed); each is one aligned
 for is still alive (by pid, which is why the ranks must share a PID namespace) and
 gives up after ``MEGASHARD_SHM_TIMEOUT_S`` seconds (default 300) without progress.
 
-Segments live in ``/dev/shm`` under unique names, are reserved with
-``posix_fallocate`` (so a full tmpfs is an error here, not a SIGBUS later) and
-unlinked by every rank as soon as all of them have it open; after that a crash of
-any rank cannot leave anything behind. Before that moment a crash of every rank of
-the node would leave the segment, so its name says who created it:
-``megashard-<pid>-<boot id>-<pid namespace>-<start time>-<token>``. Each new ring's
-creator first removes (:func:`sweep_abandoned`) the segments of its own user, boot
-and PID namespace whose creator is provably gone (no such pid, a zombie, or a pid
-reused by a process with another start time): such a ring can no longer be used
-by anyone. This module never talks to ``torch.distributed``.
+The segment is an anonymous memory file (``memfd_create``): it has no name in
+``/dev/shm`` or anywhere else, so it exists exactly as long as some process holds
+it (a descriptor or a mapping) and a crash of every rank at any instant, SIGKILL
+included, leaves nothing behind. It is reserved with ``posix_fallocate`` (so memory
+that cannot be had is an error here, not a SIGBUS later). The other ranks open it
+through the reader's ``/proc/<pid>/fd/<fd>`` (the same user's processes may; the
+descriptor's device and inode, sent with the schedule, prove it is the ring), so it
+needs no socket: a rank that cannot take passed descriptors still gets the ring.
+This module never talks to ``torch.distributed``.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
-import re
-import secrets
 import stat
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -48,14 +46,14 @@ from .errors import MegashardError
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "megashard-"
+MEMFD_NAME = "megashard-ring"  # what /proc/<pid>/fd and /proc/<pid>/maps show: /memfd:megashard-ring (deleted)
 RING_SLOTS = 4
 MAGIC = 0x6D7368726E67  # "mshrng"
 VERSION = 1
 _HEAD = 8  # header words before the per-consumer records
 _PER_CONSUMER = 4  # done, failed, pid, unused
 _PAGE = mmap.PAGESIZE
+_PR_GET_DUMPABLE = 3
 _fence_lock = threading.Lock()
 
 
@@ -78,27 +76,40 @@ def stall_timeout() -> float:
 
 
 def host_identity() -> str:
-    """This kernel's boot id and this process's PID namespace ('' if unknown). Ranks with equal
-    identities share a /dev/shm-capable kernel and can watch each other's pids; a node id that
-    groups ranks of different machines shows up as different boot ids."""
+    """This kernel's boot id, this process's PID namespace and user id ('' if unknown). Ranks with
+    equal identities share a kernel (its memory), watch each other's pids and may open each other's
+    /proc/PID/fd (see :func:`dumpable`); a node id that groups ranks of different machines shows up
+    as different boot ids."""
     boot, ns = procinfo.boot_id(), procinfo.namespace("pid")
-    return f"{boot}/{ns}" if boot and ns else ""
+    return f"{boot}/{ns}/uid {os.geteuid()}" if boot and ns else ""
+
+
+def dumpable() -> bool:
+    """Whether the kernel lets this user's other processes open this one's descriptors through
+    /proc/PID/fd: only if it is dumpable (it did not change its user id without an exec, nor call
+    ``prctl(PR_SET_DUMPABLE, 0)``). True when that cannot be told: opening the ring will say."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 1
+    except (OSError, AttributeError):
+        return True
 
 
 pid_alive = procinfo.pid_alive
 
 
 def available_bytes() -> int:
-    """What a new segment may use: free space in /dev/shm, capped by ``MEGASHARD_SHM_MAX_BYTES``.
-
-    0 when /dev/shm does not exist or is not writable."""
+    """What a new segment may use: the kernel's estimate of available memory (``MemAvailable``),
+    capped by ``MEGASHARD_SHM_MAX_BYTES``. A memory file is not limited by the size of
+    ``/dev/shm`` (Docker's 64 MB default does not apply)."""
+    free = 1 << 62  # /proc/meminfo unreadable: no estimate, posix_fallocate still decides
     try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    if not os.access(SHM_DIR, os.W_OK | os.X_OK):
-        return 0
-    free = st.f_bavail * st.f_frsize
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
     cap = os.environ.get("MEGASHARD_SHM_MAX_BYTES")
     if cap:
         try:
@@ -106,74 +117,6 @@ def available_bytes() -> int:
         except ValueError:
             log.warning("ignoring MEGASHARD_SHM_MAX_BYTES=%r (not an integer)", cap)
     return free
-
-
-_NAME = re.compile(r"megashard-([1-9][0-9]{0,9})-([0-9a-f]{8})-([0-9]{1,20})-([0-9]{1,20})-[0-9a-f]{16}\Z")
-
-
-def _creator() -> Optional[Tuple[str, str, int]]:
-    """This process's (boot id prefix, PID namespace inode, start time), or None if unknown."""
-    boot = procinfo.boot_id().replace("-", "")[:8]
-    ns = re.fullmatch(r"pid:\[([0-9]+)\]", procinfo.namespace("pid"))
-    start = procinfo.start_time("self")
-    if ns is None or start is None or start < 0 or not re.fullmatch(r"[0-9a-f]{8}", boot):
-        return None
-    return boot, ns.group(1), start
-
-
-def new_name() -> str:
-    """A fresh segment name that records its creator (see the module docstring); without
-    /proc, a name no sweep will ever remove."""
-    me = _creator()
-    if me is None:
-        return f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    boot, ns, start = me
-    return f"{SEGMENT_PREFIX}{os.getpid()}-{boot}-{ns}-{start}-{secrets.token_hex(8)}"
-
-
-def sweep_abandoned() -> List[str]:
-    """Remove the segments whose creator is provably gone; returns their names.
-
-    Only regular files owned by this user, named as :func:`new_name` names them, created
-    in this boot and PID namespace (where their creator's pid can be checked), by a
-    process that no longer exists. Anything else in /dev/shm is left alone."""
-    me = _creator()
-    if me is None:
-        return []
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return []
-    removed = []
-    for n in names:
-        m = _NAME.match(n)
-        if m is None or (m.group(2), m.group(3)) != me[:2]:
-            continue
-        start = procinfo.start_time(m.group(1))
-        if start is None or start == int(m.group(4)):  # alive, or we cannot tell
-            continue
-        path = os.path.join(SHM_DIR, n)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                continue
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(n)
-        log.info("removed shared memory segment %s: its creator (pid %s) died before the ring was unlinked",
-                 path, m.group(1))
-    return removed
-
-
-def unlink(name: str) -> None:
-    """Remove a segment name (no error if some other rank already did)."""
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.warning("could not remove shared memory segment %s: %s", os.path.join(SHM_DIR, name), e)
 
 
 def header_bytes(consumers: int) -> int:
@@ -188,14 +131,19 @@ def segment_bytes(consumers: int, slots: int, slot_bytes: int) -> int:
 class Ring:
     """One mapping of a ring segment (the reader's or a consumer's)."""
 
-    def __init__(self, name: str, fd: int, consumers: int, slots: int, slot_bytes: int) -> None:
-        self.name, self.consumers, self.slots, self.slot_bytes = name, consumers, slots, slot_bytes
+    def __init__(self, fd: int, consumers: int, slots: int, slot_bytes: int, keep_fd: bool) -> None:
+        """Map ``fd``; keep it open (the reader's: the others open the ring through it) or close it."""
+        self.consumers, self.slots, self.slot_bytes = consumers, slots, slot_bytes
+        self.fd: Optional[int] = fd if keep_fd else None
         size = segment_bytes(consumers, slots, slot_bytes)
         try:
             # MAP_POPULATE: map every page now, in one call, instead of one fault per page later
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if not keep_fd:
             os.close(fd)
         self._head = np.frombuffer(self._mm, dtype=np.int64, count=header_bytes(consumers) // 8)
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=header_bytes(consumers),
@@ -204,50 +152,66 @@ class Ring:
 
     # -- creation -----------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, consumers: int, slots: int, slot_bytes: int) -> "Ring":
-        """Create and reserve the segment (ShmError if /dev/shm cannot hold it), after
-        removing those of crashed jobs (:func:`sweep_abandoned`)."""
-        sweep_abandoned()
-        path = os.path.join(SHM_DIR, name)
+    def create(cls, consumers: int, slots: int, slot_bytes: int) -> "Ring":
+        """Create and reserve the segment (ShmError if the memory cannot be had)."""
         size = segment_bytes(consumers, slots, slot_bytes)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except OSError as e:
-            raise ShmError(f"cannot create shared memory segment {path}: {e.strerror}") from None
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        except (OSError, AttributeError) as e:
+            raise ShmError(f"cannot create an anonymous memory file (memfd_create): {e}") from None
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
             os.close(fd)
-            unlink(name)
-            raise ShmError(f"cannot reserve {size} bytes in {SHM_DIR} for {path} ({e.strerror}); "
-                           f"{SHM_DIR} has {available_bytes()} bytes free; lower scatter_chunk_bytes, enlarge "
-                           "/dev/shm (docker --shm-size) or pass scatter_transport='group'") from None
-        ring = cls(name, fd, consumers, slots, slot_bytes)
+            raise ShmError(f"cannot reserve {size} bytes of shared memory for the ring ({e.strerror}); "
+                           f"{available_bytes()} bytes available; lower scatter_chunk_bytes or pass "
+                           "scatter_transport='group'") from None
+        ring = cls(fd, consumers, slots, slot_bytes, keep_fd=True)
         ring._head[:_HEAD] = [MAGIC, VERSION, consumers, slots, slot_bytes, 0, 0, os.getpid()]
         return ring
 
+    def handle(self) -> List[int]:
+        """What another local rank needs to open this ring (:meth:`attach`): pid, descriptor, device, inode."""
+        if self.fd is None:
+            raise ShmError("only the ring's creator can hand it out")
+        st = os.fstat(self.fd)
+        return [os.getpid(), self.fd, st.st_dev, st.st_ino]
+
     @classmethod
-    def attach(cls, name: str, consumers: int, slots: int, slot_bytes: int, index: int) -> "Ring":
-        """Open the reader's segment as consumer ``index`` and check its header."""
-        path = os.path.join(SHM_DIR, name)
+    def attach(cls, handle: Sequence[int], consumers: int, slots: int, slot_bytes: int, index: int) -> "Ring":
+        """Open the reader's segment (its :meth:`handle`) as consumer ``index`` and check its header."""
+        if not (isinstance(handle, (list, tuple)) and len(handle) == 4 and all(type(x) is int for x in handle)):
+            raise ShmError(f"the node's reader named no usable shared memory ring ({handle!r:.100})")
+        pid, rfd, dev, ino = handle
+        path = f"/proc/{pid}/fd/{rfd}"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
-            raise ShmError(f"cannot open shared memory segment {path}: {e.strerror}") from None
+            raise ShmError(f"cannot open the node's shared memory ring through {path}: {e.strerror} (the "
+                           "node's ranks must run as one user, able to read each other's /proc/PID/fd; "
+                           "else pass scatter_transport='group')") from None
         size = segment_bytes(consumers, slots, slot_bytes)
-        have = os.fstat(fd).st_size
-        if have != size:
+        st = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (dev, ino):
+            problem = "is not the ring the reader named (another file under that descriptor)"
+        elif st.st_size != size:
+            problem = f"has {st.st_size} bytes, expected {size}"
+        if problem:
             os.close(fd)
-            raise ShmError(f"shared memory segment {path} has {have} bytes, expected {size}")
-        ring = cls(name, fd, consumers, slots, slot_bytes)
+            raise ShmError(f"shared memory ring {path} {problem}")
+        ring = cls(fd, consumers, slots, slot_bytes, keep_fd=False)
         if list(ring._head[:5]) != [MAGIC, VERSION, consumers, slots, slot_bytes]:
             ring.close()
-            raise ShmError(f"shared memory segment {path} has an unexpected header")
+            raise ShmError(f"shared memory ring {path} has an unexpected header")
         ring._set(_HEAD + _PER_CONSUMER * index + 2, os.getpid())
         return ring
 
     def close(self) -> None:
-        """Unmap (the segment itself disappears once unlinked and unmapped everywhere)."""
+        """Unmap (and close the creator's descriptor): the memory is freed once no rank holds it."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         if self._mm is None:
             return
         self._head = None  # type: ignore[assignment]
@@ -255,7 +219,7 @@ class Ring:
         try:
             self._mm.close()
         except BufferError:  # a view is still referenced somewhere; the GC unmaps it later
-            log.debug("shared memory mapping %s still referenced at close", self.name)
+            log.debug("shared memory ring still referenced at close")
         self._mm = None  # type: ignore[assignment]
 
     # -- header fields ------------------------------------------------------------

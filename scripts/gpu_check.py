@@ -291,10 +291,8 @@ def ring_check() -> Dict[str, Any]:
     from megashard import shm
     from megashard.devicecopy import DeviceCopier
 
-    name = shm.new_name()
-    ring = shm.Ring.create(name, 1, 4, 64 << 20)
+    ring = shm.Ring.create(1, 4, 64 << 20)
     try:
-        shm.unlink(name)
         dst = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
         with DeviceCopier([dst.device]) as cp:
             t = time.perf_counter()

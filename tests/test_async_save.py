@@ -191,9 +191,22 @@ LOOP = textwrap.dedent("""
 """)
 
 
+def _named_shared_memory(pid: int) -> list:
+    """Files under /dev/shm that process ``pid`` maps or holds open."""
+    with open(f"/proc/{pid}/maps") as f:
+        found = {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(n for n in found if n.startswith("/dev/shm/"))
+
+
 def test_sigkill_at_random_moments_of_async_saves(tmp_path):
     """Kill a loop of async saves (snapshot, write, commit, tracker) at random times;
-    each time the tracker names a complete checkpoint that loads bit-exactly."""
+    each time the tracker names a complete checkpoint that loads bit-exactly, and the process held
+    nothing in /dev/shm (nothing of it can outlive the kill)."""
     rnd = random.Random(1234)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     outcomes = []
@@ -209,6 +222,8 @@ def test_sigkill_at_random_moments_of_async_saves(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
             time.sleep(rnd.uniform(0.0, 1.5))
+            # staging is the process's own memory: nothing it holds has a name in /dev/shm to outlive it
+            assert _named_shared_memory(proc.pid) == []
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()

@@ -5,8 +5,8 @@
 * a rank that fails to take the reader's descriptors gets its bytes through the ring instead;
 * a receiving rank that fails mid-transfer reaches the reader in seconds, not at the process-group
   timeout, on both transports;
-* a ring segment left behind by ranks SIGKILLed between creating and unlinking it is removed by
-  the next scatter load on the node; live processes' segments and other files are left alone.
+* ranks SIGKILLed all together while the ring is being set up leave nothing in /dev/shm (the ring is
+  an anonymous memory file: it goes with its last process).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List
 
+import pytest
 import torch
 
 from distributed import all_ok, capture_logs, run_ranks
@@ -239,89 +240,64 @@ def _segments_of(pids: List[int]) -> List[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefixes))
 
 
-def _killed_in_window_job(rank: int, world: int, tmp: str) -> None:
-    """Rank 0 creates the ring, then both ranks wait (forever) before opening/unlinking it."""
+def _memfds_of(pid: int) -> List[str]:
+    """The anonymous memory files (memfd) process ``pid`` holds open, as /proc names them."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("/memfd:"):
+                out.append(target)
+    return out
+
+
+def _stopped_in_window_job(rank: int, world: int, tmp: str, window: str) -> None:
+    """Both ranks stop (forever) on entering the scatter load's ``window`` agreement: "setup" (the
+    reader has created the ring, nobody has opened it) or "open" (every rank has it open)."""
     import megashard
-    from megashard import scatter, shm
+    from megashard import scatter
 
     path = os.path.join(tmp, "ckpt")
     layout = Layout(tp=2)
     megashard.save(model_state(layout, rank), path)
     with open(os.path.join(tmp, f"pid{rank}"), "w") as f:
         f.write(str(os.getpid()))
-    if rank == 0:
-        real = shm.Ring.create
+    real_agree = scatter.Comm.agree
 
-        def create_then_wait(*a: Any, **kw: Any) -> Any:
-            ring = real(*a, **kw)
-            open(os.path.join(tmp, "created"), "w").close()
+    def stop_there(self: Any, err: Any, what: str) -> None:
+        if what == f"scatter load ({window})":
+            open(os.path.join(tmp, f"stopped{rank}"), "w").close()
             time.sleep(600)
-            return ring
+        real_agree(self, err, what)
 
-        shm.Ring.create = create_then_wait
-    else:
-        real_agree = scatter.Comm.agree
-
-        def wait_before_open(self: Any, err: Any, what: str) -> None:
-            if what == "scatter load (setup)":
-                time.sleep(600)
-            real_agree(self, err, what)
-
-        scatter.Comm.agree = wait_before_open
+    scatter.Comm.agree = stop_there
     _load(layout, rank, path, scatter_transport="shm")
 
 
-def _sweep_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
-    path = os.path.join(tmp, "ckpt")
-    return _load(Layout(tp=2), rank, path, scatter_transport="shm")
-
-
-def test_abandoned_segment_is_swept(tmp_path) -> None:
-    """Every rank of the node SIGKILLed between the ring's creation and its unlinking leaves a
-    segment; the next scatter load on the node removes it, and nothing else."""
-    from megashard import shm
-
+@pytest.mark.parametrize("window", ["setup", "open"])
+def test_ranks_killed_in_ring_setup_leave_no_shared_memory(tmp_path, window: str) -> None:
+    """Every rank of the node SIGKILLed while the ring is being set up (before anyone opened it,
+    or once everyone has): nothing of the job's is left in /dev/shm, with no later load to sweep it.
+    The job's names there would start with ``megashard-<pid>-`` (the creator's pid); the test only
+    looks at those of its own ranks."""
     box: Dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: box.update(res=run_ranks(_killed_in_window_job, 2, str(tmp_path),
-                                                                      env=NODE_ENV, timeout=120)))
+    runner = threading.Thread(target=lambda: box.update(res=run_ranks(
+        _stopped_in_window_job, 2, str(tmp_path), window, env=NODE_ENV, timeout=120)))
     runner.start()
     deadline = time.monotonic() + 100
-    while not (tmp_path / "created").exists() and time.monotonic() < deadline:
+    while not all((tmp_path / f"stopped{r}").exists() for r in range(2)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert (tmp_path / "created").exists(), "rank 0 never created the ring"
+    assert all((tmp_path / f"stopped{r}").exists() for r in range(2)), "the ranks never reached the window"
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-    for p in pids:
-        os.kill(p, signal.SIGKILL)
-    runner.join()
-    assert [ok for ok, _ in box["res"]] == [False, False], box["res"]
-    leaked = _segments_of(pids)
-    assert len(leaked) == 1, leaked  # the window exists: a segment outlived every rank
-
-    # what the sweep must leave alone: a live process's segment (this one's), an old-style
-    # name, files that only look like megashard's, a symlink and (as root) another user's file,
-    # both named like a segment of the dead rank 0
-    live = shm.new_name()
-    keep = [live, f"megashard-{pids[0]}-0123456789abcdef", "megashard-notes", f"other-{pids[0]}"]
-    for n in keep:
-        with open(os.path.join(SHM_DIR, n), "w") as f:
-            f.write("x")
-    link, foreign, twin = (leaked[0][:-4] + tail for tail in ("0001", "0002", "0003"))
-    os.symlink(os.path.join(SHM_DIR, keep[2]), os.path.join(SHM_DIR, link))
-    keep.append(link)
-    for n in [twin] + ([foreign] if os.getuid() == 0 else []):
-        with open(os.path.join(SHM_DIR, n), "w") as f:
-            f.write("x")
-    if os.getuid() == 0:
-        os.chown(os.path.join(SHM_DIR, foreign), 65534, 65534)
-        keep.append(foreign)
+    named, anonymous = _segments_of(pids), [m for p in pids for m in _memfds_of(p) if "megashard" in m]
     try:
-        res = all_ok(run_ranks(_sweep_job, 2, str(tmp_path), env=NODE_ENV))
-        assert all(r["bad"] == [] and r["transport"] == "shm" for r in res), res
-        gone = [n for n in (leaked[0], twin) if os.path.lexists(os.path.join(SHM_DIR, n))]
-        assert gone == [], gone  # the abandoned segment (and its twin) are removed
-        for n in keep:
-            assert os.path.lexists(os.path.join(SHM_DIR, n)), n
+        assert named or anonymous, "no ring exists at the stop point: the test stops in the wrong place"
     finally:
-        for n in keep + leaked + [twin]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, n))
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        runner.join()
+    assert [ok for ok, _ in box["res"]] == [False, False], box["res"]
+    left = _segments_of(pids)
+    for n in left:  # the job's own leftovers only (named after its pids)
+        os.unlink(os.path.join(SHM_DIR, n))
+    assert left == [], f"shared memory outlived every rank of the job (ring then: {named} {anonymous})"

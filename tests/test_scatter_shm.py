@@ -151,7 +151,7 @@ def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     layout = Layout(tp=2)
     _save(layout, rank, path)
     records = capture_logs()
-    os.environ["MEGASHARD_SHM_MAX_BYTES"] = "4096"  # "/dev/shm too small"
+    os.environ["MEGASHARD_SHM_MAX_BYTES"] = "4096"  # "too little memory for the ring"
     auto = _load(layout, rank, path)  # default: scatter_transport="auto"
     try:
         _load(layout, rank, path, scatter_transport="shm")
@@ -159,7 +159,16 @@ def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     except megashard.DistributedError as e:
         forced = f"{type(e).__name__}: {e}"
     del os.environ["MEGASHARD_SHM_MAX_BYTES"]
+    import ctypes
+
     from megashard import shm
+
+    libc = ctypes.CDLL(None)
+    if rank == 0:  # the reader made itself non-dumpable: the others could not open its /proc/PID/fd
+        assert libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+    undumpable = _load(layout, rank, path)
+    if rank == 0:
+        assert libc.prctl(4, 1, 0, 0, 0) == 0
 
     if rank == 1:  # a node id that groups ranks of different machines (another boot id)
         shm.host_identity = lambda: "another-machine/pid:[1]"
@@ -170,7 +179,7 @@ def _fallback_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     except ValueError as e:
         bad_arg = str(e)
     return {"auto": auto, "forced": forced, "logs": records, "bad_arg": bad_arg, "pid": os.getpid(),
-            "elsewhere": elsewhere}
+            "elsewhere": elsewhere, "undumpable": undumpable}
 
 
 def test_scatter_falls_back_when_shm_too_small(tmp_path) -> None:
@@ -178,13 +187,15 @@ def test_scatter_falls_back_when_shm_too_small(tmp_path) -> None:
     for r in res:
         assert r["auto"]["bad"] == [] and r["auto"]["transport"] == "group"
         assert r["elsewhere"]["bad"] == [] and r["elsewhere"]["transport"] == "group"
-        assert r["forced"].startswith("DistributedError") and "/dev/shm has 0.0 MiB free" in r["forced"], r["forced"]
+        assert r["undumpable"]["bad"] == [] and r["undumpable"]["transport"] == "group"
+        assert r["forced"].startswith("DistributedError") and "0.0 MiB of memory available for shared memory" in r["forced"], r["forced"]
         assert "scatter_transport" in r["bad_arg"]
-    lines = [m for m in res[0]["logs"] if "/dev/shm has" in m]
+    lines = [m for m in res[0]["logs"] if "MiB of memory available" in m]
     assert len(lines) == 1, res[0]["logs"]  # one line: the size found and what to change
-    assert "MEGASHARD_SHM_MAX_BYTES" in lines[0] and "scatter_chunk_bytes" in lines[0] and "--shm-size" in lines[0]
-    assert [m for m in res[1]["logs"] if "/dev/shm has" in m] == []  # only the reader decides and says so
+    assert "MEGASHARD_SHM_MAX_BYTES" in lines[0] and "scatter_chunk_bytes" in lines[0]
+    assert [m for m in res[1]["logs"] if "MiB of memory available" in m] == []  # only the reader decides and says so
     assert len([m for m in res[0]["logs"] if "do not all share this rank's kernel" in m]) == 1
+    assert len([m for m in res[0]["logs"] if "this process is not dumpable" in m]) == 1
     assert _segments([r["pid"] for r in res]) == []
 
 
@@ -494,13 +505,19 @@ def test_shm_ring_protocol_single_process() -> None:
     """The ring's counters: a slot is reused only after every consumer moved past it."""
     from megashard import shm
 
-    name = shm.new_name()
-    ring = shm.Ring.create(name, consumers=2, slots=2, slot_bytes=16)
+    ring = shm.Ring.create(consumers=2, slots=2, slot_bytes=16)
     try:
-        a = shm.Ring.attach(name, 2, 2, 16, 0)
-        b = shm.Ring.attach(name, 2, 2, 16, 1)
-        shm.unlink(name)
-        assert not os.path.exists(os.path.join(SHM_DIR, name))
+        a = shm.Ring.attach(ring.handle(), 2, 2, 16, 0)
+        b = shm.Ring.attach(ring.handle(), 2, 2, 16, 1)
+        assert os.readlink(f"/proc/self/fd/{ring.fd}") == "/memfd:megashard-ring (deleted)"  # no name anywhere
+        wrong = ring.handle()
+        wrong[3] += 1  # another inode: not the ring the reader named
+        with pytest.raises(shm.ShmError, match="is not the ring the reader named"):
+            shm.Ring.attach(wrong, 2, 2, 16, 0)
+        with pytest.raises(shm.ShmError, match=r"has \d+ bytes, expected"):
+            shm.Ring.attach(ring.handle(), 2, 3, 16, 0)
+        with pytest.raises(shm.ShmError, match="named no usable shared memory ring"):
+            shm.Ring.attach(None, 2, 2, 16, 0)  # type: ignore[arg-type]
         me = os.getpid()
         assert ring.wait_slot_free(1, [me, me], blocking=False)
         ring.slot(0, 16).copy_(torch.arange(16, dtype=torch.uint8))
@@ -519,4 +536,3 @@ def test_shm_ring_protocol_single_process() -> None:
         b.close()
     finally:
         ring.close()
-        shm.unlink(name)
