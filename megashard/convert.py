@@ -695,7 +695,10 @@ def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: 
 
     if patterns is not None:
         raise ConvertInputError("--keys does not apply to an import from Hugging Face")
-    plan = plan_import(src)
+    try:
+        plan = plan_import(src)
+    except CheckpointError as e:  # a malformed or hostile directory (a link, a bad header): wrong input
+        raise ConvertInputError(str(e)) from None
     res = ConvertResult(plan.src, dst, "hf", "megashard", "release")
     try:
         out = _output(dst, True, "release", False)

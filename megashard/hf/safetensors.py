@@ -116,6 +116,8 @@ class SafetensorsFile:
             doc = json.loads(raw)
         except ValueError as e:
             raise CheckpointError(f"{self.path}: header is not JSON: {e}") from None
+        except RecursionError:
+            raise CheckpointError(f"{self.path}: header is not JSON this reader takes (nested too deeply)") from None
         if not isinstance(doc, dict):
             raise CheckpointError(f"{self.path}: header is not a JSON object")
         self.data_start = 8 + hlen
