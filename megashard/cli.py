@@ -191,6 +191,33 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Paths(argparse.Action):
+    """convert's SRC DST; notes whether ``--keys`` came first (its list then ends with them)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, list(values))
+        namespace.keys_before_paths = getattr(namespace, "keys", None) is not None
+
+
+def _convert_paths(args: argparse.Namespace, extras: list) -> None:
+    """SRC and DST for ``convert``: ``--keys A B SRC DST`` takes every word up to the next option, so
+    the paths it swallowed are the end of its list (the exactly two paths come first)."""
+    parser = args.convert_parser
+    paths = args.paths + extras
+    unknown = [a for a in extras if a.startswith("-")] or paths[2:]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    need = 2 - len(paths)
+    if need:
+        keys = args.keys or []
+        if len(keys) <= need:
+            parser.error("--keys needs at least one PATTERN before SRC DST" if keys else
+                         "the following arguments are required: SRC DST")
+        args.keys, taken = keys[:-need], keys[-need:]
+        paths = taken + paths if getattr(args, "keys_before_paths", False) else paths + taken
+    args.src, args.dst = paths
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -208,10 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_cmd_verify)
     c = sub.add_parser("convert", help="torch_dist -> megashard, megashard -> torch_dist, one .tensors / "
                        ".safetensors file of global tensors, a Hugging Face directory (--to hf), or a Hugging "
-                       "Face directory -> megashard (one process)")
-    c.add_argument("src", help="checkpoint directory, a Megatron save directory with iter_XXXXXXX subdirectories, "
-                   "or a Hugging Face model directory (imported)")
-    c.add_argument("dst", help="new directory (or file for tensors/safetensors); must not exist")
+                       "Face directory -> megashard (one process)",
+                       usage="%(prog)s SRC DST [--to FORMAT] [--keys PATTERN [PATTERN ...]] [--iteration N] "
+                       "[--vocab-size N] [--tokenizer DIR] [--tensors] [--max-shard-size BYTES]")
+    c.add_argument("paths", nargs="*", metavar="SRC DST", action=_Paths,
+                   help="SRC: checkpoint directory, a Megatron save directory with iter_XXXXXXX subdirectories, "
+                   "or a Hugging Face model directory (imported); DST: new directory (or file for "
+                   "tensors/safetensors), must not exist")
     c.add_argument("--to", default="megashard", choices=("megashard", "torch_dist", "tensors", "safetensors", "hf"),
                    help="target format (default: megashard; a Hugging Face directory as SRC is imported)")
     c.add_argument("--keys", nargs="+", metavar="PATTERN", help="only global tensors matching these keys / globs")
@@ -224,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "HF-named tensors (vLLM --load-format tensorizer) instead of safetensors shards")
     c.add_argument("--max-shard-size", type=int, metavar="BYTES", help="--to hf: safetensors shard size "
                    "(default 5e9)")
-    c.set_defaults(func=_cmd_convert)
+    c.set_defaults(func=_cmd_convert, convert_parser=c)
     r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place and "
                        "remove superseded copies (the only command that changes a checkpoint's directory)")
     r.add_argument("path", help="checkpoint directory, or s3:// URL")
@@ -246,7 +276,11 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if args.command == "convert":
+        _convert_paths(args, extras)
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     for attr in ("path", "src", "dst"):
         if isinstance(getattr(args, attr, None), str):
             try:
