@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--keys", nargs="+", metavar="PATTERN", help="only global tensors matching these keys / globs")
     c.add_argument("--iteration", type=int, help="iteration to convert from a Megatron save directory "
                    "(default: the tracker's)")
-    c.add_argument("--vocab-size", type=int, help="--to hf: the real vocabulary size (the checkpoint's is padded)")
+    c.add_argument("--vocab-size", type=int, help="--to hf: the real vocabulary size (the checkpoint's is padded; "
+                   "default: the saved args' vocab_size when they hold it, and a smaller one is refused)")
     c.add_argument("--tokenizer", metavar="DIR", help="--to hf: tokenizer directory; its files are copied and "
                    "its tokenizer.json gives the vocabulary size")
     c.add_argument("--tensors", action="store_true", help="--to hf: one tensorizer model.tensors file of "

@@ -392,3 +392,67 @@ def test_hostile_configs_exit_2_with_one_line_and_bounded_memory(tmp_path):
         assert "Traceback" not in err and names in err and len(err) < 1000, what
         assert grew < 64 << 10, what  # the files are ~100 KiB; the interpreter's own growth is far below this
         assert not os.path.exists(tmp_path / f"out{d.name[1:]}")
+
+
+def _padded_checkpoint(tmp_path, **args_extra):
+    """A Megatron-like checkpoint whose embedding and output layer are padded to 128 rows (rows 100..127 are
+    padding, set to 7), its args saying vocab_size=100 and padded_vocab_size=128."""
+    write_hf(tmp_path / "hf", vocab=100)
+    convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    src = str(tmp_path / "ms" / "release")
+    tensors = megashard.load_consolidated(src)
+    args = megashard.load_common(src, ["args"])["args"]
+    vars(args).update(padded_vocab_size=128, **args_extra)
+    model = {}
+    for k, t in tensors.items():
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = torch.cat([t, torch.full((28, t.shape[1]), 7.0, dtype=t.dtype)])
+        model[k] = ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim())
+    megashard.save({"args": args, "model": model}, str(tmp_path / "pad"))
+    return str(tmp_path / "pad")
+
+
+def test_export_takes_the_vocabulary_from_the_saved_args(tmp_path, capsys):
+    """The saved args' vocab_size is the vocabulary: no --vocab-size needed, and a smaller one (which
+    would drop trained rows) is refused, naming both sizes; a larger one (padding rows) is warned about."""
+    from safetensors.torch import load_file
+
+    pad = _padded_checkpoint(tmp_path)
+    res = convert(pad, str(tmp_path / "out"), to="hf")
+    assert json.load(open(tmp_path / "out" / "config.json"))["vocab_size"] == 100
+    got = load_file(str(tmp_path / "out" / "model.safetensors")) if os.path.exists(
+        tmp_path / "out" / "model.safetensors") else {}
+    idx = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    for f in sorted(set(idx["weight_map"].values())):
+        got.update(load_file(str(tmp_path / "out" / f)))
+    orig = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(got[k], orig[k]), k
+    assert res.tensors == len(orig)
+    capsys.readouterr()
+    assert cli_main(["convert", pad, str(tmp_path / "small"), "--to", "hf", "--vocab-size", "90"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("megashard convert: error: --vocab-size 90 is smaller than the vocabulary the "
+                                     "checkpoint was trained with (100, its saved args' vocab_size)") in err, err
+    assert not os.path.exists(tmp_path / "small")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(95)}}}))
+    with pytest.raises(ConvertInputError, match=r"the tokenizer's 95 tokens are fewer than the vocabulary the "
+                       r"checkpoint was trained with \(100"):
+        convert(pad, str(tmp_path / "small"), to="hf", tokenizer=str(tok))
+    import logging
+
+    with pytest.MonkeyPatch.context() as mp:
+        records = []
+        mp.setattr(logging.getLogger("megashard.hf.export"), "warning", lambda *a: records.append(a[0] % a[1:]))
+        convert(pad, str(tmp_path / "big"), to="hf", vocab_size=110)
+    assert json.load(open(tmp_path / "big" / "config.json"))["vocab_size"] == 110
+    assert any("rows 100..109 are padding" in r for r in records), records
+
+
+def test_export_null_tokenizer_vocabulary_counts_its_eod(tmp_path):
+    """Megatron's NullTokenizer has vocab_size + 1 tokens (its eod is id vocab_size): that row is exported."""
+    pad = _padded_checkpoint(tmp_path, vocab_size=99, tokenizer_type="NullTokenizer")
+    convert(pad, str(tmp_path / "out"), to="hf")
+    assert json.load(open(tmp_path / "out" / "config.json"))["vocab_size"] == 100
