@@ -58,3 +58,52 @@ def test_keys_without_patterns_or_paths_exit_2(ckpt, tmp_path, capsys):
         cli_main(["convert", ckpt, dst, "extra", "--to", "safetensors"])
     assert e.value.code == 2 and "unrecognized arguments: extra" in capsys.readouterr().err
     assert not os.path.exists(dst)
+
+
+def _torch_dist_dir(path):
+    """torch_dist's marker files (what megatron-core's dist_checkpointing.save writes beside its shards);
+    common.pt is not a pickle here: nothing may read it."""
+    os.makedirs(path)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                   "common_backend_version": 1}, f)
+    for name in (".metadata", "common.pt", "__0_0.distcp"):
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(b"not a pickle")
+    return str(path)
+
+
+def _hf_dir(path):
+    os.makedirs(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "llama"}, f)
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(b"\0" * 16)
+    return str(path)
+
+
+@pytest.mark.parametrize("make, what", [(_torch_dist_dir, "a torch_dist checkpoint"),
+                                        (_hf_dir, "a Hugging Face model directory")])
+def test_inspect_verify_load_name_the_format_and_the_convert_command(tmp_path, capsys, make, what):
+    """`megashard inspect|verify` and `megashard.load` on a directory in a format convert reads name
+    the format and the exact command, instead of a missing manifest.json."""
+    d = make(tmp_path / "src")
+    command = f"`megashard convert {d} NEW_DIR`"
+    assert cli_main(["inspect", d]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"megashard inspect: error: {d} is not a megashard checkpoint: "
+                                                   f"it is {what}"), err
+    assert command in err and "manifest.json" not in err, err
+    assert cli_main(["verify", d]) == 1
+    out = capsys.readouterr()
+    assert f"{d} is not a megashard checkpoint: it is {what}" in out.out + out.err and command in out.out + out.err
+    with pytest.raises(megashard.MegashardError) as e:
+        megashard.load({}, d)
+    assert f"it is {what}" in str(e.value) and command in str(e.value)
+
+
+def test_a_plain_directory_still_says_what_is_missing(tmp_path, capsys):
+    os.makedirs(tmp_path / "empty")
+    assert cli_main(["inspect", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    assert "manifest.json" in err and "megashard convert" not in err

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import storage
 from ..sharded import ShardedObject, ShardedTensor
 from . import mapping as M
 from .mapping import HFMappingError, LlamaSpec
@@ -48,8 +49,7 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d{1,12})\.")
 
 def is_hf_dir(path: str) -> bool:
     """A directory with config.json and safetensors weights."""
-    return os.path.isfile(os.path.join(path, "config.json")) and (
-        os.path.isfile(os.path.join(path, INDEX)) or os.path.isfile(os.path.join(path, SINGLE)))
+    return storage.foreign_format(path) == "hf"
 
 
 @dataclass
