@@ -4,7 +4,7 @@
     megashard verify PATH [--json]    # every hash; exit 0 only when all match, else 1
     megashard convert SRC DST [--to megashard|torch_dist|tensors|safetensors|hf] [--keys PATTERN ...]
                       [--iteration N]  # one process; see megashard.convert
-    megashard convert SRC DST --to hf (--vocab-size N | --tokenizer DIR) [--tensors]  # a Hugging Face directory
+    megashard convert SRC DST --to hf [--vocab-size N | --tokenizer DIR] [--tensors]  # a Hugging Face directory
     megashard convert HF_DIR DST [--to megashard]  # import: DST/release + tracker, for --load DST
 
 A directory argument is handed to :mod:`megashard.checkpoint_tools` (imported
