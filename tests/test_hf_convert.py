@@ -278,13 +278,14 @@ def status(key):
 results = []
 for argv, err in json.loads(sys.argv[1]):
     sys.stdout.flush(); sys.stderr.flush()
-    base = status("VmHWM")
     # memory, not time: a run that enumerates what the files do not hold fails here, not in the machine
     limit = status("VmSize") * 1024 + (1 << 30)
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            with open(err + ".rss", "w") as f:  # the fork's own resident set at its start: the baseline
+                f.write(str(status("VmRSS")))
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
             fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(fd, 2)
@@ -300,7 +301,8 @@ for argv, err in json.loads(sys.argv[1]):
         finally:
             os._exit(code)
     _, st, ru = os.wait4(pid, 0)
-    results.append({"code": os.waitstatus_to_exitcode(st), "grew_kib": ru.ru_maxrss - base})
+    with open(err + ".rss") as f:
+        results.append({"code": os.waitstatus_to_exitcode(st), "grew_kib": ru.ru_maxrss - int(f.read())})
 print(json.dumps(results))
 """
 
