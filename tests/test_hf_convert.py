@@ -207,6 +207,18 @@ def test_hostile_hf_directories_refused(tmp_path, capsys):
     (link / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
     os.symlink(st, link / "model.safetensors")
     cases[link] = "symbolic link is refused"
+    fifo = tmp_path / "fifo"  # a named pipe where the index is: opening it must not wait for a writer
+    fifo.mkdir()
+    (fifo / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    os.link(st, fifo / "model.safetensors")
+    os.mkfifo(fifo / "model.safetensors.index.json")
+    cases[fifo] = "not a regular file"
+    fifo_shard = tmp_path / "fifo_shard"
+    fifo_shard.mkdir()
+    (fifo_shard / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    (fifo_shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {first: "pipe"}}))
+    os.mkfifo(fifo_shard / "pipe")
+    cases[fifo_shard] = "not a regular file"
     deep = variant("deep_header", data=(200_008).to_bytes(8, "little") + b"[" * 100_000 + b"]" * 100_000 + b"\0" * 8)
     cases[deep] = "nested too deeply"
     for d, msg in cases.items():

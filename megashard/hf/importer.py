@@ -74,7 +74,7 @@ class ImportPlan:
 def _read_json(dir_fd: int, name: str, where: str) -> Any:
     path = os.path.join(where, name)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         raise HFMappingError(f"{path}: cannot open ({e.strerror}); symbolic links are refused") from e
     with os.fdopen(fd, "rb") as f:

@@ -87,7 +87,7 @@ class SafetensorsFile:
         if "/" in name or name in ("", ".", ".."):
             raise CheckpointError(f"{self.path}: not a plain file name inside {where}")
         try:
-            self.fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            self.fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot open ({e.strerror}); a symbolic link is refused: copy "
                                   "the model directory with real files (huggingface-cli download --local-dir)") from e
