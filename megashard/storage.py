@@ -925,7 +925,7 @@ def checkpoint_location(checkpoint_dir: PathLike) -> str:
     return found
 
 
-HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def foreign_format(path: PathLike) -> Optional[str]:
@@ -944,7 +944,7 @@ def foreign_format(path: PathLike) -> Optional[str]:
         if isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist":
             return "torch_dist"
     if os.path.isfile(os.path.join(path, "config.json")) and any(
-            os.path.isfile(os.path.join(path, n)) for n in HF_WEIGHTS):
+            os.path.isfile(os.path.join(path, n)) for n in _HF_WEIGHTS):
         return "hf"
     return None
 
