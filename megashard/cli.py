@@ -6,7 +6,7 @@
     (PATH may be a Megatron save root: its iterations are listed, its tracker's checkpoint is read)
     megashard convert SRC DST [--to megashard|torch_dist|tensors|safetensors|hf] [--keys PATTERN ...]
                       [--iteration N]  # one process; see megashard.convert
-    megashard convert SRC DST --to hf (--vocab-size N | --tokenizer DIR) [--tensors]  # a Hugging Face directory
+    megashard convert SRC DST --to hf [--vocab-size N | --tokenizer DIR] [--tensors]  # a Hugging Face directory
     megashard convert HF_DIR DST [--to megashard]  # import: DST/release + tracker, for --load DST
 
 A directory argument is handed to :mod:`megashard.checkpoint_tools` (imported
@@ -281,6 +281,33 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Paths(argparse.Action):
+    """convert's SRC DST; notes whether ``--keys`` came first (its list then ends with them)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, list(values))
+        namespace.keys_before_paths = getattr(namespace, "keys", None) is not None
+
+
+def _convert_paths(args: argparse.Namespace, extras: list) -> None:
+    """SRC and DST for ``convert``: ``--keys A B SRC DST`` takes every word up to the next option, so
+    the paths it swallowed are the end of its list (the exactly two paths come first)."""
+    parser = args.convert_parser
+    paths = args.paths + extras
+    unknown = [a for a in extras if a.startswith("-")] or paths[2:]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    need = 2 - len(paths)
+    if need:
+        keys = args.keys or []
+        if len(keys) <= need:
+            parser.error("--keys needs at least one PATTERN before SRC DST" if keys else
+                         "the following arguments are required: SRC DST")
+        args.keys, taken = keys[:-need], keys[-need:]
+        paths = taken + paths if getattr(args, "keys_before_paths", False) else paths + taken
+    args.src, args.dst = paths
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -299,23 +326,27 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_cmd_verify)
     c = sub.add_parser("convert", help="torch_dist -> megashard, megashard -> torch_dist, one .tensors / "
                        ".safetensors file of global tensors, a Hugging Face directory (--to hf), or a Hugging "
-                       "Face directory -> megashard (one process)")
-    c.add_argument("src", help="checkpoint directory, a Megatron save directory with iter_XXXXXXX subdirectories, "
-                   "or a Hugging Face model directory (imported)")
-    c.add_argument("dst", help="new directory (or file for tensors/safetensors); must not exist")
+                       "Face directory -> megashard (one process)",
+                       usage="%(prog)s SRC DST [--to FORMAT] [--keys PATTERN [PATTERN ...]] [--iteration N] "
+                       "[--vocab-size N] [--tokenizer DIR] [--tensors] [--max-shard-size BYTES]")
+    c.add_argument("paths", nargs="*", metavar="SRC DST", action=_Paths,
+                   help="SRC: checkpoint directory, a Megatron save directory with iter_XXXXXXX subdirectories, "
+                   "or a Hugging Face model directory (imported); DST: new directory (or file for "
+                   "tensors/safetensors), must not exist")
     c.add_argument("--to", default="megashard", choices=("megashard", "torch_dist", "tensors", "safetensors", "hf"),
                    help="target format (default: megashard; a Hugging Face directory as SRC is imported)")
     c.add_argument("--keys", nargs="+", metavar="PATTERN", help="only global tensors matching these keys / globs")
     c.add_argument("--iteration", type=int, help="iteration to convert from a Megatron save directory "
                    "(default: the tracker's)")
-    c.add_argument("--vocab-size", type=int, help="--to hf: the real vocabulary size (the checkpoint's is padded)")
+    c.add_argument("--vocab-size", type=int, help="--to hf: the real vocabulary size (the checkpoint's is padded; "
+                   "default: the saved args' vocab_size when they hold it, and a smaller one is refused)")
     c.add_argument("--tokenizer", metavar="DIR", help="--to hf: tokenizer directory; its files are copied and "
                    "its tokenizer.json gives the vocabulary size")
     c.add_argument("--tensors", action="store_true", help="--to hf: one tensorizer model.tensors file of "
                    "HF-named tensors (vLLM --load-format tensorizer) instead of safetensors shards")
     c.add_argument("--max-shard-size", type=int, metavar="BYTES", help="--to hf: safetensors shard size "
                    "(default 5e9)")
-    c.set_defaults(func=_cmd_convert)
+    c.set_defaults(func=_cmd_convert, convert_parser=c)
     r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place, "
                        "remove superseded copies and dead saves' temporaries, and list what was removed (the only "
                        "command that changes a checkpoint's directory)")
@@ -350,7 +381,11 @@ def _cmd_recover(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if args.command == "convert":
+        _convert_paths(args, extras)
+    elif extras:
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     for attr in ("path", "src", "dst"):
         if isinstance(getattr(args, attr, None), str):
             try:

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import datetime
 import enum
-import json
 import logging
 import mmap
 import os
@@ -108,16 +107,7 @@ def detect_format(path: str) -> Optional[str]:
     """``"megashard"``, ``"torch_dist"`` or None for a checkpoint directory."""
     if storage.locate(path) is not None:  # also an interrupted re-save's complete copy
         return "megashard"
-    meta = os.path.join(path, "metadata.json")
-    if os.path.isfile(meta):
-        try:
-            with open(meta, "rb") as f:
-                doc = json.loads(f.read(1 << 16))
-        except (OSError, ValueError):
-            return None
-        if isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist":
-            return "torch_dist"
-    return None
+    return "torch_dist" if storage.foreign_format(path) == "torch_dist" else None
 
 
 def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str, str, Optional[int | str], bool]:
@@ -695,7 +685,10 @@ def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: 
 
     if patterns is not None:
         raise ConvertInputError("--keys does not apply to an import from Hugging Face")
-    plan = plan_import(src)
+    try:
+        plan = plan_import(src)
+    except CheckpointError as e:  # a malformed or hostile directory (a link, a bad header): wrong input
+        raise ConvertInputError(str(e)) from None
     res = ConvertResult(plan.src, dst, "hf", "megashard", "release")
     try:
         out = _output(dst, True, "release", False)

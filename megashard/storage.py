@@ -121,6 +121,8 @@ __all__ = [
     "locate",
     "checkpoint_location",
     "why_not_checkpoint",
+    "foreign_format",
+    "foreign_hint",
     "CheckpointFiles",
     "MANIFEST_DIGEST_NAME",
     "cleanup_stale_temps",
@@ -924,10 +926,50 @@ def checkpoint_location(checkpoint_dir: PathLike) -> str:
     path = local_path(checkpoint_dir)
     found = locate(path)
     if found is None:
+        hint = foreign_hint(path) if not os.path.lexists(os.path.join(path, MANIFEST_NAME)) else None
+        if hint:
+            raise CheckpointError(f"{path} is not a megashard checkpoint: {hint}")
         raise CheckpointError(
             f"{path} is not a megashard checkpoint ({why_not_checkpoint(path)}); check the path, or "
             "whether the save that should have produced it finished")
     return found
+
+
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def foreign_format(path: PathLike) -> Optional[str]:
+    """``"torch_dist"`` or ``"hf"`` when the local directory ``path`` holds a checkpoint in a format that
+    ``megashard convert`` reads (megatron-core's ``metadata.json`` naming the torch_dist backend; a Hugging
+    Face ``config.json`` beside safetensors weights), else None. Only names and metadata.json are read."""
+    if is_url(path):
+        return None
+    path = os.fspath(path)
+    meta = _read_small(os.path.join(path, "metadata.json"), 1 << 16)
+    if meta is not None:
+        try:
+            doc = json.loads(meta)
+        except (ValueError, RecursionError):
+            doc = None
+        if isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist":
+            return "torch_dist"
+    if os.path.isfile(os.path.join(path, "config.json")) and any(
+            os.path.isfile(os.path.join(path, n)) for n in _HF_WEIGHTS):
+        return "hf"
+    return None
+
+
+def foreign_hint(path: PathLike, fmt: Optional[str] = None) -> Optional[str]:
+    """What to tell a user who points a megashard reader at a torch_dist or Hugging Face directory
+    (``fmt``: :func:`foreign_format`'s answer when already known)."""
+    fmt = fmt or foreign_format(path)
+    if fmt == "torch_dist":
+        return (f"it is a torch_dist checkpoint (megatron-core's dist_checkpointing), which megashard does not "
+                f"read: convert it once with `megashard convert {path} NEW_DIR` and use NEW_DIR")
+    if fmt == "hf":
+        return (f"it is a Hugging Face model directory: import it once with `megashard convert {path} NEW_DIR` "
+                "and use NEW_DIR (Megatron: --load NEW_DIR)")
+    return None
 
 
 def why_not_checkpoint(path: PathLike) -> str:
@@ -939,6 +981,10 @@ def why_not_checkpoint(path: PathLike) -> str:
     path = os.fspath(path)
     if not os.path.isdir(path):
         return f"{path} does not exist or is not a directory"
+    if not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+        hint = foreign_hint(path)
+        if hint:
+            return hint
     try:
         with CheckpointFiles(path) as files:
             json.loads(files.read_bytes(MANIFEST_NAME, max_manifest_bytes()))

@@ -269,3 +269,22 @@ def test_killed_conversion_leaves_a_temp_dir_that_cleanup_knows_is_dead(megatron
     res = convert(str(megatron_root), str(dst), to="torch_dist", iteration=10)
     assert res.iteration == 10 and storage.read_tracker(str(dst)) == 10
     assert sorted(os.listdir(dst)) == ["iter_0000010", storage.TRACKER_NAME] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_inspect_and_load_of_a_real_torch_dist_checkpoint_name_convert(megatron_root, tmp_path, capsys):
+    """A torch_dist checkpoint megatron-core wrote: inspect and load name the format and the command."""
+    from megashard.cli import main as cli_main
+
+    dst = str(tmp_path / "td")
+    convert(megatron_root, dst, to="torch_dist")
+    ckpt = os.path.join(dst, storage.iteration_dir_name(10))
+    command = f"`megashard convert {ckpt} NEW_DIR`"
+    assert cli_main(["inspect", ckpt]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"megashard inspect: error: {ckpt} is not a megashard checkpoint: it is a torch_dist "
+                          "checkpoint") and command in err and err.count("\n") == 1, err
+    with pytest.raises(megashard.MegashardError) as e:
+        megashard.load({}, ckpt)
+    assert "it is a torch_dist checkpoint" in str(e.value) and command in str(e.value)
+    convert(ckpt, str(tmp_path / "back"))  # the command it names works
+    assert storage.is_checkpoint(str(tmp_path / "back"))

@@ -173,7 +173,8 @@ def test_mixtral_round_trip_bytes_and_refusals(tmp_path):
         assert not os.path.exists(tmp_path / f"{name}.out")
 
 
-def test_hostile_hf_directories_refused(tmp_path):
+def test_hostile_hf_directories_refused(tmp_path, capsys):
+    """Damaged or hostile files (and a symbolic link) are wrong input: exit 2, one line, nothing written."""
     write_hf(tmp_path / "ok")
     st = tmp_path / "ok" / "model.safetensors"
     raw = st.read_bytes()
@@ -206,9 +207,27 @@ def test_hostile_hf_directories_refused(tmp_path):
     (link / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
     os.symlink(st, link / "model.safetensors")
     cases[link] = "symbolic link is refused"
+    fifo = tmp_path / "fifo"  # a named pipe where the index is: opening it must not wait for a writer
+    fifo.mkdir()
+    (fifo / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    os.link(st, fifo / "model.safetensors")
+    os.mkfifo(fifo / "model.safetensors.index.json")
+    cases[fifo] = "not a regular file"
+    fifo_shard = tmp_path / "fifo_shard"
+    fifo_shard.mkdir()
+    (fifo_shard / "config.json").write_text((tmp_path / "ok" / "config.json").read_text())
+    (fifo_shard / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {first: "pipe"}}))
+    os.mkfifo(fifo_shard / "pipe")
+    cases[fifo_shard] = "not a regular file"
+    deep = variant("deep_header", data=(200_008).to_bytes(8, "little") + b"[" * 100_000 + b"]" * 100_000 + b"\0" * 8)
+    cases[deep] = "nested too deeply"
     for d, msg in cases.items():
-        with pytest.raises(CheckpointError, match=msg):  # damaged input (exit 1) or not a Llama (exit 2)
+        with pytest.raises(CheckpointError, match=msg):
             convert(str(d), str(tmp_path / f"out_{d.name}"))
+        capsys.readouterr()
+        assert cli_main(["convert", str(d), str(tmp_path / f"out_{d.name}")]) == 2, d
+        err = capsys.readouterr().err
+        assert err.startswith("megashard convert: error: ") and err.count("\n") == 1 and msg in err, err
         assert not os.path.exists(tmp_path / f"out_{d.name}"), d
 
 
@@ -255,3 +274,199 @@ def test_padding_rows_past_the_saved_vocabulary_load_as_padding(tmp_path):
     with pytest.raises(StateDictError, match="shape mismatch"):
         megashard.load({"b": ShardedTensor("embedding.word_embeddings.weight", second, (256, 4), (128, 0))},
                        str(tmp_path / "c"))
+
+
+# ---------------------------------------------------------------------------
+# hostile or malformed config.json: exit 2, one error line, memory bounded by the files
+
+FORK_CLI = r"""
+import json, os, resource, sys, traceback
+import megashard.cli, megashard.convert, megashard.hf.importer  # imported once; each case runs in a fork
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(key + ":"))  # KiB
+
+results = []
+for argv, err in json.loads(sys.argv[1]):
+    sys.stdout.flush(); sys.stderr.flush()
+    # memory, not time: a run that enumerates what the files do not hold fails here, not in the machine
+    limit = status("VmSize") * 1024 + (1 << 30)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with open(err + ".rss", "w") as f:  # the fork's own resident set at its start: the baseline
+                f.write(str(status("VmRSS")))
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, 2)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            try:
+                code = megashard.cli.main(argv)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush(); sys.stderr.flush()
+        finally:
+            os._exit(code)
+    _, st, ru = os.wait4(pid, 0)
+    with open(err + ".rss") as f:
+        results.append({"code": os.waitstatus_to_exitcode(st), "grew_kib": ru.ru_maxrss - int(f.read())})
+print(json.dumps(results))
+"""
+
+
+def run_cli_cases(cases, tmp_path):
+    """Run ``megashard`` command lines in forks of one subprocess: [(exit code, stderr, KiB grown)]."""
+    errs = [str(tmp_path / f"stderr.{i}") for i in range(len(cases))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", FORK_CLI, json.dumps(list(zip(cases, errs)))], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.splitlines()[-1])
+    return [(r["code"], open(e).read(), r["grew_kib"]) for r, e in zip(res, errs)]
+
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+#: config.json changes (a dict merged in, or the raw text) -> what the error line names
+HOSTILE_CONFIGS = [
+    ({"num_hidden_layers": 2**40}, "num_hidden_layers=1099511627776"),
+    ({"num_hidden_layers": 3}, "num_hidden_layers=3"),
+    ({"num_hidden_layers": 1}, "num_hidden_layers=1"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers=0"),
+    ({"num_hidden_layers": -2}, "num_hidden_layers=-2"),
+    ({"num_hidden_layers": True}, "num_hidden_layers=True"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers='2'"),
+    ({"num_hidden_layers": 2.5}, "num_hidden_layers=2.5"),
+    ('"num_hidden_layers": NaN', "num_hidden_layers=nan"),
+    ('"num_hidden_layers": 1e400', "num_hidden_layers=inf"),
+    ({"num_hidden_layers": [2]}, "num_hidden_layers=[2]"),
+    ({"hidden_size": 2**40}, "model.embed_tokens.weight"),
+    ({"vocab_size": 2**40}, "model.embed_tokens.weight"),
+    ({"intermediate_size": 10**12}, "gate_proj"),
+    ({"num_attention_heads": 1000}, "num_attention_heads"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads=0"),
+    ({"head_dim": 2**40}, "q_proj"),
+    ('"rms_norm_eps": NaN', "rms_norm_eps=nan"),
+    ({"rms_norm_eps": -1e-5}, "rms_norm_eps=-1e-05"),
+    ({"hidden_size": None}, "hidden_size=None"),
+    ("-hidden_size", "no hidden_size"),
+    ("-vocab_size", "no vocab_size"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "eight"}}, "factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": -8.0}}, "factor"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": {}}}, "low_freq_factor"),
+    ({"rope_scaling": [1, 2]}, "rope_scaling"),
+    ({"rope_parameters": {"rope_theta": "big"}}, "rope_theta"),
+    ({"rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": [1]}}, "rope_theta"),
+    ({"torch_dtype": ["float32"]}, "torch_dtype"),
+    ({"dtype": {"x": 1}}, "dtype"),
+    ({"model_type": ["llama"]}, "model_type"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"attention_bias": "no", "mlp_bias": "no"}, "attention_bias"),
+    ({"bos_token_id": {"a": [[1e308]]}}, "bos_token_id"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 2**40,
+      "num_experts_per_tok": 2}, "num_local_experts=1099511627776"),
+    ("[]", "not a JSON object"),
+    (_DEEP, "config.json"),
+    ('{"model_type": ' + _DEEP[:20000] + _DEEP[-20000:] + "}", "config.json"),
+]
+
+
+def test_hostile_configs_exit_2_with_one_line_and_bounded_memory(tmp_path):
+    """Every malformed or hostile config.json: exit 2, one `megashard convert: error:` line, no
+    traceback, and the memory the (small) files justify -- never one allocation per claimed layer."""
+    write_hf(tmp_path / "ok")
+    good = json.loads((tmp_path / "ok" / "config.json").read_text())
+    cases, dirs = [], []
+    for i, (change, _) in enumerate(HOSTILE_CONFIGS):
+        d = tmp_path / f"c{i}"
+        d.mkdir()
+        os.link(tmp_path / "ok" / "model.safetensors", d / "model.safetensors")
+        if isinstance(change, dict):
+            text = json.dumps({**good, **change})
+        elif change.startswith("-"):
+            text = json.dumps({k: v for k, v in good.items() if k != change[1:]})
+        elif change.startswith('"'):
+            text = json.dumps(good)[:-1] + ", " + change + "}"
+        else:
+            text = change
+        (d / "config.json").write_text(text)
+        cases.append(["convert", str(d), str(tmp_path / f"out{i}")])
+        dirs.append(d)
+    for (change, names), (code, err, grew), d in zip(HOSTILE_CONFIGS, run_cli_cases(cases, tmp_path), dirs):
+        what = f"{str(change)[:80]}: exit {code}, {grew} KiB, {err[-2000:]!r}"
+        assert code == 2, what
+        assert err.startswith("megashard convert: error: ") and err.count("\n") == 1, what
+        assert "Traceback" not in err and names in err and len(err) < 1000, what
+        assert grew < 64 << 10, what  # the files are ~100 KiB; the interpreter's own growth is far below this
+        assert not os.path.exists(tmp_path / f"out{d.name[1:]}")
+
+
+def _padded_checkpoint(tmp_path, **args_extra):
+    """A Megatron-like checkpoint whose embedding and output layer are padded to 128 rows (rows 100..127 are
+    padding, set to 7), its args saying vocab_size=100 and padded_vocab_size=128."""
+    write_hf(tmp_path / "hf", vocab=100)
+    convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
+    src = str(tmp_path / "ms" / "release")
+    tensors = megashard.load_consolidated(src)
+    args = megashard.load_common(src, ["args"])["args"]
+    vars(args).update(padded_vocab_size=128, **args_extra)
+    model = {}
+    for k, t in tensors.items():
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            t = torch.cat([t, torch.full((28, t.shape[1]), 7.0, dtype=t.dtype)])
+        model[k] = ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim())
+    megashard.save({"args": args, "model": model}, str(tmp_path / "pad"))
+    return str(tmp_path / "pad")
+
+
+def test_export_takes_the_vocabulary_from_the_saved_args(tmp_path, capsys):
+    """The saved args' vocab_size is the vocabulary: no --vocab-size needed, and a smaller one (which
+    would drop trained rows) is refused, naming both sizes; a larger one (padding rows) is warned about."""
+    from safetensors.torch import load_file
+
+    pad = _padded_checkpoint(tmp_path)
+    res = convert(pad, str(tmp_path / "out"), to="hf")
+    assert json.load(open(tmp_path / "out" / "config.json"))["vocab_size"] == 100
+    got = load_file(str(tmp_path / "out" / "model.safetensors")) if os.path.exists(
+        tmp_path / "out" / "model.safetensors") else {}
+    idx = json.load(open(tmp_path / "out" / "model.safetensors.index.json"))
+    for f in sorted(set(idx["weight_map"].values())):
+        got.update(load_file(str(tmp_path / "out" / f)))
+    orig = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(got[k], orig[k]), k
+    assert res.tensors == len(orig)
+    capsys.readouterr()
+    assert cli_main(["convert", pad, str(tmp_path / "small"), "--to", "hf", "--vocab-size", "90"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("megashard convert: error: --vocab-size 90 is smaller than the vocabulary the "
+                                     "checkpoint was trained with (100, its saved args' vocab_size)") in err, err
+    assert not os.path.exists(tmp_path / "small")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text(json.dumps({"model": {"vocab": {f"t{i}": i for i in range(95)}}}))
+    with pytest.raises(ConvertInputError, match=r"the tokenizer's 95 tokens are fewer than the vocabulary the "
+                       r"checkpoint was trained with \(100"):
+        convert(pad, str(tmp_path / "small"), to="hf", tokenizer=str(tok))
+    import logging
+
+    with pytest.MonkeyPatch.context() as mp:
+        records = []
+        mp.setattr(logging.getLogger("megashard.hf.export"), "warning", lambda *a: records.append(a[0] % a[1:]))
+        convert(pad, str(tmp_path / "big"), to="hf", vocab_size=110)
+    assert json.load(open(tmp_path / "big" / "config.json"))["vocab_size"] == 110
+    assert any("rows 100..109 are padding" in r for r in records), records
+
+
+def test_export_null_tokenizer_vocabulary_counts_its_eod(tmp_path):
+    """Megatron's NullTokenizer has vocab_size + 1 tokens (its eod is id vocab_size): that row is exported."""
+    pad = _padded_checkpoint(tmp_path, vocab_size=99, tokenizer_type="NullTokenizer")
+    convert(pad, str(tmp_path / "out"), to="hf")
+    assert json.load(open(tmp_path / "out" / "config.json"))["vocab_size"] == 100

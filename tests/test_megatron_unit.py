@@ -192,3 +192,32 @@ def test_example_writes_each_line_in_one_write(monkeypatch):
     monkeypatch.setattr(example.sys, "stdout", Out())
     example.say("iteration 6 | loss 4.8 | lr 0.0001 | grad-norm 1.07")
     assert writes == ["iteration 6 | loss 4.8 | lr 0.0001 | grad-norm 1.07\n"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "torch_dist"])
+def test_load_of_a_torch_dist_or_hf_directory_names_convert_not_random_init(tmp_path, monkeypatch, fmt):
+    """``--load`` naming a Hugging Face or torch_dist directory (no tracker) used to start from random
+    init; both load paths (megashard's own and the Megatron-LM hook) refuse, naming the convert command."""
+    from megashard import MegashardError
+    from megashard.megatron import hooks
+
+    d = tmp_path / fmt
+    d.mkdir()
+    if fmt == "hf":
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "model.safetensors").write_bytes(b"\0" * 16)
+    else:
+        (d / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+        (d / "common.pt").write_bytes(b"not a pickle")
+    target = ck.resolve_load(str(d))
+    assert target.foreign == fmt and target.checkpoint is None
+    want = f"--load {d}: it is a"
+    with pytest.raises(MegashardError) as e:
+        ck.load_checkpoint(None, None, None, args=types.SimpleNamespace(load=str(d)))
+    assert str(e.value).startswith(want) and f"`megashard convert {d} NEW_DIR`" in str(e.value)
+    calls = []
+    monkeypatch.setattr(hooks, "_megatron_args", lambda: types.SimpleNamespace(load=str(d), pretrained_checkpoint=None))
+    with pytest.raises(MegashardError) as e:
+        hooks.make_load_wrapper(lambda *a, **k: calls.append(a))(None, None, None)
+    assert str(e.value).startswith(want) and not calls
+    assert ck.resolve_load(str(tmp_path / "new")).foreign is None  # an empty --load still starts fresh

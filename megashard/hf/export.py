@@ -35,8 +35,8 @@ from .safetensors import SafetensorsWriter
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExportPlan", "plan_export", "write_export", "tokenizer_vocab_size", "TOKENIZER_FILES",
-           "DEFAULT_SHARD_BYTES", "TENSORS_FILE"]
+__all__ = ["ExportPlan", "plan_export", "write_export", "tokenizer_vocab_size", "saved_vocab_size",
+           "TOKENIZER_FILES", "DEFAULT_SHARD_BYTES", "TENSORS_FILE"]
 
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size
 TENSORS_FILE = "model.tensors"
@@ -120,6 +120,14 @@ def tokenizer_vocab_size(directory: str) -> Tuple[int, List[str]]:
     return max(ids) + 1, files
 
 
+def saved_vocab_size(args: Any) -> Optional[int]:
+    """The vocabulary a Megatron checkpoint was trained with, when its args hold it (``--vocab-size``,
+    which Megatron-LM's NullTokenizer and an import from Hugging Face set; other tokenizers only record
+    the padded size)."""
+    v = getattr(args, "vocab_size", None)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
 def _moe_layer_steps(s: LlamaSpec, i: int, keys: Dict[str, str]) -> List[Step]:
     """MoE layer ``i``: attention, norms and router in one step, then one step per expert."""
     per = M.megatron_layer_shapes(s)
@@ -186,21 +194,33 @@ def plan_export(src: str, vocab_size: Optional[int] = None, tokenizer: Optional[
     if emb is None:
         raise HFMappingError(f"{base}: no {M.EMBED!r}: not a Megatron GPT checkpoint")
     padded = int(emb.global_shape[0])
-    if (vocab_size is None and tokenizer is None and getattr(args, "padded_vocab_size", None) is None
-            and getattr(args, "vocab_size", None) == padded):
-        vocab_size = padded  # an unpadded checkpoint (an import from Hugging Face): its rows are the vocabulary
-    if vocab_size is None and tokenizer is None:
-        raise HFMappingError(f"{base}: the checkpoint's vocabulary is padded and its real size is not saved; pass "
-                             "--vocab-size N or --tokenizer DIR (whose files are copied into the export)")
+    saved = saved_vocab_size(args)
     files: List[str] = []
+    given = "--vocab-size"
     if tokenizer is not None:
         tok_vocab, files = tokenizer_vocab_size(tokenizer)
         if vocab_size is not None and vocab_size != tok_vocab:
             raise HFMappingError(f"--vocab-size {vocab_size} disagrees with {tokenizer}'s {tok_vocab} tokens")
-        vocab_size = tok_vocab
-    assert vocab_size is not None
+        vocab_size, given = tok_vocab, "the tokenizer"
+    if vocab_size is None and saved is not None:
+        # Megatron-LM's NullTokenizer has one more token, its eod (id vocab_size), with megatron-core 0.16
+        # (not with 0.19): export that row too, as it may be trained
+        null = getattr(args, "tokenizer_type", None) == "NullTokenizer" and saved < padded
+        vocab_size = saved + 1 if null else saved
+    if vocab_size is None:
+        raise HFMappingError(f"{base}: the checkpoint's vocabulary is padded and its real size is not saved; pass "
+                             "--vocab-size N or --tokenizer DIR (whose files are copied into the export)")
     if vocab_size <= 0:
         raise HFMappingError(f"--vocab-size {vocab_size}: must be positive")
+    if saved is not None and vocab_size < saved:
+        what = f"--vocab-size {vocab_size} is smaller" if given == "--vocab-size" else \
+            f"the tokenizer's {vocab_size} tokens are fewer"
+        raise HFMappingError(f"{what} than the vocabulary the checkpoint was trained with ({saved}, its saved args' "
+                             f"vocab_size): the export would drop embedding rows {vocab_size}..{saved - 1}; nothing "
+                             "was written (leave out --vocab-size and --tokenizer to export the saved size)")
+    if saved is not None and saved < vocab_size <= padded:
+        log.warning("%s: exporting %d vocabulary rows; the checkpoint was trained with %d (its saved args' "
+                    "vocab_size): rows %d..%d are padding", base, vocab_size, saved, saved, vocab_size - 1)
     dtype = emb.dtype
     s = M.spec_from_megatron_args(args, vocab_size, padded, dtype, base)
     # the norms' saved names depend on the layer spec (fused TE names, or the local spec's mapped ones)

@@ -15,15 +15,18 @@ embedding and output-layer shards load them (``allow_shape_mismatch``). Mixtral'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
+import re
 import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import storage
 from ..sharded import ShardedObject, ShardedTensor
 from . import mapping as M
 from .mapping import HFMappingError, LlamaSpec
@@ -41,12 +44,12 @@ EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_
 #: ... and an MoE layer (layers, experts)
 EXTRA_STATE_EXPERTS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 SINGLE = "model.safetensors"
+_LAYER_NAME = re.compile(r"model\.layers\.(\d{1,12})\.")
 
 
 def is_hf_dir(path: str) -> bool:
     """A directory with config.json and safetensors weights."""
-    return os.path.isfile(os.path.join(path, "config.json")) and (
-        os.path.isfile(os.path.join(path, INDEX)) or os.path.isfile(os.path.join(path, SINGLE)))
+    return storage.foreign_format(path) == "hf"
 
 
 @dataclass
@@ -71,7 +74,7 @@ class ImportPlan:
 def _read_json(dir_fd: int, name: str, where: str) -> Any:
     path = os.path.join(where, name)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         raise HFMappingError(f"{path}: cannot open ({e.strerror}); symbolic links are refused") from e
     with os.fdopen(fd, "rb") as f:
@@ -84,6 +87,8 @@ def _read_json(dir_fd: int, name: str, where: str) -> Any:
         return json.loads(raw)
     except ValueError as e:
         raise HFMappingError(f"{path}: not JSON: {e}") from None
+    except RecursionError:
+        raise HFMappingError(f"{path}: not JSON this import reads (nested too deeply)") from None
 
 
 def expected(s: LlamaSpec) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -95,6 +100,32 @@ def expected(s: LlamaSpec) -> List[Tuple[str, Tuple[int, ...]]]:
     if not s.tied:
         out.append(("lm_head.weight", (s.vocab, s.hidden)))
     return out
+
+
+def expected_count(s: LlamaSpec) -> int:
+    """``len(expected(s))``, computed without enumerating (config.json's counts are not trusted yet)."""
+    one = dataclasses.replace(s, experts=min(s.experts, 1))
+    per_layer = len(M.layer_hf_names(0, one)) + max(s.experts - 1, 0) * len(M.expert_hf_names(0, 0, one))
+    return 2 + s.num_layers * per_layer + (0 if s.tied else 1)
+
+
+def _check_counts(s: LlamaSpec, names: Sequence[str], where: str) -> None:
+    """config.json's layer (and expert) counts agree with the tensors the files hold: checked before
+    any per-layer enumeration, so a claimed 2**40 layers costs nothing."""
+    layers = set()
+    for n in names:
+        m = _LAYER_NAME.match(n)
+        if m:
+            layers.add(int(m.group(1)))
+    if len(layers) != s.num_layers or (layers and (min(layers) != 0 or max(layers) != s.num_layers - 1)):
+        held = f"layers 0..{max(layers)} ({len(layers)} distinct)" if layers else "no model.layers.N tensors"
+        raise HFMappingError(f"{where}: config.json num_hidden_layers={s.num_layers}, the safetensors files hold "
+                             f"{held}")
+    want = expected_count(s)
+    if want > len(names):
+        experts = f", num_local_experts={s.experts}" if s.moe else ""
+        raise HFMappingError(f"{where}: config.json (num_hidden_layers={s.num_layers}{experts}) describes {want} "
+                             f"tensors, the safetensors files hold {len(names)}")
 
 
 def plan_import(src: str) -> ImportPlan:
@@ -122,6 +153,7 @@ def plan_import(src: str) -> ImportPlan:
         for n, f in where.items():
             if n not in files[f].entries:
                 raise HFMappingError(f"{os.path.join(base, f)}: no tensor {n!r} (the index names it)")
+        _check_counts(spec, list(where), base)
         want = expected(spec)
         names = {n for n, _ in want}
         extra = [n for n in where if n not in names and not (spec.tied and n == "lm_head.weight")

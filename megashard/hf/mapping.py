@@ -261,72 +261,125 @@ def _token_ids(v: Any) -> Dict[str, Any]:
     return {k: v[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in v and (v[k] is None or ok(v[k]))}
 
 
+def _show(v: Any) -> str:
+    """A config value for an error line: its repr, cut short (a hostile value may be megabytes)."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def spec_from_hf_config(cfg: Dict[str, Any], where: str) -> LlamaSpec:
-    """The description of an HF Llama directory's config.json, or :class:`HFMappingError`."""
+    """The description of an HF Llama directory's config.json, or :class:`HFMappingError`.
+
+    config.json is untrusted: every field the import uses is type- and range-checked here
+    (numbers finite, positive, at most 2**40; flags true or false; token ids integers), so a
+    malformed one is one error line, never a KeyError or TypeError. Sizes are checked against
+    the safetensors headers by :func:`megashard.hf.importer.plan_import`.
+    """
     if not isinstance(cfg, dict):
         raise HFMappingError(f"{where}: config.json is not a JSON object")
     mt = cfg.get("model_type")
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}.get(mt)
+    archs = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+    arch = archs.get(mt) if isinstance(mt, str) else None
     if arch is None or cfg.get("architectures", [arch]) != [arch]:
-        raise HFMappingError(f"{where}: model_type {mt!r} / architectures {cfg.get('architectures')!r}: the import "
-                             "covers Llama-family (LlamaForCausalLM) and Mixtral (MixtralForCausalLM) models")
+        raise HFMappingError(f"{where}: config.json model_type {_show(mt)} / architectures "
+                             f"{_show(cfg.get('architectures'))}: the import covers Llama-family (LlamaForCausalLM) "
+                             "and Mixtral (MixtralForCausalLM) models")
     if cfg.get("sliding_window") not in (None, 0) and mt in ("mistral", "mixtral"):
-        raise HFMappingError(f"{where}: sliding_window {cfg['sliding_window']!r} is not covered")
+        raise HFMappingError(f"{where}: config.json sliding_window {_show(cfg['sliding_window'])} is not covered")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise HFMappingError(f"{where}: hidden_act {act!r} is not covered (SwiGLU needs silu)")
+        raise HFMappingError(f"{where}: config.json hidden_act {_show(act)} is not covered (SwiGLU needs silu)")
+
+    def number(name: str, v: Any, kind: type = int) -> Any:
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise HFMappingError(f"{where}: config.json {name}={_show(v)} is not a number")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise HFMappingError(f"{where}: config.json {name}={_show(v)} is not a finite number")
+        if kind is int and v != int(v):
+            raise HFMappingError(f"{where}: config.json {name}={_show(v)} is not an integer")
+        if v <= 0 or v > (1 << 40):
+            raise HFMappingError(f"{where}: config.json {name}={_show(v)} is out of range (0, 2**40]")
+        return kind(v)
 
     def num(name: str, default: Any = None, kind: type = int) -> Any:
-        v = cfg.get(name, default)
-        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):
-            raise HFMappingError(f"{where}: config.json {name}={v!r} is not a number")
-        if v <= 0 or (isinstance(v, float) and not math.isfinite(v)) or v > (1 << 40):
-            raise HFMappingError(f"{where}: config.json {name}={v!r} is out of range")
-        return kind(v)
+        if name not in cfg and default is None:
+            raise HFMappingError(f"{where}: config.json has no {name}")
+        return number(name, cfg.get(name, default), kind)
+
+    def flag(name: str) -> bool:
+        v = cfg.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise HFMappingError(f"{where}: config.json {name}={_show(v)} is not true or false")
+        return bool(v)
 
     heads = num("num_attention_heads")
     hidden = num("hidden_size")
     groups = num("num_key_value_heads", heads)
-    head_dim = num("head_dim", hidden // heads) if cfg.get("head_dim") is not None else hidden // heads
+    if cfg.get("head_dim") is not None:
+        head_dim = num("head_dim")
+    elif heads > hidden:
+        raise HFMappingError(f"{where}: config.json num_attention_heads={heads} is larger than hidden_size={hidden} "
+                             "and no head_dim is given")
+    else:
+        head_dim = hidden // heads
     if heads % groups:
         raise HFMappingError(f"{where}: num_key_value_heads {groups} does not divide num_attention_heads {heads}")
-    if bool(cfg.get("attention_bias", False)) != bool(cfg.get("mlp_bias", False)):
-        raise HFMappingError(f"{where}: attention_bias={cfg.get('attention_bias')} with mlp_bias="
-                             f"{cfg.get('mlp_bias')}: Megatron's --add-bias-linear biases both")
+    bias, mlp_bias, tied = flag("attention_bias"), flag("mlp_bias"), flag("tie_word_embeddings")
+    if bias != mlp_bias:
+        raise HFMappingError(f"{where}: attention_bias={bias} with mlp_bias={mlp_bias}: Megatron's --add-bias-linear "
+                             "biases both")
     rope = cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
-        raise HFMappingError(f"{where}: rope_parameters is not an object")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        raise HFMappingError(f"{where}: config.json rope_parameters is not an object")
+    if cfg.get("rope_theta") is not None:
+        theta = num("rope_theta", kind=float)
+    else:
+        theta = number("rope_parameters rope_theta", rope.get("rope_theta", 10000.0), float)
+    scaling_name = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-        ok = (kind == "llama3" and float(scaling.get("low_freq_factor", 1)) == 1.0
-              and float(scaling.get("high_freq_factor", 4)) == 4.0
-              and int(scaling.get("original_max_position_embeddings", 8192)) == 8192)
         if kind == "default":
             scaling = None
-        elif not ok:
-            raise HFMappingError(f"{where}: rope scaling {scaling!r} is not covered (Megatron's --use-rope-scaling "
-                                 "is llama3 with low/high frequency factors 1/4 and 8192 original positions)")
+        elif kind != "llama3":
+            raise HFMappingError(f"{where}: config.json {scaling_name} {_show(scaling)} is not covered (Megatron's "
+                                 "--use-rope-scaling is llama3 with low/high frequency factors 1/4 and 8192 original "
+                                 "positions)")
         else:
-            scaling = {"rope_type": "llama3", "factor": float(scaling["factor"]), "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+            if scaling.get("factor") is None:
+                raise HFMappingError(f"{where}: config.json {scaling_name} (llama3) has no factor")
+            factor = number(f"{scaling_name} factor", scaling["factor"], float)
+            got = tuple(number(f"{scaling_name} {k}", scaling.get(k, d), float)
+                        for k, d in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                                     ("original_max_position_embeddings", 8192)))
+            if got != (1.0, 4.0, 8192.0):
+                raise HFMappingError(f"{where}: config.json {scaling_name} {_show(scaling)} is not covered "
+                                     "(Megatron's --use-rope-scaling is llama3 with low/high frequency factors 1/4 "
+                                     "and 8192 original positions)")
+            scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}
     experts = topk = 0
     if mt == "mixtral":
         experts, topk = num("num_local_experts"), num("num_experts_per_tok")
         if topk > experts:
             raise HFMappingError(f"{where}: num_experts_per_tok {topk} > num_local_experts {experts}")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        if bias:
             raise HFMappingError(f"{where}: a Mixtral with biases is not covered")
-    dname = cfg.get("dtype", cfg.get("torch_dtype", "float32"))
+    for name in ("dtype", "torch_dtype"):  # informative only: the safetensors headers give the dtype
+        if cfg.get(name) is not None and not isinstance(cfg[name], str):
+            raise HFMappingError(f"{where}: config.json {name}={_show(cfg[name])} is not a dtype name")
+    dname = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    for k, v in extra.items():
+        ids = v if isinstance(v, list) and len(v) <= 1024 else [v]
+        if v is not None and not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < (1 << 40)
+                                     for i in ids):
+            raise HFMappingError(f"{where}: config.json {k}={_show(v)} is not a token id or a list of them")
     return LlamaSpec(
         num_layers=num("num_hidden_layers"), hidden=hidden, ffn=num("intermediate_size"), heads=heads, groups=groups,
-        head_dim=head_dim, vocab=num("vocab_size"), eps=num("rms_norm_eps", 1e-6, float),
-        rope_theta=float(num("rope_theta", theta, float)) if "rope_theta" in cfg else float(theta),
-        max_positions=num("max_position_embeddings", 2048), tied=bool(cfg.get("tie_word_embeddings", False)),
-        bias=bool(cfg.get("attention_bias", False)), rope_scaling=scaling, experts=experts, topk=topk,
-        dtype=_DTYPES.get(dname, torch.float32), extra=extra)
+        head_dim=head_dim, vocab=num("vocab_size"), eps=num("rms_norm_eps", 1e-6, float), rope_theta=theta,
+        max_positions=num("max_position_embeddings", 2048), tied=tied, bias=bias, rope_scaling=scaling,
+        experts=experts, topk=topk, dtype=_DTYPES.get(dname, torch.float32), extra=extra)
 
 
 # ---------------------------------------------------------------------------

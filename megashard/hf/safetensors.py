@@ -87,7 +87,7 @@ class SafetensorsFile:
         if "/" in name or name in ("", ".", ".."):
             raise CheckpointError(f"{self.path}: not a plain file name inside {where}")
         try:
-            self.fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            self.fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot open ({e.strerror}); a symbolic link is refused: copy "
                                   "the model directory with real files (huggingface-cli download --local-dir)") from e
@@ -116,6 +116,8 @@ class SafetensorsFile:
             doc = json.loads(raw)
         except ValueError as e:
             raise CheckpointError(f"{self.path}: header is not JSON: {e}") from None
+        except RecursionError:
+            raise CheckpointError(f"{self.path}: header is not JSON this reader takes (nested too deeply)") from None
         if not isinstance(doc, dict):
             raise CheckpointError(f"{self.path}: header is not a JSON object")
         self.data_start = 8 + hlen

@@ -106,6 +106,7 @@ class LoadTarget:
     seen_by: int = 0  # how many ranks see the checkpoint
     why: str = ""  # why there is none (rank 0's view), for messages
     pretrained: bool = False  # root is --pretrained-checkpoint (no tracker under --load)
+    foreign: Optional[str] = None  # "torch_dist" / "hf": root is such a directory (convert it), not a save root
 
 
 def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
@@ -113,7 +114,11 @@ def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
         return {"tracker": None, "direct": False}
     root = storage.location(root)  # an s3:// URL, or an absolute path (a bad URL is refused, agreed)
     named = os.path.basename(root) not in ("", ".", "..") and root.count("/") > (2 if storage.is_url(root) else 0)
-    return {"tracker": storage.read_tracker(root), "direct": named and storage.locate(root) is not None}
+    tracker = storage.read_tracker(root)
+    direct = named and storage.locate(root) is not None
+    # a torch_dist or Hugging Face directory given as --load: say so, never start from random init
+    foreign = storage.foreign_format(root) if tracker is None and not direct else None
+    return {"tracker": tracker, "direct": direct, "foreign": foreign}
 
 
 def _decide_iteration(looks: Sequence[Dict[str, Any]], ckpt_step: Optional[int]) -> Dict[str, Any]:
@@ -129,7 +134,9 @@ def _decide_iteration(looks: Sequence[Dict[str, Any]], ckpt_step: Optional[int])
         iteration, release = max(numbers), False
     else:
         iteration, release = (0, True) if trackers else (-1, False)
-    return {"iteration": iteration, "release": release, "tracker": bool(trackers), "direct": direct}
+    foreign = next((x.get("foreign") for x in looks if x.get("foreign")), None)
+    return {"iteration": iteration, "release": release, "tracker": bool(trackers), "direct": direct,
+            "foreign": foreign}
 
 
 def resolve_load(root: Optional[str], ckpt_step: Optional[int] = None, comm: Any = None) -> LoadTarget:
@@ -150,7 +157,7 @@ def resolve_load(root: Optional[str], ckpt_step: Optional[int] = None, comm: Any
                               lambda looks: [_decide_iteration(looks, ckpt_step)] * comm.world_size)
     iteration, release, direct = decided["iteration"], decided["release"], decided["direct"]
     if not direct and iteration < 0 and not release:
-        return LoadTarget(root, tracker=decided["tracker"],
+        return LoadTarget(root, tracker=decided["tracker"], foreign=decided["foreign"],
                           why=f"no tracker file {tracker_path(root)}" if root else "no load directory")
     path = root if direct else checkpoint_dir(root, iteration, release) if root else None
 
@@ -169,6 +176,11 @@ def resolve_load(root: Optional[str], ckpt_step: Optional[int] = None, comm: Any
     return LoadTarget(root, iteration, release, decided["tracker"],
                       checkpoint=path if found["seen_by"] else None, direct=direct,
                       seen_by=found["seen_by"], why=found["why"])
+
+
+def foreign_load_error(target: LoadTarget, load_arg: str = "load") -> str:
+    """``--load`` names a torch_dist or Hugging Face directory (no tracker): what to run instead."""
+    return f"--{load_arg.replace('_', '-')} {target.root}: {storage.foreign_hint(target.root, target.foreign)}"
 
 
 def resolve_load_target(args: Any, load_arg: str = "load") -> LoadTarget:
@@ -440,6 +452,8 @@ def load_checkpoint(
     if target.pretrained:
         log.warning("no checkpoint in %s; fine-tuning from %s", getattr(args, load_arg, None), target.root)
         args.finetune = True
+    if target.foreign:
+        raise CheckpointError(foreign_load_error(target, load_arg))
     if not target.root or (target.iteration < 0 and not target.release and not target.direct):
         log.warning("could not find the tracker file %s; starting from random init",
                     tracker_path(target.root) if target.root else "(no --load)")

@@ -22,6 +22,7 @@ import functools
 from typing import Any, Callable, Dict, List, Tuple
 
 from megashard import storage
+from megashard.errors import CheckpointError
 
 from . import checkpointing as ms_ckpt
 from .args import megatron_save_format, uses_megashard_save
@@ -84,6 +85,8 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
         # collective: every rank routes the same way, also ranks that cannot see the
         # directory (scatter mode) and when only an interrupted re-save's .old-* copy exists
         target = ms_ckpt.resolve_load_target(margs, load_arg)
+        if target.foreign:  # no tracker: Megatron's loader would start from random init
+            raise CheckpointError(ms_ckpt.foreign_load_error(target, load_arg))
         if target.checkpoint is None:
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
         log.info("--%s %s holds a megashard checkpoint: loading with megashard",
