@@ -8,8 +8,9 @@ checkpoint there, and this command rewrites what must differ.
 
 How: the source's head and index are read through the read seam
 (:func:`megashard.storage.checkpoint_files`; on S3 every GET pinned to the ETags the index
-recorded), every file is streamed in chunks (``chunk_bytes``, 64 MiB; at most ``jobs`` files at
-once, so memory stays at ``jobs`` chunks) and checked on the way
+recorded), every file is streamed in chunks (``chunk_bytes``, 32 MiB; on an object store whole
+parts, 64 MiB by default), the next read while the last is written, at most ``jobs`` (4) files at
+once, so memory stays at ``2 * jobs`` chunks, and checked on the way
 (:class:`~megashard.format.streamverify.StreamVerifier`: every tensor's CRC32 against its header
 and against the index, the file's whole structure; SHA-256 too with ``sha256=True``), and written
 through the save seam (:func:`megashard.storage.save_target`): into a save's temp dir with its
@@ -46,8 +47,9 @@ from .manifest import Manifest, parse_head, with_files
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-DEFAULT_CHUNK_BYTES = 64 * MiB
+DEFAULT_CHUNK_BYTES = 32 * MiB
 DEFAULT_JOBS = 4
+_WRITE_BYTES = 1 * MiB  # one pwrite
 Iteration = Union[int, str]
 
 
@@ -177,15 +179,25 @@ class _Stop(Exception):
 
 def _chunks(cf: Any, name: str, size: int, chunk: int, verifier: Any, stop: threading.Event,
             threads: int) -> Iterator[memoryview]:
-    """The file's bytes in order, one reused buffer, each chunk checked before it is handed on."""
-    buf = memoryview(bytearray(min(chunk, size)))
-    for off in range(0, size, chunk):
-        if stop.is_set():
-            raise _Stop()
-        mv = buf[:min(chunk, size - off)]
-        cf.read_into(name, [(off, mv)], size=size, threads=threads)
-        verifier.feed(mv)
-        yield mv
+    """The file's bytes in order, each chunk checked before it is handed on; the next chunk is
+    read (into the other of two buffers) while the caller writes this one."""
+    offsets = list(range(0, size, chunk))
+    bufs = [memoryview(bytearray(min(chunk, size))) for _ in range(min(2, len(offsets)))]
+
+    def read(i: int) -> memoryview:
+        mv = bufs[i % len(bufs)][:min(chunk, size - offsets[i])]
+        cf.read_into(name, [(offsets[i], mv)], size=size, threads=threads)
+        return mv
+
+    with ThreadPoolExecutor(1, thread_name_prefix="megashard-copy-read") as ahead:
+        pending = ahead.submit(read, 0) if offsets else None
+        for i in range(len(offsets)):
+            mv = pending.result()  # type: ignore[union-attr]
+            if stop.is_set():
+                raise _Stop()
+            pending = ahead.submit(read, i + 1) if i + 1 < len(offsets) else None  # the other buffer
+            verifier.feed(mv)
+            yield mv
 
 
 def _copy_file(src: str, index: Any, name: str, size: int, dst_dir: str, sha256: bool, chunk: int,
@@ -220,7 +232,8 @@ def _copy_file(src: str, index: Any, name: str, size: int, dst_dir: str, sha256:
             try:
                 off = 0
                 for mv in _chunks(cf, name, size, chunk, verifier, stop, threads):
-                    pwrite_all(fd, mv, off)
+                    for a in range(0, mv.nbytes, _WRITE_BYTES):  # 1 MiB writes beat 32 MiB ones on ext4 (10 s vs 14 s a GiB)
+                        pwrite_all(fd, mv[a:a + _WRITE_BYTES], off + a)
                     off += mv.nbytes
                 os.fsync(fd)
             finally:

@@ -95,6 +95,11 @@ def test_local_to_s3_to_local_round_trip_is_bit_exact(s3, tmp_path):
     # local -> local keeps the index byte for byte
     copy(tmp_path / "a", tmp_path / "c")
     assert _files(tmp_path / "c") == a
+    copy(url, tmp_path / "c")  # a megashard checkpoint at DST is replaced, as a re-save replaces it
+    assert {n: v for n, v in _files(tmp_path / "c").items() if n.endswith(".tensors")} == \
+        {n: v for n, v in a.items() if n.endswith(".tensors")}
+    check_loaded(megashard.load(template(want), tmp_path / "c"), want)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]
     # s3 -> s3
     url2 = s3.url("other/ckpt")
     copy(url, url2)
