@@ -163,13 +163,21 @@ def _data_name(name: str, where: str) -> str:
     return name
 
 
-def _expected(m: Manifest) -> Dict[str, Dict[str, Tuple[int, int, int, int]]]:
-    """{file: {tensor name: (header offset, data offset, bytes, CRC32)}} as the index records them."""
-    out: Dict[str, Dict[str, Tuple[int, int, int, int]]] = {}
+def _expected(m: Manifest) -> Dict[str, Dict[str, Tuple[int, int, int]]]:
+    """{file: {tensor name: (data offset, bytes, CRC32)}} as the index records them: shards of global
+    tensors and the tensors the state trees and objects refer to."""
+    from .checkpoint_tools import _tree_refs
+
+    out: Dict[str, Dict[str, Tuple[int, int, int]]] = {}
     for t in m.tensors.values():
         for s in t.shards:
             if s.file is not None:
-                out.setdefault(s.file, {})[s.name] = (s.header_offset, s.data_offset, s.nbytes, s.crc32)
+                out.setdefault(s.file, {})[s.name] = (s.data_offset, s.nbytes, s.crc32)
+    for tree in list(m.trees.values()) + list(m.objects.values()):
+        for ref in _tree_refs(tree):
+            if isinstance(ref.get("file"), str) and ref.get("nbytes"):
+                out.setdefault(ref["file"], {})[str(ref.get("name", ""))] = (
+                    ref.get("data_offset"), ref.get("nbytes"), ref.get("crc32"))
     return out
 
 
@@ -242,18 +250,19 @@ def _copy_file(src: str, index: Any, name: str, size: int, dst_dir: str, sha256:
 
 
 def _check_against_index(path: str, verifier: Any, crcs: Mapping[str, int],
-                         want: Mapping[str, Tuple[int, int, int, int]]) -> None:
+                         want: Mapping[str, Tuple[int, int, int]]) -> None:
     entries = {e.name: e for e in verifier.entries}
-    for tname, (ho, do, nb, crc) in sorted(want.items()):
+    for tname, (do, nb, crc) in sorted(want.items()):
         e = entries.get(tname)
         if e is None:
             raise CheckpointError(f"{path}: tensor {tname!r} named by the index is not in the file")
-        if (e.header_offset, e.data_offset, e.data_length) != (ho, do, nb):
-            raise CheckpointError(f"{path}: tensor {tname!r}: the index says header {ho}, bytes {do}+{nb}, the "
-                                  f"file's index header {e.header_offset}, bytes {e.data_offset}+{e.data_length}")
+        if (e.data_offset, e.data_length) != (do, nb):
+            raise CheckpointError(f"{path}: tensor {tname!r}: the index says bytes {do}+{nb}, the file's own index "
+                                  f"{e.data_offset}+{e.data_length}")
         if crcs[tname] != crc:
+            shown = f"{crc:08x}" if type(crc) is int else repr(str(crc)[:20])
             raise CheckpointError(f"{path}: tensor {tname!r}: CRC32 {crcs[tname]:08x} differs from the index's "
-                                  f"{crc:08x}; the file or the index is damaged")
+                                  f"{shown}; the file or the index is damaged")
 
 
 def copy_checkpoint(src: str, dst: str, *, sha256: bool = False, jobs: int = DEFAULT_JOBS,

@@ -17,6 +17,7 @@ from megashard.format import write_file
 from megashard.format.streamverify import StreamVerifier
 from megashard.errors import FormatError
 from megashard.objstore.client import ObjectStore
+from megashard.sharded import ShardedTensor
 
 from bitexact import assert_same
 
@@ -35,17 +36,22 @@ def state(seed: int = 0) -> dict:
         "w": torch.randn(64, 32, generator=g),
         "b": torch.randn(32, generator=g).to(torch.bfloat16),
         "big": torch.randn(3 * MiB + 1000, generator=g),  # ~12 MiB: three 5 MiB parts
+        "g": ShardedTensor("layer.g", torch.randn(8, 4, generator=g), (8, 4), (0, 0)),  # a global tensor
         "iteration": 7 + seed,
     }
 
 
 def template(s: dict) -> dict:
-    return {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in s.items()}
+    return {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else
+                ShardedTensor(v.key, torch.empty_like(v.data), v.global_shape, v.global_offset)
+                if isinstance(v, ShardedTensor) else None) for k, v in s.items()}
 
 
 def check_loaded(got: dict, want: dict) -> None:
     for k, v in want.items():
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, ShardedTensor):
+            assert_same(got[k].data if isinstance(got[k], ShardedTensor) else got[k], v.data)
+        elif isinstance(v, torch.Tensor):
             assert_same(got[k], v)
         else:
             assert got[k] == v
@@ -257,3 +263,42 @@ def test_stream_verifier_catches_every_flipped_bit_in_any_chunking(tmp_path):
     for cut in (0, 5, 100, len(data) - 1):
         with pytest.raises(FormatError):
             run(data[:cut], 50, False)
+
+
+def test_the_index_is_checked_against_the_files_and_reads_are_chunked(tmp_path, monkeypatch):
+    from tamper import read_manifest_doc, write_manifest_doc
+
+    want = state(0)
+    megashard.save(want, tmp_path / "a")
+    sizes = []
+    real = storage.CheckpointFiles.read_into
+
+    def spy(self, name, reqs, **kw):
+        if name.endswith(".tensors"):
+            sizes.extend(len(mv) for _, mv in reqs)
+        return real(self, name, reqs, **kw)
+
+    monkeypatch.setattr(storage.CheckpointFiles, "read_into", spy)
+    copy(tmp_path / "a", tmp_path / "b", chunk_bytes=2 * MiB)
+    assert max(sizes) == 2 * MiB and len(sizes) == 7  # ~12 MiB in 2 MiB chunks, never the whole file
+    monkeypatch.undo()
+    # an index whose CRC32 of a shard differs from the file's (both intact on their own)
+    doc = read_manifest_doc(str(tmp_path / "b"))
+    (tree,) = doc["trees"].values()
+    tree["w"]["ref"]["crc32"] ^= 1
+    write_manifest_doc(str(tmp_path / "b"), doc)
+    with pytest.raises(CheckpointError, match=r"tensor '[^']*/w'.*differs from the index's"):
+        copy(tmp_path / "b", tmp_path / "c")
+    tree["w"]["ref"]["crc32"] ^= 1
+    doc["tensors"]["layer.g"]["shards"][0]["crc32"] ^= 1  # a global tensor's shard
+    write_manifest_doc(str(tmp_path / "b"), doc)
+    with pytest.raises(CheckpointError, match=r"tensor 'layer\.g[^']*'.*differs from the index's"):
+        copy(tmp_path / "b", tmp_path / "c")
+    doc["tensors"]["layer.g"]["shards"][0]["crc32"] ^= 1
+    # an index naming a file that is not a shard file
+    doc["files"]["manifest.json"] = doc["files"].pop("state-r00000.tensors")
+    doc["tensors"]["layer.g"]["shards"][0]["file"] = "manifest.json"
+    write_manifest_doc(str(tmp_path / "b"), doc)
+    with pytest.raises(CheckpointError, match="not a megashard shard file name"):
+        copy(tmp_path / "b", tmp_path / "c")
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
