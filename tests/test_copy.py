@@ -105,11 +105,18 @@ def test_local_to_s3_to_local_round_trip_is_bit_exact(s3, tmp_path):
     assert {n: v for n, v in _files(tmp_path / "c").items() if n.endswith(".tensors")} == \
         {n: v for n, v in a.items() if n.endswith(".tensors")}
     check_loaded(megashard.load(template(want), tmp_path / "c"), want)
-    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]  # no temporaries left
     # s3 -> s3
     url2 = s3.url("other/ckpt")
     copy(url, url2)
     check_loaded(megashard.load(template(want), url2), want)
+    # a file below one part goes up in one PUT (no multipart upload)
+    small = {"x": torch.arange(10), "iteration": 1}
+    megashard.save(small, tmp_path / "small")
+    s3.reset()
+    copy(tmp_path / "small", s3.url("small"))
+    assert not any(r["method"] == "POST" and "uploads" in r.get("query", "") for r in s3.requests())
+    check_loaded(megashard.load(template(small), s3.url("small")), small)
 
 
 def test_a_flipped_bit_fails_the_copy_and_leaves_the_destination_untouched(s3, tmp_path):
