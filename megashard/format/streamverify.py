@@ -9,8 +9,8 @@ keeps the prologue, the metadata index, every tensor header and the terminator (
 runs ``structure_problems`` on what it kept and compares every tensor's CRC32 with the one
 its header stores. That detects a flipped bit anywhere in the file except inside the stored
 SHA-256 values (which no CRC32 covers); with ``sha256=True`` every tensor's SHA-256 is
-computed and compared as well (several times slower), and a single flipped bit anywhere is
-detected, as by ``megashard verify``.
+computed and compared as well (hashlib's SHA-256 is several times slower than isal's CRC32)
+and a single flipped bit anywhere is detected, as by ``megashard verify``.
 """
 from __future__ import annotations
 
