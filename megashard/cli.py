@@ -11,7 +11,8 @@
 A directory argument is handed to :mod:`megashard.checkpoint_tools` (imported
 lazily, so file commands work without the checkpoint layer). Exit codes: 0 ok,
 1 verification failure or unreadable input, 2 usage error (for ``convert``: SRC is
-not a checkpoint, unknown format, DST exists; DST is then untouched).
+not a checkpoint, unknown format, DST exists; for ``copy``: SRC is neither a checkpoint
+nor a save root, or the options do not fit it; DST is then untouched).
 """
 from __future__ import annotations
 
