@@ -8,11 +8,13 @@
                       [--iteration N]  # one process; see megashard.convert
     megashard convert SRC DST --to hf [--vocab-size N | --tokenizer DIR] [--tensors]  # a Hugging Face directory
     megashard convert HF_DIR DST [--to megashard]  # import: DST/release + tracker, for --load DST
+    megashard copy SRC DST [--iteration N | --all] [--sha256]  # directory <-> s3://, checked; see megashard.copy
 
 A directory argument is handed to :mod:`megashard.checkpoint_tools` (imported
 lazily, so file commands work without the checkpoint layer). Exit codes: 0 ok,
 1 verification failure or unreadable input, 2 usage error (for ``convert``: SRC is
-not a checkpoint, unknown format, DST exists; DST is then untouched).
+not a checkpoint, unknown format, DST exists; for ``copy``: SRC is neither a checkpoint
+nor a save root, or the options do not fit it; DST is then untouched).
 """
 from __future__ import annotations
 
@@ -308,6 +310,13 @@ def _convert_paths(args: argparse.Namespace, extras: list) -> None:
     args.src, args.dst = paths
 
 
+def _cmd_copy(args: argparse.Namespace) -> int:
+    from .copy import copy
+
+    print(copy(args.src, args.dst, iteration=args.iteration, all_iterations=args.all, sha256=args.sha256).summary())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -347,6 +356,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-shard-size", type=int, metavar="BYTES", help="--to hf: safetensors shard size "
                    "(default 5e9)")
     c.set_defaults(func=_cmd_convert, convert_parser=c)
+    k = sub.add_parser("copy", help="copy a checkpoint or a Megatron save root between directories and s3:// "
+                       "(streamed, every tensor's CRC32 checked on the way, committed atomically as a save)")
+    k.add_argument("src", help="checkpoint or Megatron save root: a directory or s3:// URL")
+    k.add_argument("dst", help="where the checkpoint (or DST/iter_XXXXXXX and the tracker) goes: absent or a "
+                   "megashard checkpoint, which is replaced as a save would")
+    k.add_argument("--iteration", type=_iteration, help="save root: copy this iteration (default: the tracker's)")
+    k.add_argument("--all", action="store_true", help="save root: copy every committed iteration")
+    k.add_argument("--sha256", action="store_true", help="also check every tensor's SHA-256 (slower)")
+    k.set_defaults(func=_cmd_copy)
     r = sub.add_parser("recover", help="finish an interrupted re-save: put the complete copy back in place, "
                        "remove superseded copies and dead saves' temporaries, and list what was removed (the only "
                        "command that changes a checkpoint's directory)")
@@ -358,6 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "when no save of it can be running)")
     r.set_defaults(func=_cmd_recover)
     return p
+
+
+def _iteration(text: str) -> int | str:
+    if text == "release":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an iteration number or 'release'") from None
 
 
 def _cmd_recover(args: argparse.Namespace) -> int:
@@ -401,9 +428,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except MegashardError as e:
         from .convert import ConvertInputError
+        from .copy import CopyInputError
 
-        if isinstance(e, ConvertInputError):  # nothing was written
-            print(f"megashard convert: error: {e}", file=sys.stderr)
+        if isinstance(e, (ConvertInputError, CopyInputError)):  # nothing was written
+            print(f"megashard {args.command}: error: {e}", file=sys.stderr)
             return 2
         print(f"megashard {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -793,6 +793,9 @@ def convert(
             plan = plan_export(ckpt, vocab_size, tokenizer)
         except HFMappingError as e:
             raise ConvertInputError(str(e)) from None
+    if fmt == to == "megashard":
+        raise ConvertInputError(f"{ckpt} is a megashard checkpoint already; to copy it (between a file system and "
+                                f"an object store, or anywhere else) run `megashard copy {src_s} {dst_s}`")
     if (fmt, to) not in (("torch_dist", "megashard"), ("megashard", "torch_dist"), ("megashard", "tensors"),
                          ("megashard", "safetensors"), ("megashard", "hf")):
         hint = " (convert to megashard first)" if fmt == "torch_dist" else ""

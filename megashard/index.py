@@ -83,6 +83,8 @@ def open_index(base: str) -> Index:
     files = storage.checkpoint_files(base)
     try:
         head = files.read_manifest_bytes()
+        if not storage.is_url(base) and b'"data_prefix"' in head:
+            _refuse_object_layout(head, base)
     except BaseException:
         files.close()
         raise
@@ -100,6 +102,17 @@ def open_index(base: str) -> Index:
             files.close()
     index.check_file = partial(check_file_size, base, index=index)
     return index
+
+
+def _refuse_object_layout(head: bytes, base: str) -> None:
+    """A head naming a save prefix in a directory: objects of an object store's checkpoint
+    copied as plain files (its files are one directory down, its index unreadable here)."""
+    prefix = parse_head(head, os.path.join(base, storage.MANIFEST_NAME)).get("data_prefix")
+    if prefix is not None:
+        raise CheckpointError(
+            f"{base}: its {storage.MANIFEST_NAME} names the object-store save prefix {str(prefix)[:80]!r}: the objects "
+            "of an s3:// checkpoint copied as plain files (e.g. `aws s3 cp --recursive`), which is not a checkpoint "
+            "on a file system. Copy it with `megashard copy s3://BUCKET/PREFIX DIR` instead")
 
 
 def check_file_size(base: str, name: str, size: int, index: Any = None) -> None:

@@ -448,6 +448,20 @@ def _buckets(sec: _Sections, table: Any, size: int) -> Any:
             for i in range(0, len(names), size)]
 
 
+def with_files(head: Mapping[str, Any], sections: bytes, files: Mapping[str, Any]) -> Tuple[bytes, bytes]:
+    """A version-2 index (``manifest.json``, ``manifest.index`` bytes) that is ``head`` and
+    ``sections`` with the file table replaced by ``files``: the new table's sections are
+    appended, everything else stays byte for byte (``megashard copy``: only the objects'
+    ETags differ between storages). The old table's sections stay, unreferenced."""
+    sec = _Sections()
+    sec.parts.append(bytes(sections))
+    sec.size = len(sections)
+    doc = dict(head)
+    doc["files"] = _buckets(sec, dict(files), FILE_BUCKET)
+    doc["index"] = {"file": INDEX_NAME, "bytes": sec.size}
+    return _dumps(doc).encode(), b"".join(sec.parts)
+
+
 TREE_WHOLE = "__whole__"  # a tree stored as one part (not a plain string-keyed dict)
 
 

@@ -215,7 +215,7 @@ def test_cli_wrong_inputs_exit_2_and_leave_dst_untouched(megatron_root, tmp_path
     rc, _, err = _cli(capsys, megatron_root, str(tmp_path / "o3"), "--iteration", "7")
     assert rc == 2 and "iter_0000007" in err
     rc, _, err = _cli(capsys, os.path.join(megatron_root, "iter_0000010"), str(tmp_path / "o4"), "--to", "megashard")
-    assert rc == 2 and "cannot convert megashard to megashard" in err
+    assert rc == 2 and "is a megashard checkpoint already" in err and "`megashard copy " in err
     rc, _, err = _cli(capsys, megatron_root, str(tmp_path / "o5"), "--to", "tensors", "--keys", "nope*")
     assert rc == 2 and "nope" in err
     rc, _, err = _cli(capsys, megatron_root, str(tmp_path / "o6"), "--to", "torch_dist", "--keys", "nope*")

@@ -299,6 +299,11 @@ class ObjectCheckpointFiles:
         where = f"{self.base}/{MANIFEST_NAME}"
         data, etag = self.store.get_bytes(f"{self.key}/{MANIFEST_NAME}", _max_head())
         doc = _parse_head(data, where)
+        if HEAD_FIELD not in doc:
+            raise CheckpointError(
+                f"{where} has no {HEAD_FIELD}: a file-system checkpoint copied as plain objects (e.g. `aws s3 cp "
+                f"--recursive`), which is not a checkpoint in an object store. Copy the checkpoint directory with "
+                f"`megashard copy DIR {self.base}` instead (it writes the save layout and records the ETags)")
         self._prefix = check_data_prefix(doc.get(HEAD_FIELD), where)
         idx = doc.get("index")
         self._index_etag = idx.get("etag") if isinstance(idx, dict) and isinstance(idx.get("etag"), str) else None

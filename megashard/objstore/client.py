@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import CheckpointError, CommitConflictError, ObjectChangedError
@@ -795,24 +795,73 @@ class ObjectStore:
                 return self._put_views("MPU_PART", key, url, self._slice(views, starts, a, b), b - a, {})
 
             etags = _run_parallel([lambda i=i: send(i) for i in range(nparts)], threads)
-            params: Dict[str, Any] = {
-                "Key": key, "UploadId": upload_id,
-                "MultipartUpload": {"Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]}}
-            if if_none_match:
-                params["IfNoneMatch"] = "*"
-            expected = _multipart_etag(etags)
-
-            def landed() -> Optional[Dict[str, Any]]:
-                info = self.head(key)
-                return {"ETag": info.etag} if info is not None and info.etag == expected else None
-
-            return self._call("MPU_COMPLETE", key, "complete_multipart_upload", conflict=CommitConflictError,
-                              landed=landed, **params)["ETag"]
+            return self._complete(key, upload_id, etags, if_none_match)
         except BaseException:
-            try:
-                self.abort_upload(key, upload_id)
-            except Exception as e:  # the original failure matters more; cleanup() removes it later
-                log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.url(key), e)
+            self._abort_quietly(key, upload_id)
+            raise
+
+    def _complete(self, key: str, upload_id: str, etags: Sequence[str], if_none_match: bool) -> str:
+        params: Dict[str, Any] = {
+            "Key": key, "UploadId": upload_id,
+            "MultipartUpload": {"Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]}}
+        if if_none_match:
+            params["IfNoneMatch"] = "*"
+        expected = _multipart_etag(etags)
+
+        def landed() -> Optional[Dict[str, Any]]:
+            info = self.head(key)
+            return {"ETag": info.etag} if info is not None and info.etag == expected else None
+
+        return self._call("MPU_COMPLETE", key, "complete_multipart_upload", conflict=CommitConflictError,
+                          landed=landed, **params)["ETag"]
+
+    def _abort_quietly(self, key: str, upload_id: str) -> None:
+        try:
+            self.abort_upload(key, upload_id)
+        except Exception as e:  # the original failure matters more; cleanup() removes it later
+            log.warning("could not abort multipart upload %s of %s: %s", upload_id, self.url(key), e)
+
+    def upload_chunks(self, key: str, size: int, chunks: Iterable[memoryview], *, if_none_match: bool = True,
+                      threads: Optional[int] = None) -> str:
+        """Write an object of ``size`` bytes from ``chunks`` produced while it is sent (a copy streamed
+        with bounded memory): consecutive views from offset 0, each a whole number of parts
+        (:func:`part_bytes` of ``size``) but the last. A chunk's parts are sent (in parallel) before the
+        next chunk is asked for, so the producer may refill one buffer. One PUT when ``size`` fits one
+        part, else a multipart upload, aborted on any failure. ``if_none_match`` as in :meth:`upload`.
+        Returns the ETag."""
+        part = part_bytes(size)
+        if size <= part:
+            whole = bytearray()
+            for chunk in chunks:
+                mv = _byte_view(chunk)
+                if not whole and mv.nbytes == size:  # the usual case: one chunk, sent from the producer's buffer
+                    return self.upload(key, size, [(0, mv)], if_none_match=if_none_match)
+                whole += mv
+            return self.upload(key, size, [(0, memoryview(whole))], if_none_match=if_none_match)
+        upload_id = self._call("MPU_CREATE", key, "create_multipart_upload", Key=key)["UploadId"]
+        try:
+            etags: List[str] = []
+            pos = 0
+            for chunk in chunks:
+                mv = _byte_view(chunk)
+                if pos + mv.nbytes > size or (mv.nbytes % part and pos + mv.nbytes != size):
+                    raise CheckpointError(f"{self.url(key)}: a chunk of {mv.nbytes} bytes at {pos} is not whole "
+                                          f"{part}-byte parts (or runs past {size} bytes)")
+                first = len(etags)
+
+                def send(i: int, mv: memoryview = mv, first: int = first) -> str:
+                    a, b = i * part, min(mv.nbytes, (i + 1) * part)
+                    url = self._presign("upload_part", key, UploadId=upload_id, PartNumber=first + i + 1)
+                    return self._put_views("MPU_PART", key, url, [mv[a:b]], b - a, {})
+
+                etags += _run_parallel([lambda i=i: send(i) for i in range(-(-mv.nbytes // part))],
+                                       threads or connections())
+                pos += mv.nbytes
+            if pos != size:
+                raise CheckpointError(f"{self.url(key)}: chunks held {pos} bytes, not {size}")
+            return self._complete(key, upload_id, etags, if_none_match)
+        except BaseException:
+            self._abort_quietly(key, upload_id)
             raise
 
     def _put_views(self, kind: str, key: str, url: str, views: List[memoryview], length: int,
