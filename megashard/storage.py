@@ -111,6 +111,8 @@ __all__ = [
     "check_reported_files",
     "check_save_target",
     "replace_problem",
+    "replace_problem_at",
+    "head_problem",
     "commit_dir",
     "is_checkpoint",
     "recover",
