@@ -11,11 +11,12 @@ there (``manifest.json``, ``manifest.sha256``, ``manifest.index`` and ``*.tensor
 files). An empty directory is a target too (it is replaced by the rename itself).
 Anything else at the target — a Megatron save root, a torch_dist checkpoint, a
 tensorizer model directory with the user's own ``manifest.json``, a file, a symbolic
-link, or a checkpoint a user added files to — is refused with a :class:`CheckpointError` naming it (:func:`check_save_target`), before
-any rank writes, and again at the commit on what was actually moved aside. A replace
-deletes the whole old directory, so a directory with files megashard did not write is
-never replaced: move them out first. The same rule guards every deletion here (old
-copies, recovery, retention): megashard deletes only directories it could have written.
+link, or a checkpoint a user added files to — is refused with a :class:`CheckpointError`
+naming it (:func:`check_save_target`), before any rank writes, and again at the commit
+on what was actually moved aside. A replace deletes the whole old directory, so a
+directory with files megashard did not write is never replaced: move them out first. The
+same rule guards every deletion here (old copies, recovery, retention): megashard deletes
+only directories it could have written.
 
 Save protocol
 -------------
@@ -829,8 +830,7 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
     """:func:`remove_checkpoint` of directory ``base`` of ``pfd``, open as ``dfd``."""
     opened = os.fstat(dfd)
     why = check(dfd, path) if check is not None else None
-    if why is not None:
-        logger.warning("leaving %s: %s", path, why)
+    if why is not None:  # the caller says what it makes of it
         return why
     m = _AUX_RE.match(base)
     if not (m and m.group("kind") == "del"):
@@ -857,7 +857,6 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
             why = "it was replaced by something else while being removed"
             logger.warning("leaving %s: %s", path, why)
             return why
-        fsync_path(os.path.dirname(path))
     try:
         os.unlink(MANIFEST_NAME, dir_fd=dfd)
     except FileNotFoundError:
