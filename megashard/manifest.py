@@ -261,7 +261,9 @@ def _check_flat_ranges(p: "_Parser", key: str, off: Tuple[int, ...], shp: Tuple[
 
 
 def parse_head(text: str | bytes, where: str) -> Dict[str, Any]:
-    """``manifest.json`` parsed (bounded) with its format and version checked."""
+    """``manifest.json`` parsed (bounded) with its format, version and head schema checked: the
+    one rule of what is a megashard checkpoint (both stores; what a save may replace and a
+    clean-up delete), so a user's ``manifest.json`` is never taken for one."""
     from .jsonstate import parse_json
 
     doc = parse_json(text, f"{where} (the checkpoint is damaged)")
@@ -272,6 +274,15 @@ def parse_head(text: str | bytes, where: str) -> Dict[str, Any]:
     p.require(version in READ_VERSIONS,
               f"manifest version {version!r} is not supported by this megashard (reads {list(READ_VERSIONS)}); "
               "upgrade megashard")
+    p.int(doc.get("world_size"), "world_size", lo=1)
+    p.list(doc.get("rank_trees"), "rank_trees")
+    if version == 1:
+        for k in ("files", "tensors", "trees"):
+            p.dict(doc.get(k), k)
+    else:
+        for k in ("files", "tensors", "trees"):
+            p.list(doc.get(k), k)
+        p.require(p.dict(doc.get("index"), "index").get("file") == INDEX_NAME, f"index.file must be {INDEX_NAME!r}")
     return doc
 
 

@@ -4,16 +4,19 @@ Pure filesystem code (no torch, no torch.distributed); the save orchestration ca
 
 What a save may replace
 -----------------------
-A save only ever replaces a *megashard checkpoint*: a directory holding ``manifest.json``
-and nothing but the names megashard writes there (``manifest.json``, ``manifest.sha256``,
-``manifest.index`` and ``*.tensors`` files). An empty directory is a target too (it is
-replaced by the rename itself). Anything else at the target — a Megatron save root, a
-torch_dist checkpoint, a file, a symbolic link, or a checkpoint a user added files to —
-is refused with a :class:`CheckpointError` naming it (:func:`check_save_target`), before
-any rank writes, and again at the commit on what was actually moved aside. A replace
-deletes the whole old directory, so a directory with files megashard did not write is
-never replaced: move them out first. The same rule guards every deletion here (old
-copies, recovery, retention): megashard deletes only directories it could have written.
+A save only ever replaces a *megashard checkpoint*: a directory whose ``manifest.json``
+parses as megashard's head (format name, version, head schema: :func:`head_problem`, the
+rule the object store applies too) and that holds nothing but the names megashard writes
+there (``manifest.json``, ``manifest.sha256``, ``manifest.index`` and ``*.tensors``
+files). An empty directory is a target too (it is replaced by the rename itself).
+Anything else at the target — a Megatron save root, a torch_dist checkpoint, a
+tensorizer model directory with the user's own ``manifest.json``, a file, a symbolic
+link, or a checkpoint a user added files to — is refused with a :class:`CheckpointError`
+naming it (:func:`check_save_target`), before any rank writes, and again at the commit
+on what was actually moved aside. A replace deletes the whole old directory, so a
+directory with files megashard did not write is never replaced: move them out first. The
+same rule guards every deletion here (old copies, recovery, retention): megashard deletes
+only directories it could have written.
 
 Save protocol
 -------------
@@ -44,8 +47,8 @@ wins). Only then does it delete the ``.old-*`` names *it* created, nothing else.
 saves of one name therefore both commit, one after the other; at every instant
 ``<name>`` or an ``.old-*`` copy holds the latest committed checkpoint.
 
-Invariants: a directory is a checkpoint iff it holds a readable, parseable
-``manifest.json`` (:func:`is_checkpoint`); ``manifest.json`` is only ever created by
+Invariants: a directory is a checkpoint iff its ``manifest.json`` parses as megashard's
+head (:func:`is_checkpoint`); ``manifest.json`` is only ever created by
 an atomic rename after its bytes and every shard are durable; ``.<name>.tmp-*``
 directories are never checkpoints, whatever they contain.
 
@@ -61,19 +64,23 @@ Recovery rule (:func:`recover`; :func:`locate` finds the same checkpoint read-on
 :func:`recover` then removes the leftovers of dead saves of ``<name>`` (the rule below);
 :func:`recover_path` (``megashard recover``) applies both to every iteration of a Megatron save root.
 
-Deleting a directory renames it to ``.<name>.del-<random>`` first and then removes its
-manifest, so a half-deleted directory is never mistaken for a checkpoint.
+Deleting a directory (:func:`remove_checkpoint`) works through descriptors: it opens the
+directory (``O_NOFOLLOW``), checks that directory, adds the deleting process's owner record
+(a temp dir keeps its save's), renames it to ``.<name>.del-<random>`` and, only if what it
+renamed is the directory it opened, removes its manifest and then the rest through the
+descriptor; a symbolic link swapped in meanwhile is put back, never followed.
 
 Abandoned temporaries (:func:`cleanup_stale_temps`; every commit runs it on its parent,
 for every name, and the Megatron adapter on its save root): a ``.<name>.tmp-*``
-directory is removed when provably abandoned — its owner record names a process of this
+directory, and a ``.<name>.del-<hex>`` one (an interrupted deletion), is removed when
+provably abandoned — its owner record names a process of this
 machine (same boot id, hostname and pid namespace) that no longer runs (no such pid, or
 one started at another time); or it has no such record or one from another machine, holds
 only names megashard writes, and nothing in it changed for ``older_than_s`` (24 h by
 default: another machine's save may still be running, or waiting for an async commit).
-A temp dir holding anything else is never removed. ``.<name>.old-*`` copies go once
-``<name>`` is a checkpoint, ``.<name>.del-<uuid>`` directories (interrupted deletions) at
-once, the atomic writes' temporary files once old. Nothing else in the parent is touched.
+Without such a record, one holding anything else is never removed. ``.<name>.old-*``
+megashard checkpoints holding only megashard's names go once ``<name>`` is a checkpoint,
+the atomic writes' temporary files once old. Nothing else in the parent is touched.
 """
 from __future__ import annotations
 
@@ -89,7 +96,7 @@ import stat
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import procinfo
 from .errors import CheckpointError
@@ -109,6 +116,8 @@ __all__ = [
     "check_reported_files",
     "check_save_target",
     "replace_problem",
+    "replace_problem_at",
+    "head_problem",
     "commit_dir",
     "is_checkpoint",
     "recover",
@@ -473,12 +482,11 @@ def make_temp_dir(final_dir: PathLike, token: str) -> str:
         os.mkdir(tmp)
     except FileExistsError:
         raise CheckpointError(f"{tmp} already exists: another save uses the token {token!r}") from None
-    fd = os.open(os.path.join(tmp, OWNER_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    dfd = _open_dir(tmp)
     try:
-        os.write(fd, json.dumps(_owner_record(), sort_keys=True).encode())
-        os.fsync(fd)
+        _write_owner(dfd)
     finally:
-        os.close(fd)
+        os.close(dfd)
     fsync_path(tmp)
     fsync_path(parent)
     return tmp
@@ -585,9 +593,9 @@ OWNER_NAME = ".megashard-owner.json"
 DEFAULT_STALE_AGE_S = 24 * 3600.0
 
 
-def _read_small(path: str, limit: int = 4096) -> Optional[str]:
+def _read_small(name: str, limit: int = 4096, dir_fd: Optional[int] = None) -> Optional[str]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return None
     try:
@@ -613,10 +621,22 @@ def _owner_record() -> Dict[str, Any]:
             "start": procinfo.start_time(os.getpid()), "created": time.time()}
 
 
-def _owner_alive(path: str) -> Optional[bool]:
-    """Whether the save that owns temp dir ``path`` may still run: True, False (its process
-    on this machine is gone), or None (no readable record, or another machine's)."""
-    text = _read_small(os.path.join(path, OWNER_NAME))
+def _write_owner(dfd: int) -> None:
+    """Create the owner record in the directory open as ``dfd`` (fails if there is one)."""
+    fd = os.open(OWNER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644,
+                 dir_fd=dfd)
+    try:
+        os.write(fd, json.dumps(_owner_record(), sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _owner_alive(dfd: int) -> Optional[bool]:
+    """Whether the process that owns the directory open as ``dfd`` (a save's temp dir, a
+    deletion's ``.del-*``) may still run: True, False (its process on this machine is gone),
+    or None (no readable record, or another machine's)."""
+    text = _read_small(OWNER_NAME, dir_fd=dfd)
     try:
         rec = json.loads(text) if text is not None else None
     except ValueError:
@@ -638,24 +658,71 @@ def _owner_alive(path: str) -> Optional[bool]:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def is_checkpoint(path: PathLike) -> bool:
-    """True iff ``path`` is a directory holding a readable, parseable ``manifest.json``.
+def _open_dir(name: PathLike, dir_fd: Optional[int] = None, follow: bool = False) -> int:
+    """A descriptor of directory ``name`` (relative to ``dir_fd``); a symbolic link is refused
+    (ELOOP/ENOTDIR) unless ``follow``."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    return os.open(name, flags, dir_fd=dir_fd)
 
-    Parsing (not just stat) guards against manifests damaged after the fact; the
-    commit protocol itself never exposes a partial manifest.
+
+def head_problem(dfd: int, where: str) -> Optional[str]:
+    """Why the directory open as ``dfd`` is not a megashard checkpoint; None when it is: its
+    ``manifest.json`` (a regular file of it, no link followed, at most
+    :func:`max_manifest_bytes`) parses as megashard's head (:func:`megashard.manifest.parse_head`,
+    the rule the object store applies too). Reads the head only, never the index or shards."""
+    from .manifest import parse_head  # one definition; imported late (storage stays torch-free)
+
+    try:
+        fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    except FileNotFoundError:
+        return f"it has no {MANIFEST_NAME}"
+    except OSError as e:
+        return f"its {MANIFEST_NAME} " + ("is a symbolic link" if e.errno == errno.ELOOP
+                                           else f"cannot be opened ({e.strerror})")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return f"its {MANIFEST_NAME} is not a regular file"
+        if st.st_size > max_manifest_bytes():
+            return (f"its {MANIFEST_NAME} ({st.st_size} bytes) is over the limit of {max_manifest_bytes()} "
+                    "(MEGASHARD_MAX_MANIFEST_BYTES raises it)")
+        chunks, pos = [], 0
+        while pos < st.st_size:
+            data = os.pread(fd, st.st_size - pos, pos)
+            if not data:
+                break
+            chunks.append(data)
+            pos += len(data)
+    except OSError as e:
+        return f"its {MANIFEST_NAME} cannot be read ({e.strerror})"
+    finally:
+        os.close(fd)
+    try:
+        parse_head(b"".join(chunks), os.path.join(where, MANIFEST_NAME))
+    except CheckpointError as e:
+        return f"its {MANIFEST_NAME} is not a megashard manifest ({str(e)[:400]})"
+    return None
+
+
+def is_checkpoint(path: PathLike) -> bool:
+    """True iff ``path`` is a directory whose ``manifest.json`` parses as megashard's head
+    (:func:`head_problem`).
+
+    Parsing (not just stat) guards against manifests damaged after the fact and a user's own
+    ``manifest.json``; the commit protocol itself never exposes a partial manifest.
     """
     if is_url(path):
         from .objstore import checkpoint as objck
 
         return objck.locate(os.fspath(path)) is not None
-    if not os.path.isdir(path):
+    try:
+        dfd = _open_dir(path, follow=True)
+    except OSError:
         return False
     try:
-        with CheckpointFiles(path) as files:
-            json.loads(files.read_bytes(MANIFEST_NAME, max_manifest_bytes()))
-    except (OSError, ValueError, RecursionError, CheckpointError):
-        return False
-    return True
+        return head_problem(dfd, os.fspath(path)) is None
+    finally:
+        os.close(dfd)
 
 
 def _megashard_member(name: str) -> bool:
@@ -669,11 +736,12 @@ def _megashard_member(name: str) -> bool:
 
 def replace_problem(path: PathLike) -> Optional[str]:
     """Why a save (or a clean-up) may not replace or delete ``path``; None when it may: it
-    does not exist, is an empty directory, or is a checkpoint holding only megashard's names.
-    Looks at one directory (by descriptor), whatever renames happen meanwhile."""
+    does not exist, is an empty directory, or is a megashard checkpoint holding only
+    megashard's names (:func:`replace_problem_at`). Looks at one directory (by descriptor),
+    whatever renames happen meanwhile."""
     path = os.fspath(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = _open_dir(path)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -687,12 +755,18 @@ def replace_problem(path: PathLike) -> Optional[str]:
             return "it is a file, not a directory"
         return f"it cannot be opened ({e.strerror})"
     try:
-        with os.scandir(fd) as it:
+        return replace_problem_at(fd, path)
+    finally:
+        os.close(fd)
+
+
+def replace_problem_at(dfd: int, where: str) -> Optional[str]:
+    """:func:`replace_problem` of the directory open as ``dfd`` (``where`` names it)."""
+    try:
+        with os.scandir(dfd) as it:
             regular = {e.name: e.is_file(follow_symlinks=False) for e in it}
     except OSError as e:
         return f"it cannot be listed ({e.strerror})"
-    finally:
-        os.close(fd)
     foreign = sorted(n for n, reg in regular.items() if not (reg and _megashard_member(n)))
     shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 8 else "")
     if not regular.get(MANIFEST_NAME):
@@ -701,7 +775,7 @@ def replace_problem(path: PathLike) -> Optional[str]:
         return f"it has no {MANIFEST_NAME}" + (f" and holds {shown}" if foreign else "")
     if foreign:
         return f"it holds files megashard did not write: {shown}"
-    return None
+    return head_problem(dfd, where)
 
 
 def check_save_target(final_dir: PathLike) -> None:
@@ -721,34 +795,101 @@ def check_save_target(final_dir: PathLike) -> None:
         "subdirectory), or move it away first")
 
 
-def remove_checkpoint(path: PathLike) -> None:
-    """Delete a checkpoint (or a save's temporary) directory so that no crash leaves a
-    half-deleted *checkpoint*: it is renamed to ``.<name>.del-<random>`` first (recognisably
-    garbage for :func:`cleanup_stale_temps`), its manifest removed, then the rest.
+#: What :func:`remove_checkpoint` asks of the directory it opened (descriptor, path) before
+#: removing it: None, or why it must stay.
+RemoveCheck = Callable[[int, str], Optional[str]]
 
-    Callers decide what may be deleted (:func:`replace_problem`); this only deletes.
+
+def remove_checkpoint(path: PathLike, check: Optional[RemoveCheck] = None) -> Optional[str]:
+    """Delete a checkpoint (or a save's temporary) directory so that no crash leaves a
+    half-deleted *checkpoint*; return None when it is gone, or why it was left as it is.
+
+    Everything happens relative to descriptors, so a symbolic link (or another directory)
+    swapped in at ``path`` is never followed or emptied: the directory is opened
+    (``O_NOFOLLOW``), ``check`` (the caller's rule, e.g. :func:`replace_problem_at`) looks at
+    that directory, the deleting process's owner record is added (unless it has one), it is
+    renamed to ``.<name>.del-<random>`` (recognisably garbage for :func:`cleanup_stale_temps`,
+    which applies the owner rule of temporaries), and only if the renamed entry is still the
+    directory opened are its manifest and then the rest removed through the descriptor.
+    Anything but a directory at ``path`` is left.
     """
     path = os.path.abspath(os.fspath(path))
-    # FileNotFoundError anywhere means another process is deleting it too: fine.
+    parent, base = os.path.split(path)
+    try:  # FileNotFoundError anywhere means another process is deleting it too: fine
+        pfd = _open_dir(parent, follow=True)
+    except FileNotFoundError:
+        return None
     try:
-        if not (os.path.isdir(path) and not os.path.islink(path)):
-            os.unlink(path)
-            return
-        parent, base = os.path.split(path)
-        m = _AUX_RE.match(base)
-        if not (m and m.group("kind") == "del"):
-            trash = os.path.join(parent, f".{m.group('name') if m else base}.del-{uuid.uuid4().hex}")
-            os.rename(path, trash)
-            path = trash
         try:
-            os.unlink(os.path.join(path, MANIFEST_NAME))
+            dfd = _open_dir(base, dir_fd=pfd)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            why = "it is a symbolic link or a file, not a directory"
+            logger.warning("leaving %s: %s", path, why)
+            return why
+        try:
+            return _remove_dir(pfd, base, dfd, path, check)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(pfd)
+
+
+def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[RemoveCheck]) -> Optional[str]:
+    """:func:`remove_checkpoint` of directory ``base`` of ``pfd``, open as ``dfd``."""
+    opened = os.fstat(dfd)
+    why = check(dfd, path) if check is not None else None
+    if why is not None:  # the caller says what it makes of it
+        return why
+    m = _AUX_RE.match(base)
+    if not (m and m.group("kind") == "del"):
+        try:  # names who deletes it, so a clean-up leaves a deletion still running and ends a dead one's
+            _write_owner(dfd)
+        except FileExistsError:
+            pass  # a save's temp dir: its save owns it (the save discarding it, or a dead one)
+        except OSError as e:  # a clean-up then goes by age
+            logger.debug("no owner record in %s: %s", path, e)
+        trash = f".{m.group('name') if m else base}.del-{uuid.uuid4().hex}"
+        try:
+            os.rename(base, trash, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except FileNotFoundError:
+            return None
+        base = trash
+        try:
+            moved = os.stat(trash, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            moved = None
+        if moved is None or (moved.st_dev, moved.st_ino) != (opened.st_dev, opened.st_ino):
+            # something else was swapped in after the directory was opened: put it back, untouched
+            if moved is not None and not os.path.lexists(path):
+                os.rename(trash, os.path.basename(path), src_dir_fd=pfd, dst_dir_fd=pfd)
+            why = "it was replaced by something else while being removed"
+            logger.warning("leaving %s: %s", path, why)
+            return why
+    try:
+        os.unlink(MANIFEST_NAME, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+    with os.scandir(dfd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in entries:
+        try:
+            if is_dir:
+                shutil.rmtree(name, dir_fd=dfd)  # descriptor-based: never follows a link
+            else:
+                os.unlink(name, dir_fd=dfd)
         except FileNotFoundError:
             pass
+    try:
+        still = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+        if (still.st_dev, still.st_ino) == (opened.st_dev, opened.st_ino):
+            os.rmdir(base, dir_fd=pfd)
     except FileNotFoundError:
-        return
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.lexists(path):
-        shutil.rmtree(path)  # retry without ignore_errors so a persistent failure is reported
+        pass
+    return None
 
 
 #: Publishing gives up after this many rounds of other saves committing the same name in between.
@@ -830,7 +971,9 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
         pass
     for old in olds:  # the new checkpoint is durable: the copies this save moved aside are garbage
         try:
-            remove_checkpoint(old)
+            why = remove_checkpoint(old, check=replace_problem_at)
+            if why is not None:
+                logger.warning("committed %s, but left %s: %s", final, old, why)
         except OSError as e:  # committed all the same; recover() or a later clean-up removes it
             logger.warning("committed %s, but could not remove %s: %s", final, old, e)
 
@@ -859,7 +1002,7 @@ def _drop_superseded(olds: List[str], final: str) -> None:
     checkpoint again (another save's); otherwise they stay for :func:`recover`."""
     if olds and _has_manifest(final):
         for old in olds:
-            remove_checkpoint(old)
+            remove_checkpoint(old, check=replace_problem_at)
 
 
 def _has_manifest(path: str) -> bool:
@@ -1109,50 +1252,63 @@ def leftover_kind(path: str) -> str:
 def _remove_superseded(olds: List[str]) -> List[str]:
     removed = []
     for stale in olds:
-        why = replace_problem(stale)
+        why = remove_checkpoint(stale, check=replace_problem_at)
         if why is not None:
             logger.warning("leaving %s: not a copy megashard made (%s)", stale, why)
             continue
-        logger.info("removing superseded %s", stale)
-        remove_checkpoint(stale)
+        logger.info("removed superseded %s", stale)
         removed.append(stale)
     return removed
 
 
-def _newest_mtime(path: str) -> float:
-    """mtime of ``path`` and, for a directory, of its direct entries: a save in progress
+def _newest_mtime(dfd: int) -> float:
+    """mtime of the directory open as ``dfd`` and of its direct entries: a save in progress
     keeps touching files inside even when the directory itself does not change."""
-    newest = os.lstat(path).st_mtime
-    if os.path.isdir(path) and not os.path.islink(path):
-        try:
-            with os.scandir(path) as it:
-                for e in it:
-                    try:
-                        newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
-                    except FileNotFoundError:
-                        pass
-        except FileNotFoundError:
-            pass
+    newest = os.fstat(dfd).st_mtime
+    with os.scandir(dfd) as it:
+        for e in it:
+            try:
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+            except FileNotFoundError:
+                pass
     return newest
 
 
 _ATOMIC_TEMP_TOKEN = re.compile(r"[0-9a-f]{32}\Z")  # write_file_atomic's uuid4().hex
 
 
-def _temp_members_only(path: str) -> bool:
-    """A temp dir holding nothing but what a save writes there (files, owner record,
-    write_file_atomic's temporaries of the index)."""
-    try:
-        with os.scandir(path) as it:
-            for e in it:
-                m = _AUX_RE.match(e.name)
-                ours = (_megashard_member(e.name)
-                        or (m is not None and m.group("kind") == "tmp" and _megashard_member(m.group("name"))))
-                if not (ours and e.is_file(follow_symlinks=False)):
-                    return False
-    except FileNotFoundError:
-        return False
+def _members_only(dfd: int) -> bool:
+    """The directory open as ``dfd`` holds nothing but what a save writes there (files,
+    owner record, write_file_atomic's temporaries of the index)."""
+    with os.scandir(dfd) as it:
+        for e in it:
+            m = _AUX_RE.match(e.name)
+            ours = (_megashard_member(e.name)
+                    or (m is not None and m.group("kind") == "tmp" and _megashard_member(m.group("name"))))
+            if not (ours and e.is_file(follow_symlinks=False)):
+                return False
     return True
+
+
+def _abandoned(older_than_s: float) -> RemoveCheck:
+    """The owner rule of a save's temp dir and of a deletion's ``.del-*`` directory, as a
+    :data:`RemoveCheck`: removable when its owner record names a process of this machine that
+    is gone, or (no record of this machine) when it holds only megashard's names and nothing
+    in it changed for ``older_than_s``."""
+    now = time.time()
+
+    def check(dfd: int, where: str) -> Optional[str]:
+        alive = _owner_alive(dfd)
+        if alive:
+            return "its owner still runs"
+        if alive is None:
+            if not _members_only(dfd):
+                return "it has no owner record of this machine and holds names megashard does not write"
+            if now - _newest_mtime(dfd) < older_than_s:
+                return f"it has no owner record of this machine and changed within {older_than_s:.0f} s"
+        return None
+
+    return check
 
 
 def cleanup_stale_temps(
@@ -1160,13 +1316,13 @@ def cleanup_stale_temps(
 ) -> List[str]:
     """Remove the leftovers of dead saves in ``parent``; return the removed paths.
 
-    The rule (module docstring): ``.X.tmp-*`` directories whose owner record names a
-    process of this machine that is gone; those without a record of this machine that
-    hold only megashard's names and whose newest mtime (their own or any entry's) is
-    ``older_than_s`` old; ``.X.del-*`` directories (interrupted deletions); the
-    tracker/index temporaries of :func:`write_file_atomic` once that old; ``.X.old-*`` copies holding only megashard's
-    names once ``X`` is a checkpoint. Nothing else. ``name`` restricts this to one
-    checkpoint name. For a Megatron save root: call it with the root.
+    The rule (module docstring): ``.X.tmp-*`` and ``.X.del-<hex>`` directories whose owner
+    record names a process of this machine that is gone; those without a record of this
+    machine that hold only megashard's names and whose newest mtime (their own or any
+    entry's) is ``older_than_s`` old; the tracker/index temporaries of
+    :func:`write_file_atomic` once that old; ``.X.old-*`` megashard checkpoints holding only
+    megashard's names once ``X`` is a checkpoint. Nothing else. ``name`` restricts this to
+    one checkpoint name. For a Megatron save root: call it with the root.
     """
     parent = os.fspath(parent)
     removed: List[str] = []
@@ -1175,12 +1331,7 @@ def cleanup_stale_temps(
     except FileNotFoundError:
         return removed
     now = time.time()
-
-    def old_enough(p: str) -> bool:
-        try:
-            return now - _newest_mtime(p) >= older_than_s
-        except FileNotFoundError:
-            return False
+    abandoned = _abandoned(older_than_s)
 
     for e in entries:
         m = _AUX_RE.match(e)
@@ -1192,33 +1343,24 @@ def cleanup_stale_temps(
             st = os.lstat(p)
         except FileNotFoundError:
             continue
-        is_dir = stat.S_ISDIR(st.st_mode)
-        if kind == "old":
-            # superseded as soon as <name> is a checkpoint (no age needed); otherwise it
-            # may be the copy recover() restores
-            if not is_dir or replace_problem(p) is not None or not is_checkpoint(os.path.join(parent, m.group("name"))):
+        if stat.S_ISDIR(st.st_mode):
+            if kind == "old":
+                # superseded as soon as <name> is a checkpoint (no age needed); otherwise it
+                # may be the copy recover() restores
+                if not is_checkpoint(os.path.join(parent, m.group("name"))):
+                    continue
+                check = replace_problem_at
+            elif kind == "del" and not _ATOMIC_TEMP_TOKEN.match(m.group("token")):
+                continue  # not a name remove_checkpoint gives
+            else:
+                check = abandoned
+            if remove_checkpoint(p, check=check) is not None or os.path.lexists(p):
                 continue
-        elif kind == "del":
-            # garbage by construction (remove_checkpoint's own names): no age needed, and
-            # removing it alongside a deletion still running is harmless
-            if not (is_dir and _ATOMIC_TEMP_TOKEN.match(m.group("token"))):
-                continue
-            shutil.rmtree(p, ignore_errors=True)
-            if os.path.lexists(p):
-                continue
-            logger.info("removed stale %s", p)
-            removed.append(p)
-            continue
-        elif is_dir:
-            alive = _owner_alive(p)
-            if alive or (alive is None and not (_temp_members_only(p) and old_enough(p))):
-                continue
-        elif not (stat.S_ISREG(st.st_mode) and _ATOMIC_TEMP_TOKEN.match(m.group("token"))
-                  and (m.group("name") == TRACKER_NAME or _megashard_member(m.group("name"))) and old_enough(p)):
-            continue
-        if is_dir:
-            remove_checkpoint(p)
         else:
+            if not (kind == "tmp" and stat.S_ISREG(st.st_mode) and _ATOMIC_TEMP_TOKEN.match(m.group("token"))
+                    and (m.group("name") == TRACKER_NAME or _megashard_member(m.group("name")))
+                    and now - st.st_mtime >= older_than_s):
+                continue
             try:
                 os.unlink(p)
             except FileNotFoundError:
@@ -1421,7 +1563,10 @@ def apply_retention(
             continue
         p = os.path.join(root, e)
         olds = _aux_dirs(root, e, "old")
-        remove_checkpoint(p)
+        why = remove_checkpoint(p, check=replace_problem_at)
+        if why is not None:
+            logger.warning("retention: keeping %s: %s", p, why)
+            continue
         _remove_superseded(olds)
         logger.info("retention: deleted %s", p)
         deleted.append(p)

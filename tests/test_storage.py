@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,12 +39,19 @@ REPO = Path(__file__).resolve().parents[1]
 # --------------------------------------------------------------------------- helpers
 
 
+def megashard_head(**extra) -> str:
+    """A ``manifest.json`` that parses as megashard's head (format, version, head schema)."""
+    return json.dumps({"format": "megashard", "version": 2, "world_size": 1, "layout": {}, "rank_trees": ["t"],
+                       "extra": {}, "tensors": [], "objects": [], "files": [], "trees": [],
+                       "index": {"file": "manifest.index", "bytes": 0}, **extra})
+
+
 def make_ckpt(path: Path, version: str, shards: int = 2) -> None:
-    """A complete checkpoint whose shard contents match its manifest's version."""
+    """A complete checkpoint whose shard contents match its manifest's ``tag``."""
     path.mkdir(parents=True, exist_ok=True)
     for i in range(shards):
         (path / f"shard_{i}.tensors").write_bytes(f"{version}-{i}".encode() * 100)
-    write_file_atomic(path / MANIFEST_NAME, json.dumps({"version": version, "shards": shards}))
+    write_file_atomic(path / MANIFEST_NAME, megashard_head(tag=version, shards=shards))
 
 
 def ckpt_version(path) -> str:
@@ -54,8 +60,8 @@ def ckpt_version(path) -> str:
     man = json.loads((Path(path) / MANIFEST_NAME).read_text())
     for i in range(man["shards"]):
         data = (Path(path) / f"shard_{i}.tensors").read_bytes()
-        assert data == f"{man['version']}-{i}".encode() * 100, f"{path}: shard {i} does not match manifest"
-    return man["version"]
+        assert data == f"{man['tag']}-{i}".encode() * 100, f"{path}: shard {i} does not match manifest"
+    return man["tag"]
 
 
 class SimulatedCrash(BaseException):
@@ -171,7 +177,9 @@ def test_is_checkpoint(tmp_path):
     assert not is_checkpoint(d)
     (d / MANIFEST_NAME).write_text('{"trunc')
     assert not is_checkpoint(d)
-    (d / MANIFEST_NAME).write_text("{}")
+    (d / MANIFEST_NAME).write_text("{}")  # JSON, but not megashard's head
+    assert not is_checkpoint(d)
+    (d / MANIFEST_NAME).write_text(megashard_head())
     assert is_checkpoint(d)
     assert not is_checkpoint(d / MANIFEST_NAME)  # a file is never a checkpoint
 
@@ -481,17 +489,27 @@ def test_retention_refuses_with_garbage_tracker(tmp_path):
 def test_remove_checkpoint_drops_manifest_first(tmp_path, monkeypatch):
     make_ckpt(tmp_path / "iter_0000001", "a")
 
-    def boom(*a, **k):
-        raise SimulatedCrash("died mid-delete")
+    real_unlink = os.unlink
 
-    monkeypatch.setattr(shutil, "rmtree", boom)
+    def boom(name, *a, **k):
+        if name != MANIFEST_NAME:  # the manifest goes first; the process dies on the next file
+            raise SimulatedCrash("died mid-delete")
+        return real_unlink(name, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", boom)
     with pytest.raises(SimulatedCrash):
         storage.remove_checkpoint(tmp_path / "iter_0000001")
     monkeypatch.undo()
-    # Half-deleted: recognisably garbage, never a checkpoint, cleaned up later.
+    # Half-deleted: recognisably garbage, never a checkpoint, cleaned up once its deleter is gone.
     (left,) = os.listdir(tmp_path)
     assert left.startswith(".iter_0000001.del-") and not is_checkpoint(tmp_path / left)
-    assert cleanup_stale_temps(tmp_path, older_than_s=0) == [str(tmp_path / left)]
+    assert "shard_0.tensors" in os.listdir(tmp_path / left)
+    assert cleanup_stale_temps(tmp_path, older_than_s=0) == []  # this process (its deleter) still runs
+    rec = json.loads((tmp_path / left / storage.OWNER_NAME).read_text())
+    rec["start"] = int(rec["start"]) + 12345  # as if its pid now belonged to another process
+    (tmp_path / left / storage.OWNER_NAME).write_text(json.dumps(rec))
+    assert cleanup_stale_temps(tmp_path) == [str(tmp_path / left)]
+    assert os.listdir(tmp_path) == []
 
 
 def test_errors_are_megashard_errors():
