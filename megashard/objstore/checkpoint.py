@@ -31,7 +31,7 @@ import re
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, CommitConflictError
+from ..errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
 from .client import ObjectInfo, ObjectStore
 from .url import check_object_name, parse_url
 
@@ -89,6 +89,7 @@ class ObjectSave:
         self.prev_etag: Optional[str] = None
         self.prev_prefix: Optional[str] = None
         self.stale: List[str] = []  # other save prefixes seen while planning
+        self.outcome_unknown = False  # the head PUT may have landed: discard nothing
 
     def _loc(self) -> Tuple[ObjectStore, str]:
         store, key, _ = _location(self.url)
@@ -173,11 +174,48 @@ class ObjectSave:
                 store.put_bytes(f"{key}/{MANIFEST_NAME}", head, if_none_match=True)
             else:
                 store.put_bytes(f"{key}/{MANIFEST_NAME}", head, if_match=self.prev_etag)
-        except CommitConflictError as e:
-            raise CommitConflictError(
-                f"{self.url}: another save committed this checkpoint after this save was planned ({e}); this "
-                "save lost and is discarded, the other save's checkpoint stands untouched") from None
+        except CommitConflictError as e:  # answered 412/409, or a retry's 412 and the head is not ours
+            self._lost(e)
+        except Exception as e:  # noqa: BLE001 - no answer: the PUT may have been applied
+            self._settle(store, f"{key}/{MANIFEST_NAME}", head, token, e)
+        except BaseException:  # interrupted mid-PUT: it may be the checkpoint now
+            self.outcome_unknown = True
+            raise
         self.committed = DATA_PREFIX + token
+
+    def _lost(self, e: Exception) -> None:
+        raise CommitConflictError(
+            f"{self.url}: another save committed this checkpoint after this save was planned ({e}); this "
+            "save lost and is discarded, the other save's checkpoint stands untouched") from None
+
+    def _settle(self, store: ObjectStore, head_key: str, head: bytes, token: str, err: Exception) -> None:
+        """The head PUT failed without a decisive answer: read the head back. Ours: the save
+        succeeded. Another save's (neither ours nor the one this save replaces): ours can never
+        apply, the save lost. Otherwise (absent, unchanged, unreadable) a PUT still in flight may
+        yet land: keep every object and say so (:class:`CommitOutcomeUnknownError`)."""
+        mine = DATA_PREFIX + token
+        try:
+            info = store.head(head_key)
+            if info is not None and info.size == len(head):
+                data, _ = store.get_bytes(head_key, info.size, if_match=info.etag)
+                if data == head:
+                    log.warning("%s: the commit's answer was lost (%s), but the head names this save: committed",
+                                self.url, err)
+                    return
+            if info is not None and info.etag != self.prev_etag:
+                self._lost(err)
+            seen = "is absent" if info is None else "is still the one this save replaces"
+        except CheckpointError as e2:
+            if isinstance(e2, CommitConflictError):
+                raise
+            seen = f"could not be read back ({e2})"
+        self.outcome_unknown = True
+        raise CommitOutcomeUnknownError(
+            f"{self.url}: the outcome of this save's commit is unknown: the conditional PUT of {MANIFEST_NAME} "
+            f"failed without a decisive answer ({err}) and the head {seen}; a PUT still in flight may yet land. "
+            f"Every object of the save is kept ({self.url}/{mine}/). Check with `megashard verify {self.url}`: "
+            f"if it passes and names {mine}, this save is the checkpoint; if not, save again (`megashard recover "
+            f"{self.url}` removes a save that never committed once it is a day old)")
 
     def after_commit(self) -> None:
         """Delete the prefix of the head this commit replaced, then leftovers of dead saves."""
@@ -187,7 +225,11 @@ class ObjectSave:
         cleanup(self.url, keep=self.committed)
 
     def discard(self, created: str) -> None:
-        """A failed save removes its own prefix (objects and unfinished uploads), nothing else."""
+        """A failed save removes its own prefix (objects and unfinished uploads), nothing else;
+        never after a commit whose outcome is unknown (the head may name it)."""
+        if self.outcome_unknown:
+            log.warning("%s: kept %s (the commit's outcome is unknown)", self.url, created)
+            return
         store, key = self._loc()
         name = created.rstrip("/").rsplit("/", 1)[-1]
         check_data_prefix(name, created)
