@@ -449,3 +449,36 @@ def test_a_commit_that_another_save_overtook_while_the_answer_was_lost_is_discar
         megashard.save(state(1), url)
     assert _assert_head_names_present_objects(url, {1: state(1), 2: state(2)}) == 2
     assert len({n.split("/", 1)[0] for n in _objects(url) if "/" in n}) == 1
+
+
+# --------------------------------------------------------------------------- recover touches only megashard's uploads
+
+def test_recover_aborts_only_uploads_of_dead_megashard_saves(s3):
+    """Other clients' multipart uploads under the prefix survive ``megashard recover``; on a Megatron save
+    root the age rule applies to each save prefix under iter_N, so a save still being written survives and
+    only a dead one's upload is aborted. (moto reports every upload as started in 2010: all look old.)"""
+    from megashard.cli import main as cli_main
+
+    root = s3.url("mroot")
+    store, key = ObjectStore.for_url(root)
+    client = s3.boto3()
+
+    def start(k):
+        return client.create_multipart_upload(Bucket=s3.bucket, Key=f"{key}/{k}")["UploadId"]
+
+    megashard.save(state(0), root + "/iter_0000001")
+    storage.write_tracker(root, 1)
+    foreign = {start("iter_0000002/model.bin"), start("other-client/big.bin"), start("top.bin")}
+    store.put_bytes(f"{key}/iter_0000002/.megashard-save-young/state-r00000.tensors", b"written just now")
+    young = start("iter_0000002/.megashard-save-young/state-r00001.tensors")
+    dead = start("iter_0000002/.megashard-save-dead/state-r00000.tensors")
+    assert cli_main(["recover", root + "/iter_0000001"]) == 0
+    assert cli_main(["recover", root]) == 1  # a save root is not a checkpoint; its dead saves are cleaned all the same
+    left = {u for _k, u, _t in store.list_uploads(key + "/")}
+    assert left == foreign | {young}, (left, dead)
+    # a checkpoint URL: another client's upload under it is not megashard's either
+    url = root + "/iter_0000001"
+    theirs = start("iter_0000001/their-upload.bin")
+    assert objck.cleanup(url, older_than_s=0) == []
+    assert theirs in {u for _k, u, _t in store.list_uploads(key + "/")}
+    check_loaded(megashard.load(template(state(0)), url), state(0))

@@ -246,10 +246,24 @@ def _delete_prefix(store: ObjectStore, prefix: str) -> int:
     return n
 
 
+def _save_of_upload(rel: str) -> Optional[str]:
+    """The save prefix (relative to the URL cleaned) an upload key belongs to: ``<save>/<file>`` of a
+    checkpoint, or ``<child>/<save>/<file>`` of a save root's checkpoint; None for anything else (not
+    megashard's: never aborted)."""
+    parts = rel.split("/")
+    if len(parts) == 2 and _DATA_PREFIX_RE.match(parts[0]):
+        return parts[0]
+    if len(parts) == 3 and _DATA_PREFIX_RE.match(parts[1]) and parts[0] not in ("", ".", ".."):
+        return f"{parts[0]}/{parts[1]}"
+    return None
+
+
 def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAULT_STALE_AGE_S) -> List[str]:
     """Remove what dead saves of checkpoint ``url`` left: save prefixes the head does not
-    name whose newest object is older than ``older_than_s``, and multipart uploads under
-    ``url`` started longer ago than that. Returns the prefixes/uploads removed."""
+    name whose newest object is older than ``older_than_s``, and multipart uploads of save
+    prefixes (``url``'s, or its children's when ``url`` is a save root) started longer ago
+    than that, unless their prefix was written to within that time. Uploads outside save
+    prefixes are another client's and never touched. Returns the prefixes/uploads removed."""
     store, key, url = _location(url)
     now = time.time()
     current = keep
@@ -274,10 +288,16 @@ def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAU
         store.delete([o.key for o in objects])
         removed.append(f"{url}/{name}/")
     for k, upload_id, started in store.list_uploads(key + "/"):
-        save = k[len(key) + 1:].split("/", 1)[0]
-        if now - started >= older_than_s and save not in live:
-            store.abort_upload(k, upload_id)
-            removed.append(f"{url}: unfinished upload of {k[len(key) + 1:]}")
+        save = _save_of_upload(k[len(key) + 1:])
+        if save is None or save in live or now - started < older_than_s:
+            continue  # another client's upload, or a save that may still run
+        if "/" in save:  # a save of a checkpoint under a save root (iter_N/.megashard-save-*): its own age
+            objects, _ = store.list(f"{key}/{save}/")
+            if objects and now - max(o.last_modified for o in objects) < older_than_s:
+                live.add(save)
+                continue
+        store.abort_upload(k, upload_id)
+        removed.append(f"{url}: unfinished upload of {k[len(key) + 1:]}")
     for r in removed:
         log.info("removed %s (left by a save that did not finish)", r)
     return removed
