@@ -84,8 +84,9 @@ def _parse_head(data: bytes, where: str) -> Dict[str, Any]:
 class ObjectSave:
     """The save seam of :mod:`megashard.saving` for an object store (see the module docstring)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, new_only: bool = False) -> None:
         self.url = url.rstrip("/")
+        self.new_only = new_only  # commit only where no head is (If-None-Match), never replace
         self.prev_etag: Optional[str] = None
         self.prev_prefix: Optional[str] = None
         self.stale: List[str] = []  # other save prefixes seen while planning
@@ -112,6 +113,9 @@ class ObjectSave:
                 "only ever replaces a megashard checkpoint. Save to another prefix, or move them away first")
         self.stale = [p[len(key) + 1:].rstrip("/") for p in prefixes]
         if any(o.key == f"{key}/{MANIFEST_NAME}" for o in objects):
+            if self.new_only:
+                raise CommitConflictError(f"refusing to save to {self.url}: a checkpoint exists there (new_only: a "
+                                          "save never replaces it)")
             data, etag = store.get_bytes(f"{key}/{MANIFEST_NAME}", _max_head())
             doc = _parse_head(data, f"{self.url}/{MANIFEST_NAME}")
             self.prev_prefix = check_data_prefix(doc.get(HEAD_FIELD), f"{self.url}/{MANIFEST_NAME}")
@@ -184,6 +188,10 @@ class ObjectSave:
         self.committed = DATA_PREFIX + token
 
     def _lost(self, e: Exception) -> None:
+        if self.new_only:
+            raise CommitConflictError(f"{self.url}: a checkpoint appeared there while this save ran (another writer "
+                                      f"committed it; new_only: it is never replaced) ({e}); this save is discarded"
+                                      ) from None
         raise CommitConflictError(
             f"{self.url}: another save committed this checkpoint after this save was planned ({e}); this "
             "save lost and is discarded, the other save's checkpoint stands untouched") from None
@@ -462,9 +470,10 @@ def why_not_checkpoint(url: str) -> str:
     return f"{url} is a checkpoint"
 
 
-def write_tracker(root: str, text: str) -> None:
+def write_tracker(root: str, text: str, new_only: bool = False) -> None:
+    """``new_only``: only where there is none yet (If-None-Match), else CommitConflictError."""
     store, key, _ = _location(root)
-    store.put_bytes(f"{key}/{TRACKER_NAME}", text.encode())
+    store.put_bytes(f"{key}/{TRACKER_NAME}", text.encode(), if_none_match=new_only)
 
 
 def read_tracker_bytes(root: str) -> Optional[bytes]:
