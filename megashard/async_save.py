@@ -212,7 +212,7 @@ class _Writer:
     """One persistent daemon thread that runs background writes, one at a time."""
 
     def __init__(self) -> None:
-        self.q: "queue.Queue[_Job]" = queue.Queue()
+        self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self.thread: Optional[threading.Thread] = None
 
     def submit(self, job: _Job) -> None:
@@ -221,9 +221,21 @@ class _Writer:
             self.thread.start()
         self.q.put(job)
 
+    def stop(self, timeout: float) -> bool:
+        """Let the thread leave its loop once its job (if any) has ended, and wait for it
+        (bounded); True when no writer thread runs any more."""
+        t = self.thread
+        if t is None or not t.is_alive():
+            return True
+        self.q.put(None)
+        t.join(timeout)
+        return not t.is_alive()
+
     def _loop(self) -> None:
         while True:
             job = self.q.get()
+            if job is None:  # stop(): the process exits
+                return
             take_io_role("async", writer_nice())  # its own pools, niced (re-read: the variable may change)
             job.finish(*_capture(job.fn))
 
@@ -423,18 +435,21 @@ def finalize(blocking: bool, comm: Optional[Comm] = None) -> Optional[str]:
 
 
 def _abandon_at_exit() -> None:
-    """Wait, bounded, for this process's background write (a forked child has none)."""
+    """Wait, bounded, for this process's background write (a forked child has none), even one
+    whose ``result()`` already failed or timed out, then stop the writer thread. No megashard
+    thread may run during interpreter teardown: a daemon thread still inside a torch call when
+    Python ends it aborts the whole process (``terminate called without an active exception``,
+    SIGABRT) after the caller's own error was printed."""
     h = _IN_FLIGHT
-    if h is None or h.finalized or h.pid != os.getpid():
-        return
-    log.warning("process exiting with an async save to %s not finalized: it is abandoned (never committed; "
-                "the previous checkpoint and tracker are untouched; its files stay in %s). Call handle.result() "
-                "before exit to keep it.", h.checkpoint_dir, h.temp_dir)
+    if h is not None and not h.finalized and h.pid == os.getpid():
+        log.warning("process exiting with an async save to %s not finalized: it is abandoned (never committed; "
+                    "the previous checkpoint and tracker are untouched; its files stay in %s). Call "
+                    "handle.result() before exit to keep it.", h.checkpoint_dir, h.temp_dir)
     limit = exit_wait()
-    if not h._job.done.wait(limit):  # no background thread should write while the interpreter tears down
+    job = _LAST_JOB
+    if (job is not None and not job.done.wait(limit)) or not _WRITER.stop(limit):
         log.warning("the background write of %s did not end within %g s (MEGASHARD_ASYNC_EXIT_WAIT): exiting while "
-                    "it runs; its temporary directory %s is left behind (never a checkpoint, safe to delete)",
-                    h.checkpoint_dir, limit, h.temp_dir)
+                    "it runs; what it wrote is left behind (never a checkpoint)", job.what if job else "?", limit)
 
 
 def _keep_forever(obj: Any) -> None:

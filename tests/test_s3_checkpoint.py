@@ -482,3 +482,45 @@ def test_recover_aborts_only_uploads_of_dead_megashard_saves(s3):
     assert objck.cleanup(url, older_than_s=0) == []
     assert theirs in {u for _k, u, _t in store.list_uploads(key + "/")}
     check_loaded(megashard.load(template(state(0)), url), state(0))
+
+
+# --------------------------------------------------------------------------- a failed async save exits cleanly
+
+_FAILING_ASYNC = textwrap.dedent("""
+    import atexit, sys, threading
+    # registered before megashard's exit hook, so it runs after it: which megashard threads are left?
+    atexit.register(lambda: print("threads at exit:", sorted(t.name for t in threading.enumerate()
+                                                             if t.name.startswith("megashard")), file=sys.stderr))
+    import torch, megashard
+    url, mode = sys.argv[1], sys.argv[2]
+    g = torch.Generator().manual_seed(0)
+    h = megashard.save({"w": torch.randn(64, 32, generator=g), "big": torch.randn(3 << 20, generator=g)}, url,
+                       async_save=True)
+    try:
+        h.result(timeout=None if mode == "fails" else 0.01)
+    except megashard.MegashardError as e:
+        print("error:", type(e).__name__, file=sys.stderr)
+    sys.exit(3)
+""")
+
+
+@pytest.mark.parametrize("mode", ["fails", "times-out"])
+def test_a_failed_async_s3_save_ends_the_process_with_its_own_error_status(s3, mode):
+    """An async S3 save whose upload fails (or whose result() times out while it still retries) ends the
+    process with the script's own status, never SIGABRT: no megashard thread is left running at interpreter
+    teardown (a daemon thread inside a torch call then aborts: "terminate called without an active
+    exception"). Repeated, in subprocesses."""
+    env = dict(os.environ, MEGASHARD_S3_RETRIES="3", MEGASHARD_ASYNC_EXIT_WAIT="60")
+    for i in range(4):
+        url = s3.url(f"async-fail-{mode}/iter_{i:07d}")
+        if mode == "fails":
+            s3.inject(403, count=1, method="PUT", query="partNumber", match=f"iter_{i:07d}")
+        else:
+            s3.inject(503, count=10_000, method="PUT", query="partNumber", match=f"iter_{i:07d}")
+        p = subprocess.run([sys.executable, "-c", _FAILING_ASYNC, url, mode], env=env, capture_output=True,
+                           text=True, timeout=300)
+        s3.reset()
+        assert p.returncode == 3, (p.returncode, p.stderr[-3000:])
+        assert "terminate called" not in p.stderr and "error: Distributed" in p.stderr, p.stderr[-3000:]
+        assert "threads at exit: []" in p.stderr, p.stderr[-3000:]
+        assert storage.locate(url) is None
