@@ -21,8 +21,9 @@ never run on a niced writer thread, and the background write never on a training
 
 At most one save is in flight per process: a new save (sync or async) first calls
 ``result()`` on the previous one. A process that exits with a save still in flight
-**abandons** it: an ``atexit`` hook waits for this rank's background write to stop
-(so no thread writes during interpreter teardown), at most ``MEGASHARD_ASYNC_EXIT_WAIT``
+**abandons** it: an ``atexit`` hook waits for this rank's background write to stop (also
+one whose ``result()`` failed or timed out) and then for the writer thread to end (so no
+thread writes during interpreter teardown), at most ``MEGASHARD_ASYNC_EXIT_WAIT``
 seconds (default 120; then it exits anyway, naming the temporary directory left behind),
 and commits nothing; the save's ``.<name>.tmp-<token>`` directory is never a checkpoint.
 The previous checkpoint and the tracker are untouched, exactly as after a SIGKILL.
@@ -181,6 +182,7 @@ class _Job:
         self.result: Any = None
         self.error: Optional[str] = None
         self.what = ""  # the checkpoint it writes, for messages
+        self.temp = ""  # where it writes (the save's temporary directory or prefix)
         self._lock = threading.Lock()
         self._then: List[Callable[[], None]] = []
 
@@ -391,6 +393,7 @@ def start(commit: _Commit, write: Callable[[], Any]) -> AsyncSaveHandle:
     global _IN_FLIGHT, _LAST_JOB
     job = _LAST_JOB = _Job(write)
     job.what = commit.final_dir
+    job.temp = commit.temp_dir
     handle = AsyncSaveHandle(commit, job)
     _IN_FLIGHT = handle
     _WRITER.submit(job)
@@ -449,7 +452,8 @@ def _abandon_at_exit() -> None:
     job = _LAST_JOB
     if (job is not None and not job.done.wait(limit)) or not _WRITER.stop(limit):
         log.warning("the background write of %s did not end within %g s (MEGASHARD_ASYNC_EXIT_WAIT): exiting while "
-                    "it runs; what it wrote is left behind (never a checkpoint)", job.what if job else "?", limit)
+                    "it runs; its temporary directory %s is left behind (never a checkpoint, safe to delete)",
+                    job.what if job else "?", limit, job.temp if job else "?")
 
 
 def _keep_forever(obj: Any) -> None:

@@ -31,7 +31,9 @@ pinned to the index's ETags), and shards that a local export would map are read 
 scratch file instead. DST may be a URL only for ``--to megashard`` (torch_dist, or a Hugging
 Face import): :func:`megashard.save` writes it with the object store's commit protocol (the
 tracker after the commit) and nothing is written beside it; scratch is a private local
-temporary directory. A DST URL under which any object exists is refused. torch_dist and
+temporary directory. A DST URL under which any object exists is refused. DST is written new
+only (``save(new_only=True)``, a rename that refuses to replace, a tracker PUT with
+``If-None-Match``): a checkpoint another writer creates there meanwhile is never replaced. torch_dist and
 Hugging Face sources, and file targets, are local only.
 
 torch_dist checkpoints are pickle-based and megatron-core's loader unpickles them:
