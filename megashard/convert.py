@@ -31,10 +31,10 @@ pinned to the index's ETags), and shards that a local export would map are read 
 scratch file instead. DST may be a URL only for ``--to megashard`` (torch_dist, or a Hugging
 Face import): :func:`megashard.save` writes it with the object store's commit protocol (the
 tracker after the commit) and nothing is written beside it; scratch is a private local
-temporary directory. A DST URL under which any object exists is refused. DST is written new
-only (``save(new_only=True)``, a rename that refuses to replace, a tracker PUT with
-``If-None-Match``): a checkpoint another writer creates there meanwhile is never replaced. torch_dist and
-Hugging Face sources, and file targets, are local only.
+temporary directory. A DST URL under which any object exists is refused. torch_dist and
+Hugging Face sources, and file targets, are local only. DST is written new only
+(``save(new_only=True)``, a rename that refuses to replace, a tracker PUT with
+``If-None-Match``): what another writer creates there meanwhile is never replaced.
 
 torch_dist checkpoints are pickle-based and megatron-core's loader unpickles them:
 convert only torch_dist checkpoints you trust. Nothing megashard writes is pickled.
@@ -339,10 +339,9 @@ class _Output:
             storage.rename_new_only(src, self.final)
         except FileExistsError:
             raise ConvertInputError(f"{self.final} appeared while converting; left it untouched") from None
-        if not self.single_file:
-            if self.megatron_root:  # kept up to the rename, as a save's: a killed conversion's names its owner
-                with contextlib.suppress(OSError):  # committed all the same
-                    os.unlink(os.path.join(self.final, storage.OWNER_NAME))
+        if self.megatron_root:  # kept up to the rename, as a save's: a killed conversion's names its owner
+            with contextlib.suppress(OSError):  # committed all the same
+                os.unlink(os.path.join(self.final, storage.OWNER_NAME))
         storage.fsync_path(os.path.dirname(self.final))
         self.cleanup()
 

@@ -18,9 +18,10 @@ conditional PUT. For the checkpoint ``s3://bucket/P``:
 A crash at any moment leaves either the old head (and the old prefix, untouched) or the
 new one: never a head that names missing objects. A head PUT that fails without a decisive
 answer is settled by reading the head back (:meth:`ObjectSave._settle`); when that cannot
-decide, every object is kept (:class:`~megashard.errors.CommitOutcomeUnknownError`). What a dead save leaves (its prefix,
-unfinished multipart uploads) is removed by :func:`cleanup` (``megashard recover URL``;
-also each later save of the same checkpoint) once older than ``older_than_s``.
+decide, every object is kept (:class:`~megashard.errors.CommitOutcomeUnknownError`).
+What a dead save leaves (its prefix, unfinished multipart uploads) is removed by
+:func:`cleanup` (``megashard recover URL``; also each later save of the same checkpoint)
+once older than ``older_than_s``.
 A save never deletes an object outside the prefixes it created or the one the head it
 replaced named, and refuses a target that holds objects megashard did not write.
 """
