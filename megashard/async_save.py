@@ -21,8 +21,9 @@ never run on a niced writer thread, and the background write never on a training
 
 At most one save is in flight per process: a new save (sync or async) first calls
 ``result()`` on the previous one. A process that exits with a save still in flight
-**abandons** it: an ``atexit`` hook waits for this rank's background write to stop
-(so no thread writes during interpreter teardown), at most ``MEGASHARD_ASYNC_EXIT_WAIT``
+**abandons** it: an ``atexit`` hook waits for this rank's background write to stop (also
+one whose ``result()`` failed or timed out) and then for the writer thread to end (so no
+thread writes during interpreter teardown), at most ``MEGASHARD_ASYNC_EXIT_WAIT``
 seconds (default 120; then it exits anyway, naming the temporary directory left behind),
 and commits nothing; the save's ``.<name>.tmp-<token>`` directory is never a checkpoint.
 The previous checkpoint and the tracker are untouched, exactly as after a SIGKILL.
@@ -181,6 +182,7 @@ class _Job:
         self.result: Any = None
         self.error: Optional[str] = None
         self.what = ""  # the checkpoint it writes, for messages
+        self.temp = ""  # where it writes (the save's temporary directory or prefix)
         self._lock = threading.Lock()
         self._then: List[Callable[[], None]] = []
 
@@ -212,7 +214,7 @@ class _Writer:
     """One persistent daemon thread that runs background writes, one at a time."""
 
     def __init__(self) -> None:
-        self.q: "queue.Queue[_Job]" = queue.Queue()
+        self.q: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self.thread: Optional[threading.Thread] = None
 
     def submit(self, job: _Job) -> None:
@@ -221,9 +223,21 @@ class _Writer:
             self.thread.start()
         self.q.put(job)
 
+    def stop(self, timeout: float) -> bool:
+        """Let the thread leave its loop once its job (if any) has ended, and wait for it
+        (bounded); True when no writer thread runs any more."""
+        t = self.thread
+        if t is None or not t.is_alive():
+            return True
+        self.q.put(None)
+        t.join(timeout)
+        return not t.is_alive()
+
     def _loop(self) -> None:
         while True:
             job = self.q.get()
+            if job is None:  # stop(): the process exits
+                return
             take_io_role("async", writer_nice())  # its own pools, niced (re-read: the variable may change)
             job.finish(*_capture(job.fn))
 
@@ -379,6 +393,7 @@ def start(commit: _Commit, write: Callable[[], Any]) -> AsyncSaveHandle:
     global _IN_FLIGHT, _LAST_JOB
     job = _LAST_JOB = _Job(write)
     job.what = commit.final_dir
+    job.temp = commit.temp_dir
     handle = AsyncSaveHandle(commit, job)
     _IN_FLIGHT = handle
     _WRITER.submit(job)
@@ -423,18 +438,22 @@ def finalize(blocking: bool, comm: Optional[Comm] = None) -> Optional[str]:
 
 
 def _abandon_at_exit() -> None:
-    """Wait, bounded, for this process's background write (a forked child has none)."""
+    """Wait, bounded, for this process's background write (a forked child has none), even one
+    whose ``result()`` already failed or timed out, then stop the writer thread. No megashard
+    thread may run during interpreter teardown: a daemon thread still inside a torch call when
+    Python ends it aborts the whole process (``terminate called without an active exception``,
+    SIGABRT) after the caller's own error was printed."""
     h = _IN_FLIGHT
-    if h is None or h.finalized or h.pid != os.getpid():
-        return
-    log.warning("process exiting with an async save to %s not finalized: it is abandoned (never committed; "
-                "the previous checkpoint and tracker are untouched; its files stay in %s). Call handle.result() "
-                "before exit to keep it.", h.checkpoint_dir, h.temp_dir)
+    if h is not None and not h.finalized and h.pid == os.getpid():
+        log.warning("process exiting with an async save to %s not finalized: it is abandoned (never committed; "
+                    "the previous checkpoint and tracker are untouched; its files stay in %s). Call "
+                    "handle.result() before exit to keep it.", h.checkpoint_dir, h.temp_dir)
     limit = exit_wait()
-    if not h._job.done.wait(limit):  # no background thread should write while the interpreter tears down
+    job = _LAST_JOB
+    if (job is not None and not job.done.wait(limit)) or not _WRITER.stop(limit):
         log.warning("the background write of %s did not end within %g s (MEGASHARD_ASYNC_EXIT_WAIT): exiting while "
                     "it runs; its temporary directory %s is left behind (never a checkpoint, safe to delete)",
-                    h.checkpoint_dir, limit, h.temp_dir)
+                    job.what if job else "?", limit, job.temp if job else "?")
 
 
 def _keep_forever(obj: Any) -> None:

@@ -32,7 +32,9 @@ scratch file instead. DST may be a URL only for ``--to megashard`` (torch_dist, 
 Face import): :func:`megashard.save` writes it with the object store's commit protocol (the
 tracker after the commit) and nothing is written beside it; scratch is a private local
 temporary directory. A DST URL under which any object exists is refused. torch_dist and
-Hugging Face sources, and file targets, are local only.
+Hugging Face sources, and file targets, are local only. DST is written new only
+(``save(new_only=True)``, a rename that refuses to replace, a tracker PUT with
+``If-None-Match``): what another writer creates there meanwhile is never replaced.
 
 torch_dist checkpoints are pickle-based and megatron-core's loader unpickles them:
 convert only torch_dist checkpoints you trust. Nothing megashard writes is pickled.
@@ -58,7 +60,7 @@ import numpy as np
 import torch
 
 from . import storage
-from .errors import CheckpointError, MegashardError
+from .errors import CheckpointError, CommitConflictError, MegashardError
 from .consolidated import DEFAULT_BATCH_BYTES
 from .manifest import Manifest, itemsize
 from .plan import numel
@@ -323,15 +325,13 @@ class _Output:
             src = self.tmp
         else:
             src = self.target
-        if os.path.lexists(self.final):
-            raise ConvertInputError(f"{self.final} appeared while converting; left it untouched")
-        if self.single_file:
-            os.link(src, self.final)  # fails rather than replace a file created meanwhile
-        else:
-            os.rename(src, self.final)
-            if self.megatron_root:  # kept up to the rename, as a save's: a killed conversion's names its owner
-                with contextlib.suppress(OSError):  # committed all the same
-                    os.unlink(os.path.join(self.final, storage.OWNER_NAME))
+        try:  # never replaces what another writer created meanwhile (not even an empty directory)
+            storage.rename_new_only(src, self.final)
+        except FileExistsError:
+            raise ConvertInputError(f"{self.final} appeared while converting; left it untouched") from None
+        if self.megatron_root:  # kept up to the rename, as a save's: a killed conversion's names its owner
+            with contextlib.suppress(OSError):  # committed all the same
+                os.unlink(os.path.join(self.final, storage.OWNER_NAME))
         storage.fsync_path(os.path.dirname(self.final))
         self.cleanup()
 
@@ -363,9 +363,15 @@ class _ObjectOutput:
         return self._scratch
 
     def commit(self) -> None:
+        from .objstore import checkpoint as objck
+
         self.cleanup()
-        if self.megatron_root:
-            storage.write_tracker(self.final, self.iteration)
+        if self.megatron_root:  # only where no tracker is: never one another writer wrote meanwhile
+            try:
+                objck.write_tracker(self.final, str(self.iteration), new_only=True)
+            except CommitConflictError:
+                raise ConvertInputError(f"{self.final}: a tracker appeared there while converting (another "
+                                        f"writer); left it untouched ({self.target} was written)") from None
 
     def cleanup(self) -> None:
         """A failed save already removed what it wrote (its own save prefix)."""
@@ -378,6 +384,18 @@ def _output(dst: str, megatron_root: bool, iteration: Optional[int | str], singl
     if storage.is_url(dst):
         return _ObjectOutput(dst, megatron_root and not single_file, iteration)
     return _Output(dst, megatron_root, iteration, single_file)
+
+
+def _save_new(state: Dict[str, Any], out: Any, source: str) -> None:
+    """:func:`megashard.save` into DST, never replacing a checkpoint another writer created there
+    meanwhile (``new_only``)."""
+    import megashard
+
+    try:
+        megashard.save(state, out.target, layout={"converted_from": source}, new_only=True)
+    except CommitConflictError:
+        raise ConvertInputError(f"{out.final} appeared while converting (another writer saved "
+                                f"{out.target}); left it untouched") from None
 
 
 def _match(keys: Sequence[str], patterns: Optional[Sequence[str]]) -> List[str]:
@@ -597,7 +615,6 @@ def _megatron_cannot_load(common: Dict[str, Any], m: Manifest) -> List[str]:
 
 def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence[str]], batch_bytes: int,
                              bar: Callable[[int], Any], res: ConvertResult) -> None:
-    import megashard
     from .sharded import ShardedTensor as MsTensor
 
     with _megatron_core() as dc:
@@ -666,7 +683,7 @@ def _torch_dist_to_megashard(src: str, out: _Output, patterns: Optional[Sequence
                     name = f"megashard_{name}"
                 state[name] = part
             res.tensors = len(keys)
-            megashard.save(state, out.target, layout={"converted_from": "torch_dist"})
+            _save_new(state, out, "torch_dist")
             del state, model, opt, loaded
         finally:
             scratch.close()
@@ -680,7 +697,6 @@ def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: 
                t0: float) -> ConvertResult:
     """An HF Llama directory as a Megatron save root: ``DST/release`` plus the tracker (``release``),
     which Megatron loads as a fine-tuning start (``--load DST``) at any layout (DST may be a URL)."""
-    import megashard
     from .hf.importer import import_state, plan_import
 
     if patterns is not None:
@@ -699,7 +715,7 @@ def _hf_import(src: str, dst: str, patterns: Optional[Sequence[str]], progress: 
                 res.tensors = len(plan.where)
                 res.bytes = plan.nbytes
                 pbar = _progress(res.bytes, "hf -> megashard", progress)
-                megashard.save(state, out.target, layout={"converted_from": "hf"})
+                _save_new(state, out, "hf")
                 pbar.update(res.bytes)
                 pbar.close()
                 del state

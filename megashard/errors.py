@@ -32,6 +32,11 @@ class CommitConflictError(CheckpointError):
     """A conditional write lost: another writer created or replaced the object first (S3 412/409)."""
 
 
+class CommitOutcomeUnknownError(CheckpointError):
+    """A commit's conditional write failed without an answer (5xx, a dropped connection, retries exhausted)
+    and whether it was applied could not be read back: the save's objects are all kept."""
+
+
 class ObjectChangedError(CheckpointError):
     """An object was replaced after its ETag was recorded, so its bytes no longer match the checkpoint."""
 
@@ -68,7 +73,8 @@ def distributed_error(failures: Mapping[int, str], what: str = "operation") -> D
     cls: type = DistributedError
     if len(names) == 1:
         base = {c.__name__: c for c in (FormatError, ChecksumError, UnsupportedFormatError, CheckpointError,
-                                         CommitConflictError, ObjectChangedError, StateDictError)}.get(names.pop())
+                                         CommitConflictError, CommitOutcomeUnknownError, ObjectChangedError,
+                                         StateDictError)}.get(names.pop())
         if base is not None:
             cls = _COMBINED.get(base)
             if cls is None:

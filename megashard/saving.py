@@ -278,6 +278,7 @@ def save(
     timeout: Optional[float] = None,
     async_save: bool = False,
     direct_io: bool = False,
+    new_only: bool = False,
 ) -> Optional["async_save_mod.AsyncSaveHandle"]:
     """Save a (sharded) state dict to ``checkpoint_dir``; collective over ``process_group``.
 
@@ -296,12 +297,18 @@ def save(
     bypass the page cache, which keeps a save from allocating and dirtying as much page
     cache as the checkpoint is large, but leaves nothing cached for a load on the same
     node afterwards (see :mod:`megashard.format.writer`). The files are identical.
+
+    ``new_only=True``: create the checkpoint or fail, never replace one. Anything at
+    ``checkpoint_dir`` when the save starts, or created there by another writer before
+    the commit, makes it raise :class:`~megashard.errors.CommitConflictError` naming it
+    and leaves it untouched (a rename that refuses to replace; ``If-None-Match: *`` on
+    an object store's head).
     """
     previous = async_save_mod.in_flight()
     if previous is not None:
         previous.result()  # at most one save in flight (collective, like this save)
     comm = Comm(process_group, timeout)
-    target = storage.save_target(checkpoint_dir)  # checks nothing yet: a bad location is refused in prepare (agreed)
+    target = storage.save_target(checkpoint_dir, new_only)  # checks nothing yet: a bad location is refused in prepare (agreed)
     final_dir = os.fspath(checkpoint_dir) if storage.is_url(checkpoint_dir) else os.path.abspath(checkpoint_dir)
     t0 = time.perf_counter()
     st = _SaveState(comm.rank)

@@ -84,7 +84,10 @@ the atomic writes' temporary files once old. Nothing else in the parent is touch
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -99,7 +102,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import procinfo
-from .errors import CheckpointError
+from .errors import CheckpointError, CommitConflictError
 
 logger = logging.getLogger(__name__)
 
@@ -978,6 +981,46 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
             logger.warning("committed %s, but could not remove %s: %s", final, old, e)
 
 
+@functools.lru_cache(maxsize=None)
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (glibc 2.28+), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def rename_new_only(src: PathLike, dst: PathLike) -> None:
+    """Rename ``src`` to ``dst`` only if nothing is at ``dst``: FileExistsError otherwise, ``src``
+    untouched. ``renameat2(RENAME_NOREPLACE)``; where the kernel or file system lacks it, an
+    exclusive ``mkdir`` of ``dst`` (a file: ``link``) and a rename onto that empty directory of
+    ours, which ``rename(2)`` never lets replace a non-empty one."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    fn = _renameat2()
+    if fn is not None:
+        if fn(-100, os.fsencode(src), -100, os.fsencode(dst), 1) == 0:  # AT_FDCWD, RENAME_NOREPLACE
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), src, None, dst)
+    if not stat.S_ISDIR(os.lstat(src).st_mode):
+        os.link(src, dst)
+        os.unlink(src)
+        return
+    os.mkdir(dst)
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.rmdir(dst)  # only ever an empty directory
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise FileExistsError(errno.EEXIST, "another writer filled it first", dst) from None
+        raise
+
+
 def _occupied(path: str) -> bool:
     """Something a rename of a directory cannot replace: anything but an empty directory."""
     try:
@@ -1589,14 +1632,18 @@ class DirectorySave:
     #: How a file is written: None means into :meth:`writer`'s directory with ``format.write_file``.
     write_file = None
 
-    def __init__(self, final_dir: PathLike) -> None:
+    def __init__(self, final_dir: PathLike, new_only: bool = False) -> None:
         self.given = final_dir
         self.final = os.path.abspath(os.fspath(final_dir))
+        self.new_only = new_only  # commit only where nothing is (rename_new_only), never replace
 
     def validate(self) -> None:
         local_path(self.given)
 
     def check(self) -> None:
+        if self.new_only and os.path.lexists(self.final):
+            raise CommitConflictError(f"refusing to save to {self.final}: it exists (new_only: a save never replaces "
+                                      "anything there)")
         check_save_target(self.final)
 
     def create(self, token: str) -> str:
@@ -1617,7 +1664,18 @@ class DirectorySave:
         tmp = temp_dir_name(self.final, token)
         check_reported_files(tmp, {r: {n: f["bytes"] for n, f in fs.items()} for r, fs in files.items()}, where)
         write_index(tmp, head, sections)
-        commit_dir(tmp, self.final)
+        if not self.new_only:
+            commit_dir(tmp, self.final)
+            return
+        fsync_path(tmp)
+        try:
+            rename_new_only(tmp, self.final)
+        except FileExistsError:
+            raise CommitConflictError(f"{self.final} appeared while this save ran (another writer); new_only: left "
+                                      "it untouched, this save is discarded") from None
+        fsync_path(os.path.dirname(self.final))
+        with contextlib.suppress(OSError):  # kept up to the rename, as commit_dir does
+            os.unlink(os.path.join(self.final, OWNER_NAME))
 
     def after_commit(self) -> None:
         """Leftovers of dead saves beside it, of any name (never a save in progress)."""
@@ -1627,14 +1685,15 @@ class DirectorySave:
         remove_checkpoint(created)
 
 
-def save_target(checkpoint_dir: PathLike) -> Any:
-    """The save seam for ``checkpoint_dir``: a directory, or an object-store URL."""
+def save_target(checkpoint_dir: PathLike, new_only: bool = False) -> Any:
+    """The save seam for ``checkpoint_dir``: a directory, or an object-store URL. ``new_only``:
+    the commit creates it or fails (CommitConflictError), never replacing what is there."""
     p = os.fspath(checkpoint_dir)
     if is_url(p):
         from .objstore.checkpoint import ObjectSave
 
-        return ObjectSave(p)
-    return DirectorySave(p)
+        return ObjectSave(p, new_only)
+    return DirectorySave(p, new_only)
 
 
 def checkpoint_files(base: PathLike, index: Any = None) -> Any:

@@ -199,3 +199,55 @@ def test_failed_conversion_to_s3_leaves_nothing(s3, in_tmp, monkeypatch):
     assert os.listdir(scratch) == []
     convert(str(in_tmp / "hf"), url)  # and the same DST converts once the store lets it
     assert storage.read_tracker(url) == "release"
+
+
+@pytest.mark.parametrize("when", ["check", "commit"])
+def test_a_checkpoint_created_at_the_s3_dst_during_the_convert_is_never_replaced(s3, in_tmp, monkeypatch, when):
+    """Another writer commits DST/release after convert's existence check, before the save plans (``check``)
+    or before it commits: the conversion's save is "new only" (If-None-Match on the head), so it fails
+    naming DST and theirs stands."""
+    from megashard.objstore import checkpoint as objck
+
+    write_hf(in_tmp / "hf")
+    url = s3.url("raced")
+    theirs = {"w": torch.arange(6.0), "iteration": 3}
+    real = getattr(objck.ObjectSave, when)
+
+    def another_writer_first(self, *a, **k):
+        monkeypatch.setattr(objck.ObjectSave, when, real)
+        megashard.save(theirs, url + "/release")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(objck.ObjectSave, when, another_writer_first)
+    with pytest.raises(ConvertInputError, match="appeared") as e:
+        convert(str(in_tmp / "hf"), url)
+    assert url in str(e.value)
+    got = megashard.load({"w": torch.empty(6), "iteration": None}, url + "/release")
+    assert torch.equal(got["w"], theirs["w"]) and got["iteration"] == 3
+    assert storage.read_tracker(url) is None  # convert wrote no tracker beside their checkpoint
+    assert len({n.split("/")[1] for n in _objects(url) if n.count("/") >= 2}) == 1  # only their save's prefix
+
+
+def test_save_new_only_refuses_a_checkpoint_that_exists_or_appears_in_s3(s3, monkeypatch):
+    from megashard.errors import CommitConflictError
+    from megashard.objstore import checkpoint as objck
+
+    url = s3.url("newonly/iter_0000001")
+    megashard.save({"w": torch.arange(3.0)}, url)
+    before = _objects(url)
+    with pytest.raises(CommitConflictError, match="exists") as e:
+        megashard.save({"w": torch.zeros(3)}, url, new_only=True)
+    assert url in str(e.value) and _objects(url) == before
+    url2 = s3.url("newonly/iter_0000002")
+    real = objck.ObjectSave.commit
+
+    def another_writer_first(self, *a, **k):
+        monkeypatch.setattr(objck.ObjectSave, "commit", real)
+        megashard.save({"w": torch.arange(3.0)}, url2)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(objck.ObjectSave, "commit", another_writer_first)
+    with pytest.raises(CommitConflictError, match="appeared") as e:
+        megashard.save({"w": torch.zeros(3)}, url2, new_only=True)
+    assert url2 in str(e.value)
+    assert torch.equal(megashard.load({"w": torch.empty(3)}, url2)["w"], torch.arange(3.0))

@@ -328,3 +328,197 @@ def test_a_save_refuses_a_prefix_holding_foreign_objects(s3):
     with pytest.raises(MegashardError, match="did not write"):
         megashard.save(state(0), url)
     assert set(_objects(url)) == {"model_optim_rng.pt"}
+
+
+# --------------------------------------------------------------------------- commits whose outcome is unknown
+
+# the requests of the commit sequence (method, path substring, query parameter) in the order a save sends them
+_COMMIT_REQUESTS = {
+    "index": ("PUT", "/manifest.index", None),
+    "digest": ("PUT", "/manifest.sha256", None),
+    "head": ("PUT", "iter_0000002/manifest.json", None),
+    "delete-replaced": ("POST", None, "delete"),  # DeleteObjects of the replaced head's prefix
+    "tracker": ("PUT", "/latest_checkpointed_iteration.txt", None),
+}
+
+
+def _head_prefix(url: str):
+    store, key = ObjectStore.for_url(url)
+    if store.head(f"{key}/manifest.json") is None:
+        return None
+    return json.loads(store.get_bytes(f"{key}/manifest.json", 1 << 20)[0])["data_prefix"]
+
+
+def _assert_head_names_present_objects(url: str, states: dict) -> object:
+    """docs/object-storage.md: never a head that names missing objects. Returns which state the head holds."""
+    from megashard.checkpoint_tools import verify_checkpoint
+
+    prefix = _head_prefix(url)
+    if prefix is None:
+        assert storage.locate(url) is None
+        return None
+    assert verify_checkpoint(url) == []
+    for seed, want in states.items():
+        got = megashard.load(template(want), url)
+        if got["name"] == want["name"]:
+            check_loaded(got, want)
+            return seed
+    raise AssertionError(f"{url} holds neither of {sorted(states)}")
+
+
+@pytest.mark.parametrize("lost, first", [(lost, first) for lost in sorted(_COMMIT_REQUESTS) for first in (True, False)
+                                         if not (first and lost == "delete-replaced")])  # a first save replaces none
+def test_a_lost_answer_at_any_commit_request_never_leaves_a_head_naming_missing_objects(s3, monkeypatch, lost, first):
+    """Every request of the commit sequence is applied by the store but its answer is lost, on every attempt
+    (the retries run out): the head names objects that exist, and a head naming this save means it succeeded."""
+    monkeypatch.setenv("MEGASHARD_S3_RETRIES", "1")
+    root = s3.url(f"lost-{lost}-{first}")
+    url = root + "/iter_0000002"
+    if not first:
+        megashard.save(state(0), url)
+        storage.write_tracker(root, 2)
+    method, match, query = _COMMIT_REQUESTS[lost]
+    s3.inject(503, count=2, method=method, match=match, query=query, after=True)
+    try:
+        megashard.save(state(1), url)
+        storage.write_tracker(root, 2)
+        err = None
+    except MegashardError as e:
+        err = e
+    assert any(r["injected"] for r in s3.requests()), "the injected request was never sent"
+    s3.reset()
+    held = _assert_head_names_present_objects(url, {0: state(0), 1: state(1)})
+    if lost in ("index", "digest"):  # before the commit point: the save failed, the previous head stands
+        assert err is not None and held == (None if first else 0)
+    elif lost == "tracker":  # after the commit: the tracker's answer was lost, but it names a committed save
+        assert held == 1 and storage.read_tracker(root) == 2 and "latest_checkpointed_iteration" in str(err)
+    else:  # the head landed: read back, this save succeeded
+        assert err is None and held == 1
+    if held == 1:  # the prefix the head replaced is gone (its deletion landed) or left for a later clean-up
+        assert {n.split("/", 1)[0] for n in _objects(url) if "/" in n} >= {_head_prefix(url)}
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["write-landed", "write-refused"])
+@pytest.mark.parametrize("first", [True, False], ids=["first-save", "re-save"])
+def test_a_commit_whose_outcome_cannot_be_decided_keeps_every_object_and_says_how_to_check(s3, monkeypatch, applied,
+                                                                                           first):
+    from megashard.errors import CommitOutcomeUnknownError
+
+    monkeypatch.setenv("MEGASHARD_S3_RETRIES", "1")
+    url = s3.url(f"unknown-{applied}-{first}/iter_0000002")
+    if not first:
+        megashard.save(state(0), url)
+    before = set(_objects(url))
+    real = objck.ObjectSave.commit
+
+    def commit(self, *a, **k):  # after planning read the old head
+        s3.inject(503, count=2, method="PUT", match="iter_0000002/manifest.json", after=applied)
+        s3.inject(503, count=100, method="GET", match="iter_0000002/manifest.json")  # the head cannot be read back
+        s3.inject(503, count=100, method="HEAD", match="iter_0000002/manifest.json")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(objck.ObjectSave, "commit", commit)
+    with pytest.raises(CommitOutcomeUnknownError, match=r"outcome .*unknown.*megashard verify " + url):
+        megashard.save(state(1), url)
+    s3.reset()
+    after = set(_objects(url))
+    new = {n for n in after - before if n.startswith(".megashard-save-")}
+    assert before <= after and any(n.endswith(".tensors") for n in new)  # nothing deleted, this save's kept
+    held = _assert_head_names_present_objects(url, {0: state(0), 1: state(1)})
+    assert held == (1 if applied else (None if first else 0))
+
+
+def test_a_commit_that_another_save_overtook_while_the_answer_was_lost_is_discarded(s3, monkeypatch):
+    """The head PUT's answers are lost and meanwhile another save committed: read back, the head is the
+    other save's, so this save lost for certain and removes only its own prefix."""
+    monkeypatch.setenv("MEGASHARD_S3_RETRIES", "1")
+    url = s3.url("overtaken/iter_0000002")
+    megashard.save(state(0), url)
+    real = objck.ObjectSave.commit
+
+    def overtaken(self, *a, **k):
+        monkeypatch.setattr(objck.ObjectSave, "commit", real)
+        megashard.save(state(2), url)  # another save commits first ...
+        s3.inject(503, count=2, method="PUT", match="iter_0000002/manifest.json")  # ... and our PUTs get 503
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(objck.ObjectSave, "commit", overtaken)
+    with pytest.raises(CommitConflictError, match="another save committed"):
+        megashard.save(state(1), url)
+    assert _assert_head_names_present_objects(url, {1: state(1), 2: state(2)}) == 2
+    assert len({n.split("/", 1)[0] for n in _objects(url) if "/" in n}) == 1
+
+
+# --------------------------------------------------------------------------- recover touches only megashard's uploads
+
+def test_recover_aborts_only_uploads_of_dead_megashard_saves(s3):
+    """Other clients' multipart uploads under the prefix survive ``megashard recover``; on a Megatron save
+    root the age rule applies to each save prefix under iter_N, so a save still being written survives and
+    only a dead one's upload is aborted. (moto reports every upload as started in 2010: all look old.)"""
+    from megashard.cli import main as cli_main
+
+    root = s3.url("mroot")
+    store, key = ObjectStore.for_url(root)
+    client = s3.boto3()
+
+    def start(k):
+        return client.create_multipart_upload(Bucket=s3.bucket, Key=f"{key}/{k}")["UploadId"]
+
+    megashard.save(state(0), root + "/iter_0000001")
+    storage.write_tracker(root, 1)
+    foreign = {start("iter_0000002/model.bin"), start("other-client/big.bin"), start("top.bin")}
+    store.put_bytes(f"{key}/iter_0000002/.megashard-save-young/state-r00000.tensors", b"written just now")
+    young = start("iter_0000002/.megashard-save-young/state-r00001.tensors")
+    dead = start("iter_0000002/.megashard-save-dead/state-r00000.tensors")
+    assert cli_main(["recover", root + "/iter_0000001"]) == 0
+    assert cli_main(["recover", root]) == 1  # a save root is not a checkpoint; its dead saves are cleaned all the same
+    left = {u for _k, u, _t in store.list_uploads(key + "/")}
+    assert left == foreign | {young}, (left, dead)
+    # a checkpoint URL: another client's upload under it is not megashard's either
+    url = root + "/iter_0000001"
+    theirs = start("iter_0000001/their-upload.bin")
+    assert objck.cleanup(url, older_than_s=0) == []
+    assert theirs in {u for _k, u, _t in store.list_uploads(key + "/")}
+    check_loaded(megashard.load(template(state(0)), url), state(0))
+
+
+# --------------------------------------------------------------------------- a failed async save exits cleanly
+
+_FAILING_ASYNC = textwrap.dedent("""
+    import atexit, sys, threading
+    # registered before megashard's exit hook, so it runs after it: which megashard threads are left?
+    atexit.register(lambda: print("threads at exit:", sorted(t.name for t in threading.enumerate()
+                                                             if t.name.startswith("megashard")), file=sys.stderr))
+    import torch, megashard
+    url, mode = sys.argv[1], sys.argv[2]
+    g = torch.Generator().manual_seed(0)
+    h = megashard.save({"w": torch.randn(64, 32, generator=g), "big": torch.randn(3 << 20, generator=g)}, url,
+                       async_save=True)
+    try:
+        h.result(timeout=None if mode == "fails" else 0.01)
+    except megashard.MegashardError as e:
+        print("error:", type(e).__name__, file=sys.stderr)
+    sys.exit(3)
+""")
+
+
+@pytest.mark.parametrize("mode", ["fails", "times-out"])
+def test_a_failed_async_s3_save_ends_the_process_with_its_own_error_status(s3, mode):
+    """An async S3 save whose upload fails (or whose result() times out while it still retries) ends the
+    process with the script's own status, never SIGABRT: no megashard thread is left running at interpreter
+    teardown (a daemon thread inside a torch call then aborts: "terminate called without an active
+    exception"). Repeated, in subprocesses."""
+    env = dict(os.environ, MEGASHARD_S3_RETRIES="3", MEGASHARD_ASYNC_EXIT_WAIT="60")
+    for i in range(4):
+        url = s3.url(f"async-fail-{mode}/iter_{i:07d}")
+        if mode == "fails":
+            s3.inject(403, count=1, method="PUT", query="partNumber", match=f"iter_{i:07d}")
+        else:
+            s3.inject(503, count=10_000, method="PUT", query="partNumber", match=f"iter_{i:07d}")
+        p = subprocess.run([sys.executable, "-c", _FAILING_ASYNC, url, mode], env=env, capture_output=True,
+                           text=True, timeout=300)
+        s3.reset()
+        assert p.returncode == 3, (p.returncode, p.stderr[-3000:])
+        assert "terminate called" not in p.stderr and "error: Distributed" in p.stderr, p.stderr[-3000:]
+        assert "threads at exit: []" in p.stderr, p.stderr[-3000:]
+        assert storage.locate(url) is None

@@ -16,9 +16,12 @@ conditional PUT. For the checkpoint ``s3://bucket/P``:
   tracker (``<root>/latest_checkpointed_iteration.txt``) is written after that.
 
 A crash at any moment leaves either the old head (and the old prefix, untouched) or the
-new one: never a head that names missing objects. What a dead save leaves (its prefix,
-unfinished multipart uploads) is removed by :func:`cleanup` (``megashard recover URL``;
-also each later save of the same checkpoint) once older than ``older_than_s``.
+new one: never a head that names missing objects. A head PUT that fails without a decisive
+answer is settled by reading the head back (:meth:`ObjectSave._settle`); when that cannot
+decide, every object is kept (:class:`~megashard.errors.CommitOutcomeUnknownError`).
+What a dead save leaves (its prefix, unfinished multipart uploads) is removed by
+:func:`cleanup` (``megashard recover URL``; also each later save of the same checkpoint)
+once older than ``older_than_s``.
 A save never deletes an object outside the prefixes it created or the one the head it
 replaced named, and refuses a target that holds objects megashard did not write.
 """
@@ -31,7 +34,7 @@ import re
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, CommitConflictError
+from ..errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
 from .client import ObjectInfo, ObjectStore
 from .url import check_object_name, parse_url
 
@@ -84,11 +87,13 @@ def _parse_head(data: bytes, where: str) -> Dict[str, Any]:
 class ObjectSave:
     """The save seam of :mod:`megashard.saving` for an object store (see the module docstring)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, new_only: bool = False) -> None:
         self.url = url.rstrip("/")
+        self.new_only = new_only  # commit only where no head is (If-None-Match), never replace
         self.prev_etag: Optional[str] = None
         self.prev_prefix: Optional[str] = None
         self.stale: List[str] = []  # other save prefixes seen while planning
+        self.outcome_unknown = False  # the head PUT may have landed: discard nothing
 
     def _loc(self) -> Tuple[ObjectStore, str]:
         store, key, _ = _location(self.url)
@@ -111,6 +116,9 @@ class ObjectSave:
                 "only ever replaces a megashard checkpoint. Save to another prefix, or move them away first")
         self.stale = [p[len(key) + 1:].rstrip("/") for p in prefixes]
         if any(o.key == f"{key}/{MANIFEST_NAME}" for o in objects):
+            if self.new_only:
+                raise CommitConflictError(f"refusing to save to {self.url}: a checkpoint exists there (new_only: a "
+                                          "save never replaces it)")
             data, etag = store.get_bytes(f"{key}/{MANIFEST_NAME}", _max_head())
             doc = _parse_head(data, f"{self.url}/{MANIFEST_NAME}")
             self.prev_prefix = check_data_prefix(doc.get(HEAD_FIELD), f"{self.url}/{MANIFEST_NAME}")
@@ -173,11 +181,52 @@ class ObjectSave:
                 store.put_bytes(f"{key}/{MANIFEST_NAME}", head, if_none_match=True)
             else:
                 store.put_bytes(f"{key}/{MANIFEST_NAME}", head, if_match=self.prev_etag)
-        except CommitConflictError as e:
-            raise CommitConflictError(
-                f"{self.url}: another save committed this checkpoint after this save was planned ({e}); this "
-                "save lost and is discarded, the other save's checkpoint stands untouched") from None
+        except CommitConflictError as e:  # answered 412/409, or a retry's 412 and the head is not ours
+            self._lost(e)
+        except Exception as e:  # noqa: BLE001 - no answer: the PUT may have been applied
+            self._settle(store, f"{key}/{MANIFEST_NAME}", head, token, e)
+        except BaseException:  # interrupted mid-PUT: it may be the checkpoint now
+            self.outcome_unknown = True
+            raise
         self.committed = DATA_PREFIX + token
+
+    def _lost(self, e: Exception) -> None:
+        if self.new_only:
+            raise CommitConflictError(f"{self.url}: a checkpoint appeared there while this save ran (another writer "
+                                      f"committed it; new_only: it is never replaced) ({e}); this save is discarded"
+                                      ) from None
+        raise CommitConflictError(
+            f"{self.url}: another save committed this checkpoint after this save was planned ({e}); this "
+            "save lost and is discarded, the other save's checkpoint stands untouched") from None
+
+    def _settle(self, store: ObjectStore, head_key: str, head: bytes, token: str, err: Exception) -> None:
+        """The head PUT failed without a decisive answer: read the head back. Ours: the save
+        succeeded. Another save's (neither ours nor the one this save replaces): ours can never
+        apply, the save lost. Otherwise (absent, unchanged, unreadable) a PUT still in flight may
+        yet land: keep every object and say so (:class:`CommitOutcomeUnknownError`)."""
+        mine = DATA_PREFIX + token
+        try:
+            info = store.head(head_key)
+            if info is not None and info.size == len(head):
+                data, _ = store.get_bytes(head_key, info.size, if_match=info.etag)
+                if data == head:
+                    log.warning("%s: the commit's answer was lost (%s), but the head names this save: committed",
+                                self.url, err)
+                    return
+            if info is not None and info.etag != self.prev_etag:
+                self._lost(err)
+            seen = "is absent" if info is None else "is still the one this save replaces"
+        except CheckpointError as e2:
+            if isinstance(e2, CommitConflictError):
+                raise
+            seen = f"could not be read back ({e2})"
+        self.outcome_unknown = True
+        raise CommitOutcomeUnknownError(
+            f"{self.url}: the outcome of this save's commit is unknown: the conditional PUT of {MANIFEST_NAME} "
+            f"failed without a decisive answer ({err}) and the head {seen}; a PUT still in flight may yet land. "
+            f"Every object of the save is kept ({self.url}/{mine}/). Check with `megashard verify {self.url}`: "
+            f"if it passes and names {mine}, this save is the checkpoint; if not, save again (`megashard recover "
+            f"{self.url}` removes a save that never committed once it is a day old)")
 
     def after_commit(self) -> None:
         """Delete the prefix of the head this commit replaced, then leftovers of dead saves."""
@@ -187,7 +236,11 @@ class ObjectSave:
         cleanup(self.url, keep=self.committed)
 
     def discard(self, created: str) -> None:
-        """A failed save removes its own prefix (objects and unfinished uploads), nothing else."""
+        """A failed save removes its own prefix (objects and unfinished uploads), nothing else;
+        never after a commit whose outcome is unknown (the head may name it)."""
+        if self.outcome_unknown:
+            log.warning("%s: kept %s (the commit's outcome is unknown)", self.url, created)
+            return
         store, key = self._loc()
         name = created.rstrip("/").rsplit("/", 1)[-1]
         check_data_prefix(name, created)
@@ -204,10 +257,24 @@ def _delete_prefix(store: ObjectStore, prefix: str) -> int:
     return n
 
 
+def _save_of_upload(rel: str) -> Optional[str]:
+    """The save prefix (relative to the URL cleaned) an upload key belongs to: ``<save>/<file>`` of a
+    checkpoint, or ``<child>/<save>/<file>`` of a save root's checkpoint; None for anything else (not
+    megashard's: never aborted)."""
+    parts = rel.split("/")
+    if len(parts) == 2 and _DATA_PREFIX_RE.match(parts[0]):
+        return parts[0]
+    if len(parts) == 3 and _DATA_PREFIX_RE.match(parts[1]) and parts[0] not in ("", ".", ".."):
+        return f"{parts[0]}/{parts[1]}"
+    return None
+
+
 def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAULT_STALE_AGE_S) -> List[str]:
     """Remove what dead saves of checkpoint ``url`` left: save prefixes the head does not
-    name whose newest object is older than ``older_than_s``, and multipart uploads under
-    ``url`` started longer ago than that. Returns the prefixes/uploads removed."""
+    name whose newest object is older than ``older_than_s``, and multipart uploads of save
+    prefixes (``url``'s, or its children's when ``url`` is a save root) started longer ago
+    than that, unless their prefix was written to within that time. Uploads outside save
+    prefixes are another client's and never touched. Returns the prefixes/uploads removed."""
     store, key, url = _location(url)
     now = time.time()
     current = keep
@@ -232,10 +299,16 @@ def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAU
         store.delete([o.key for o in objects])
         removed.append(f"{url}/{name}/")
     for k, upload_id, started in store.list_uploads(key + "/"):
-        save = k[len(key) + 1:].split("/", 1)[0]
-        if now - started >= older_than_s and save not in live:
-            store.abort_upload(k, upload_id)
-            removed.append(f"{url}: unfinished upload of {k[len(key) + 1:]}")
+        save = _save_of_upload(k[len(key) + 1:])
+        if save is None or save in live or now - started < older_than_s:
+            continue  # another client's upload, or a save that may still run
+        if "/" in save:  # a save of a checkpoint under a save root (iter_N/.megashard-save-*): its own age
+            objects, _ = store.list(f"{key}/{save}/")
+            if objects and now - max(o.last_modified for o in objects) < older_than_s:
+                live.add(save)
+                continue
+        store.abort_upload(k, upload_id)
+        removed.append(f"{url}: unfinished upload of {k[len(key) + 1:]}")
     for r in removed:
         log.info("removed %s (left by a save that did not finish)", r)
     return removed
@@ -412,9 +485,10 @@ def child_names(url: str) -> List[str]:
     return [p[len(key) + 1:].rstrip("/") for p in prefixes]
 
 
-def write_tracker(root: str, text: str) -> None:
+def write_tracker(root: str, text: str, new_only: bool = False) -> None:
+    """``new_only``: only where there is none yet (If-None-Match), else CommitConflictError."""
     store, key, _ = _location(root)
-    store.put_bytes(f"{key}/{TRACKER_NAME}", text.encode())
+    store.put_bytes(f"{key}/{TRACKER_NAME}", text.encode(), if_none_match=new_only)
 
 
 def read_tracker_bytes(root: str) -> Optional[bytes]:

@@ -465,11 +465,12 @@ class ObjectStore:
             return self._call("PUT", key, "put_object", **params)["ETag"]
 
         def landed() -> Optional[Dict[str, Any]]:
-            """Does the object now hold exactly our bytes (our lost first attempt)?"""
-            try:
-                body, etag = self.get_bytes(key, len(params["Body"]))
-            except CheckpointError:
+            """Does the object now hold exactly our bytes (our lost first attempt)? None when it does not;
+            a CheckpointError (not a "no") when that cannot be read."""
+            info = self.head(key)
+            if info is None or info.size != len(params["Body"]):
                 return None
+            body, etag = self.get_bytes(key, info.size, if_match=info.etag)
             return {"ETag": etag} if body == params["Body"] else None
 
         gone = object()
