@@ -1,5 +1,11 @@
 #!/usr/bin/env python
-"""Train megatron-core's GPTModel with TP / PP (+ virtual pipeline) / DP and megashard checkpoints.
+"""Train megatron-core's GPTModel with TP / PP (+ virtual pipeline) / DP / EP and megashard checkpoints.
+
+The model takes Megatron-LM's model flags (the names and meanings of its ``pretrain_gpt.py`` with
+``--transformer-impl local``): GPT-style by default, Llama-family with ``--normalization RMSNorm --swiglu
+--position-embedding-type rope --group-query-attention --num-query-groups N --disable-bias-linear``, and
+Mixtral-style with ``--num-experts E --moe-router-topk K`` (``--expert-model-parallel-size``), so a model
+imported from Hugging Face (``megashard convert HF_DIR CK``) trains with ``--load CK`` (docs/hf.md).
 
 A small but real Megatron training job: Megatron's DDP, its optimizer (Adam, optionally the
 DistributedOptimizer), the OptimizerParamScheduler, and the pipeline schedules from
@@ -150,8 +156,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         v = getattr(args, name)
         if isinstance(v, list) and len(v) == 1:
             setattr(args, name, v[0])
-    if args.expert_model_parallel_size > 1 and (args.num_experts or 0) % args.expert_model_parallel_size:
-        p.error("--num-experts must be a multiple of --expert-model-parallel-size")
+    ep = args.expert_model_parallel_size
+    if ep > 1 and (not args.num_experts or args.num_experts % ep):
+        p.error(f"--expert-model-parallel-size {ep} needs --num-experts, a multiple of {ep}")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
@@ -516,6 +523,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         loaded_dir = msm.find_checkpoint(args.pretrained_checkpoint)
     if loaded_dir:
         what = ("weights only (--finetune)" if args.finetune else
+                "weights only (a release checkpoint)" if os.path.basename(loaded_dir) == "release" else
                 "without optimizer (--no-load-optim)" if args.no_load_optim else "full state")
         log0(f"started from checkpoint {loaded_dir} (iteration {start_iteration}, {what}, "
              f"num-floating-point-operations-so-far {num_flops!r}) in {time.perf_counter() - t0:.2f} s")
