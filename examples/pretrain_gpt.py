@@ -1,5 +1,11 @@
 #!/usr/bin/env python
-"""Train megatron-core's GPTModel with TP / PP (+ virtual pipeline) / DP and megashard checkpoints.
+"""Train megatron-core's GPTModel with TP / PP (+ virtual pipeline) / DP / EP and megashard checkpoints.
+
+The model takes Megatron-LM's model flags (the names and meanings of its ``pretrain_gpt.py`` with
+``--transformer-impl local``): GPT-style by default, Llama-family with ``--normalization RMSNorm --swiglu
+--position-embedding-type rope --group-query-attention --num-query-groups N --disable-bias-linear``, and
+Mixtral-style with ``--num-experts E --moe-router-topk K`` (``--expert-model-parallel-size``), so a model
+imported from Hugging Face (``megashard convert HF_DIR CK``) trains with ``--load CK`` (docs/hf.md).
 
 A small but real Megatron training job: Megatron's DDP, its optimizer (Adam, optionally the
 DistributedOptimizer), the OptimizerParamScheduler, and the pipeline schedules from
@@ -59,11 +65,39 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--seq-length", type=int, default=32)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=128,
-                   help="Synthetic vocabulary; a multiple of 128 keeps the padded size TP-independent.")
+    g.add_argument("--kv-channels", type=int, default=None, help="default: hidden size / attention heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1, help="with --group-query-attention")
+    g.add_argument("--vocab-size", type=int, default=256,
+                   help="The synthetic data's vocabulary; the model's is padded to a multiple of "
+                        "--make-vocab-size-divisible-by x TP (256 is the same at TP=1 and TP=2).")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--normalization", type=str, default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=float, default=1e-5)
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated linear unit with SiLU)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                   choices=["learned_absolute", "rope"])
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true")
+    g.add_argument("--use-rope-scaling", action="store_true", help="llama3.x rope scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per layer (every layer MoE)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-load-balancing-type", type=str, nargs="+", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    g.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                   choices=["allgather", "alltoall"])
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -109,7 +143,26 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.save_format != "tensors":
         p.error("this example only writes megashard checkpoints: --save-format tensors")
     args.ckpt_format = "tensors"
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    # as Megatron-LM's validate_args()
+    if args.ffn_hidden_size is None:
+        h = args.hidden_size
+        args.ffn_hidden_size = int((4 * h * 2 / 3) / 64) * 64 if args.swiglu else 4 * h
+    args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
+    if args.add_bias_linear:
+        args.add_qkv_bias = True
+    if args.num_experts == 0:
+        args.num_experts = None
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        v = getattr(args, name)
+        if isinstance(v, list) and len(v) == 1:
+            setattr(args, name, v[0])
+    ep = args.expert_model_parallel_size
+    if ep > 1 and (not args.num_experts or args.num_experts % ep):
+        p.error(f"--expert-model-parallel-size {ep} needs --num-experts, a multiple of {ep}")
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-args.vocab_size // multiple) * multiple
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -152,6 +205,7 @@ def initialize(args: argparse.Namespace) -> torch.device:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )
     # every rank identically: replicated parameters must agree (only replica 0 is saved)
     random.seed(args.seed)
@@ -160,24 +214,40 @@ def initialize(args: argparse.Namespace) -> torch.device:
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     log0(f"layout: TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
          f"VP={args.virtual_pipeline_model_parallel_size or 1} DP={args.data_parallel_size} "
+         f"EP={args.expert_model_parallel_size} "
          f"world={args.world_size} device={'cuda' if use_cuda else 'cpu'} "
          f"distributed-optimizer={bool(args.use_distributed_optimizer)}")
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> Tuple[List[Any], Any]:
-    """One GPTModel per virtual-pipeline stage (``vp_stage`` = chunk index), wrapped in Megatron DDP."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_config(args: argparse.Namespace) -> Any:
+    """The model's TransformerConfig from Megatron-LM's arguments (``core_transformer_config_from_args``)."""
     from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
+    moe: Dict[str, Any] = {}
+    if args.num_experts:
+        moe = dict(num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_router_topk=args.moe_router_topk,
+                   moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+                   moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                   moe_token_dispatcher_type=args.moe_token_dispatcher_type)
+    swiglu = dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu) if args.swiglu else {}
+    return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
         ffn_hidden_size=args.ffn_hidden_size,
+        normalization=args.normalization,
+        layernorm_epsilon=args.layernorm_epsilon,
+        qk_layernorm=args.qk_layernorm,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        rotary_interleaved=args.rotary_interleaved,
+        **swiglu,
+        **moe,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -188,6 +258,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Tuple[List[An
         use_cpu_initialization=True,  # init independent of TP: full weights made on CPU, then split
         sequence_parallel=False,
         bias_dropout_fusion=False,
+        bias_activation_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
@@ -197,6 +268,27 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Tuple[List[An
         overlap_p2p_comm=args.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
     )
+
+
+def layer_spec(args: argparse.Namespace, config: Any, vp_stage: Optional[int]) -> Any:
+    """The layer spec Megatron-LM's ``gpt_builder`` picks with ``--transformer-impl local``: the decoder
+    block spec for MoE, else the local layer spec (its normalization and qk layernorm)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if args.num_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          vp_stage=vp_stage)
+    return get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.qk_layernorm,
+                                    normalization=args.normalization)
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> Tuple[List[Any], Any]:
+    """One GPTModel per virtual-pipeline stage (``vp_stage`` = chunk index), wrapped in Megatron DDP."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(args)
     vp_size = args.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for vp_stage in range(vp_size):
@@ -205,12 +297,17 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Tuple[List[An
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, **kw)
         m = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=args.vocab_size,
+            transformer_layer_spec=layer_spec(args, config, vp_stage if vp_size > 1 else None),
+            vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre,
             post_process=post,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling,
+            rope_scaling_factor=args.rope_scaling_factor,
             vp_stage=vp_stage if vp_size > 1 else None,
         )
         m.vp_stage = vp_stage
@@ -430,6 +527,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         loaded_dir = msm.find_checkpoint(args.pretrained_checkpoint)
     if loaded_dir:
         what = ("weights only (--finetune)" if args.finetune else
+                "weights only (a release checkpoint)" if os.path.basename(loaded_dir) == "release" else
                 "without optimizer (--no-load-optim)" if args.no_load_optim else
                 "without optimizer (the checkpoint holds none: saved with --no-save-optim)"
                 if not restored.get("megashard_loaded", {}).get("optimizer", True) else "full state")

@@ -102,6 +102,18 @@ def test_vocabulary_must_be_given_and_fit(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "hf") and not leftovers(tmp_path)
 
 
+def test_norm_epsilon_read_under_megatron_lms_name():
+    # Megatron-LM's parser stores --norm-epsilon as args.layernorm_epsilon (TransformerConfig's field): the
+    # export wrote rms_norm_eps 1e-5 for a model trained with 1e-6
+    from megashard.hf.mapping import spec_from_megatron_args
+
+    s = spec_from_megatron_args(llama_args(layernorm_epsilon=1e-6), 100, 128, torch.float32, "ckpt")
+    assert s.hf_config()["rms_norm_eps"] == 1e-6
+    assert s.megatron_args()["layernorm_epsilon"] == 1e-6  # what an import records: Megatron-LM's name
+    assert spec_from_megatron_args(llama_args(norm_epsilon=1e-6), 100, 128, torch.float32, "ckpt").eps == 1e-6
+    assert spec_from_megatron_args(llama_args(), 100, 128, torch.float32, "ckpt").eps == 1e-5
+
+
 def test_missing_layer_tensors_refused(tmp_path):
     save_fake(tmp_path / "ckpt", llama_args())  # args describe a layer the checkpoint does not hold
     with pytest.raises(ConvertInputError, match="no global tensor 'decoder.layers.self_attention"):

@@ -120,7 +120,7 @@ class LlamaSpec:
             "num_layers": self.num_layers, "hidden_size": self.hidden, "ffn_hidden_size": self.ffn,
             "num_attention_heads": self.heads, "group_query_attention": self.groups != self.heads,
             "num_query_groups": self.groups, "kv_channels": self.head_dim, "normalization": "RMSNorm",
-            "norm_epsilon": self.eps, "swiglu": True, "position_embedding_type": "rope",
+            "layernorm_epsilon": self.eps, "swiglu": True, "position_embedding_type": "rope",
             "rotary_base": self.rope_theta, "rotary_percent": 1.0, "rotary_interleaved": self.interleaved,
             "use_rope_scaling": bool(self.rope_scaling),
             **({"rope_scaling_factor": self.rope_scaling["factor"]} if self.rope_scaling else {}),
@@ -180,6 +180,13 @@ _REFUSE_MOE: Dict[str, Tuple[str, Callable[[Any], bool]]] = {
 def _get(args: Any, name: str, default: Any = None) -> Any:
     v = getattr(args, name, default)
     return default if v is None else v
+
+
+def _norm_epsilon(args: Any) -> float:
+    """``--norm-epsilon``: Megatron-LM stores it as ``layernorm_epsilon`` (TransformerConfig's name);
+    imports by earlier megashard versions saved ``norm_epsilon``."""
+    v = _get(args, "layernorm_epsilon")
+    return float(_get(args, "norm_epsilon", 1e-5) if v is None else v)
 
 
 def spec_from_megatron_args(args: Any, vocab: int, padded_rows: int, dtype: torch.dtype, where: str) -> LlamaSpec:
@@ -245,7 +252,7 @@ def spec_from_megatron_args(args: Any, vocab: int, padded_rows: int, dtype: torc
         ffn = int(_get(args, "moe_ffn_hidden_size", ffn))
     return LlamaSpec(
         num_layers=int(_get(args, "num_layers")), hidden=hidden, ffn=ffn, experts=experts, topk=topk,
-        heads=heads, groups=groups, head_dim=head_dim, vocab=vocab, eps=float(_get(args, "norm_epsilon", 1e-5)),
+        heads=heads, groups=groups, head_dim=head_dim, vocab=vocab, eps=_norm_epsilon(args),
         rope_theta=float(_get(args, "rotary_base", 10000)),
         max_positions=int(_get(args, "max_position_embeddings", 0) or _get(args, "seq_length", 2048)),
         tied=not bool(_get(args, "untie_embeddings_and_output_weights", False)), bias=bias,

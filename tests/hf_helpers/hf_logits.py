@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--experts", type=int, default=0, help="--make: a MixtralForCausalLM with this many experts")
     p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--eps", type=float, default=1e-5, help="--make: rms_norm_eps")
     o = p.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig
 
@@ -44,7 +45,7 @@ def main() -> int:
         torch.manual_seed(11)
         common = dict(vocab_size=o.vocab, hidden_size=o.hidden, intermediate_size=o.ffn,
                       num_hidden_layers=o.layers, num_attention_heads=o.heads, num_key_value_heads=o.groups,
-                      max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=o.tied)
+                      max_position_embeddings=64, rms_norm_eps=o.eps, tie_word_embeddings=o.tied)
         if o.experts:
             cfg = MixtralConfig(**common, num_local_experts=o.experts, num_experts_per_tok=o.topk)
             model = AutoModelForCausalLM.from_config(cfg)

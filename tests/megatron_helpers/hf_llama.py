@@ -58,7 +58,7 @@ def megatron_args(o: argparse.Namespace, padded: int) -> argparse.Namespace:
     return argparse.Namespace(
         num_layers=o.layers, hidden_size=o.hidden, ffn_hidden_size=o.ffn, num_attention_heads=o.heads,
         group_query_attention=o.groups != o.heads, num_query_groups=o.groups, kv_channels=o.hidden // o.heads,
-        normalization="RMSNorm", norm_epsilon=o.eps, swiglu=True, position_embedding_type="rope",
+        normalization="RMSNorm", layernorm_epsilon=o.eps, swiglu=True, position_embedding_type="rope",
         rotary_base=o.rotary_base, rotary_percent=1.0, rotary_interleaved=o.interleaved, use_rope_scaling=False,
         untie_embeddings_and_output_weights=not o.tied, add_bias_linear=o.bias, add_qkv_bias=o.bias,
         padded_vocab_size=padded, vocab_size=o.vocab, make_vocab_size_divisible_by=128,
