@@ -471,7 +471,7 @@ def test_recover_aborts_only_uploads_of_dead_megashard_saves(s3):
     young = start("iter_0000002/.megashard-save-young/state-r00001.tensors")
     dead = start("iter_0000002/.megashard-save-dead/state-r00000.tensors")
     assert cli_main(["recover", root + "/iter_0000001"]) == 0
-    assert cli_main(["recover", root]) == 1  # a save root is not a checkpoint; its dead saves are cleaned all the same
+    assert cli_main(["recover", root]) == 0  # a save root: every iteration recovered, its dead saves cleaned
     left = {u for _k, u, _t in store.list_uploads(key + "/")}
     assert left == foreign | {young}, (left, dead)
     # a checkpoint URL: another client's upload under it is not megashard's either
