@@ -215,19 +215,20 @@ def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool, path: str = "") -
 def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -> Optional[torch.Tensor]:
     """Plan reads for one requested shard; returns the tensor that will hold it: the
     template's, or one allocated here only once the plan is complete and the files it reads
-    have their recorded sizes (never returned unfilled: ``None`` when the shard cannot load)."""
+    have their recorded sizes (never returned unfilled: ``None`` when the shard cannot load,
+    whether the template brought a tensor or not)."""
     n_el = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else plan.numel(sh.local_shape)
     dest = sh.data
     check_data(sh, path or sh.key, "load")
     if dest is not None and dest.numel() != n_el:
         work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
-        return dest
+        return None
     # strided row reads need host memory; GPU destinations take whole pieces (read through
     # pinned buffers, :mod:`megashard.devicecopy`) and place resharded ones from host temporaries
     boxes, problems = plan_shard(sh, index, work.rows_ok and (dest is None or on_host(dest)), path)
-    if problems:
+    if problems:  # strict=False: a shard it cannot fill comes back as None, not as the unfilled template
         work.problems += problems
-        return dest
+        return None
     for f in sorted({r.file for bp in boxes for r in bp.records if r.file}):
         index.confirm_file(f)  # before anything is allocated for the bytes it claims to hold
     if dest is None:  # unsaved parts (allow_shape_mismatch) read as zeros, never as stale memory

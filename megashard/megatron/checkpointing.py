@@ -30,6 +30,7 @@ import torch
 
 from megashard import storage
 from megashard.errors import CheckpointError, StateDictError
+from megashard.sharded import looks_like_sharded_tensor
 
 from . import state as st
 from .state import get_logger
@@ -532,6 +533,8 @@ def load_checkpoint(
             loaded = _call(_api().load, prepared.request, ckpt,
                            mode=_flag(args, "megashard_load_mode", "auto") or "auto",
                            strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
+            if not strict_load:
+                loaded = _keep_unloaded(loaded, prepared.request)
         out, err = comm.run("load/restore", lambda: restore(loaded))
         comm.agree(err, "load (restore)")
     except BaseException:
@@ -543,6 +546,21 @@ def load_checkpoint(
              "loaded" if plan["rng"] else "not loaded", ", finetune" if finetune else "",
              time.perf_counter() - t0)
     return iteration, num_flops
+
+
+def _keep_unloaded(loaded: Any, request: Any) -> Any:
+    """--megashard-non-strict-load: a shard the checkpoint cannot fill (``None`` from
+    :func:`megashard.load`) keeps its current value, the model's or optimizer's own tensor."""
+    if loaded is None and looks_like_sharded_tensor(request):
+        return request.data
+    if isinstance(loaded, dict) and isinstance(request, dict):
+        for k in loaded:
+            if k in request:
+                loaded[k] = _keep_unloaded(loaded[k], request[k])
+    elif isinstance(loaded, list) and isinstance(request, (list, tuple)):
+        for i in range(min(len(loaded), len(request))):
+            loaded[i] = _keep_unloaded(loaded[i], request[i])
+    return loaded
 
 
 def check_checkpoint_args(args: Any, ckpt_args: Any) -> None:
