@@ -23,6 +23,7 @@ __all__ = [
     "is_checkpoint",
     "read_manifest",
     "ShardedTensor",
+    "sharded_state_dict",
     "MegashardError",
     "FormatError",
     "ChecksumError",
@@ -43,8 +44,8 @@ def __getattr__(name: str) -> Any:
         from .consolidated import load_consolidated
 
         return load_consolidated
-    if name == "ShardedTensor":
-        from .sharded import ShardedTensor
+    if name in ("ShardedTensor", "sharded_state_dict"):
+        from . import sharded
 
-        return ShardedTensor
+        return getattr(sharded, name)
     raise AttributeError(name)

@@ -5,7 +5,7 @@ problem. Messages name the file, tensor key and rank where known, and what to do
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Dict, List, Mapping
 
 
 class MegashardError(Exception):
@@ -48,12 +48,42 @@ class DistributedError(MegashardError):
 
     def __init__(self, failures: Mapping[int, str], what: str = "operation") -> None:
         self.failures = dict(sorted(failures.items()))
-        ranks = ", ".join(str(r) for r in self.failures)
-        lines = [f"megashard {what} failed on rank(s) {ranks}:"]
+        # each distinct message once, with the ranks that sent it; a line (e.g. one tensor's
+        # mismatch, seen by every rank that holds a shard of it) once, from the first rank
+        groups: Dict[str, List[int]] = {}
         for rank, msg in self.failures.items():
-            indented = "\n    ".join(msg.rstrip().splitlines())
-            lines.append(f"  [rank {rank}] {indented}")
+            groups.setdefault(msg.rstrip(), []).append(rank)
+        head = f"megashard {what} failed on rank(s) {ranks_text(list(self.failures))}:"
+        if len(groups) == 1:
+            msg = next(iter(groups))
+            if "\n" not in msg:  # one line for everyone
+                super().__init__(f"{head} {msg}")
+                return
+        lines, seen = [head], set()
+        for msg, ranks in groups.items():
+            first, *rest = msg.splitlines()
+            new = [ln for ln in rest if ln.strip() not in seen]
+            seen.update(ln.strip() for ln in rest)
+            who = f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {ranks_text(ranks)}]"
+            if rest and not new and first.strip() in seen:
+                lines.append(f"  {who} the same problems as above")
+                continue
+            seen.add(first.strip())
+            lines.append(f"  {who} {first}" + "".join(f"\n    {ln}" for ln in new))
         super().__init__("\n".join(lines))
+
+
+def ranks_text(ranks: List[int]) -> str:
+    """``0-7, 9``: sorted ranks with runs of three or more as ranges."""
+    out: List[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(f"{ranks[i]}-{ranks[j]}" if j - i >= 2 else ", ".join(str(r) for r in ranks[i:j + 1]))
+        i = j + 1
+    return ", ".join(out)
 
 
 _COMBINED: dict = {}

@@ -363,6 +363,44 @@ def validate_entries(entries: list[MetaEntry], header: FileHeader, path: str,
                 f"{b.name!r} starts at {b.header_offset})")
 
 
+def zeroed_headers(buf: bytes) -> list[bytes]:
+    """``buf`` (a tensor header, exactly [header_offset, data_offset)) with its hash values
+    zeroed: the bytes a tensor's CRC32 and SHA-256 cover before its data. Without the
+    metadata index the width of the shape fields is unknown, so one candidate per width
+    that parses (almost always one); empty when none does."""
+    out: list[bytes] = []
+    n = len(buf)
+    try:
+        size, _module, _type, name_len = _START.unpack_from(buf, 0)
+        if size != n:
+            return out
+        off = _START.size + name_len
+        off += 1 + buf[off]  # dtype
+        ndim = buf[off]
+        off += 1
+    except (struct.error, IndexError):
+        return out
+    for width in (4, 8):
+        at = off + ndim * width
+        if at + _HASH_HEAD.size > n - _DATA_LEN.size:
+            continue
+        hash_len, count = _HASH_HEAD.unpack_from(buf, at)
+        end, p = at + 2 + hash_len, at + _HASH_HEAD.size
+        if hash_len < 1 or end > n - _DATA_LEN.size:
+            continue
+        zeroed = bytearray(buf)
+        for _ in range(count):
+            if p + 2 > end or p + 2 + buf[p + 1] > end:
+                break
+            hlen = buf[p + 1]
+            zeroed[p + 2:p + 2 + hlen] = bytes(hlen)
+            p += 2 + hlen
+        else:
+            if p == end:
+                out.append(bytes(zeroed))
+    return out
+
+
 def parse_header(buf: bytes, entry: MetaEntry, path: str) -> ParsedHeader:
     """Parse and cross-check one tensor header against its metadata entry.
 

@@ -462,6 +462,8 @@ def load_checkpoint(
     plan: Dict[str, Any] = {"fresh": st.FreshOptimizerState()}
 
     def prepare() -> Any:
+        if not finetune and common.get("args") is not None:  # first: one line, before any tensor is compared
+            check_checkpoint_args(args, ckpt_args)
         layout = plan["layout"] = _layout()
         ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
                       getattr(ckpt_args, "pipeline_model_parallel_size", 1))
@@ -508,7 +510,6 @@ def load_checkpoint(
         flops = common.get("num_floating_point_operations_so_far",
                            loaded.get("num_floating_point_operations_so_far", 0)) or 0
         if not finetune and common.get("args") is not None:
-            check_checkpoint_args(args, ckpt_args)
             _restore_counters(args, ckpt_args)
         if not skip_load_to_model_and_opt:
             st.load_model_state(st.as_chunk_list(ddp_model), loaded, strict=strict)
@@ -532,7 +533,8 @@ def load_checkpoint(
         with torch.no_grad():
             loaded = _call(_api().load, prepared.request, ckpt,
                            mode=_flag(args, "megashard_load_mode", "auto") or "auto",
-                           strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
+                           strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")),
+                           check_crc=bool(_flag(args, "megashard_crc_on_load", True)))
             if not strict_load:
                 loaded = _keep_unloaded(loaded, prepared.request)
         out, err = comm.run("load/restore", lambda: restore(loaded))
@@ -563,12 +565,21 @@ def _keep_unloaded(loaded: Any, request: Any) -> Any:
     return loaded
 
 
+# the arguments that fix a model's tensor shapes (Megatron's check_checkpoint_args compares the
+# first three; the parallel sizes may differ: megashard reshards)
+ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+             "kv_channels", "num_experts", "moe_ffn_hidden_size")
+
+
 def check_checkpoint_args(args: Any, ckpt_args: Any) -> None:
-    """Megatron's ``check_checkpoint_args``: the model architecture must match the checkpoint's."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads"):
-        if hasattr(args, name) and hasattr(ckpt_args, name) and getattr(args, name) != getattr(ckpt_args, name):
-            raise CheckpointError(f"{name} value from checkpoint ({getattr(ckpt_args, name)}) is not equal to "
-                             f"the input argument value ({getattr(args, name)})")
+    """Megatron's ``check_checkpoint_args``, run before any tensor is compared: a resume with
+    another model size fails in one line naming the argument and both values."""
+    for name in ARCH_ARGS:
+        mine, saved = getattr(args, name, None), getattr(ckpt_args, name, None)
+        if mine is not None and saved is not None and mine != saved:
+            raise CheckpointError(f"{name} value from checkpoint ({saved}) is not equal to the input argument "
+                                  f"value ({mine}): resume with the checkpoint's --{name.replace('_', '-')} "
+                                  "(or start a new run with another --save)")
 
 
 def _restore_counters(args: Any, ckpt_args: Any) -> None:
