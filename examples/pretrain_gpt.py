@@ -419,6 +419,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     t0 = time.perf_counter()
     start_iteration, num_flops = 0, 0.0
+    msm.check_save_writable(args)  # as install() does for Megatron-LM: a read-only --save fails now
     if args.load or args.pretrained_checkpoint:
         start_iteration, num_flops = msm.load_checkpoint(model, optimizer, scheduler, args=args)
     loaded_dir = msm.find_checkpoint(args.load, args.ckpt_step) if args.load else None

@@ -9,6 +9,7 @@ from .errors import (
     DistributedError,
     FormatError,
     MegashardError,
+    NoSpaceError,
     StateDictError,
     UnsupportedFormatError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointError",
     "StateDictError",
     "DistributedError",
+    "NoSpaceError",
 ]
 
 

@@ -5,7 +5,9 @@ problem. Messages name the file, tensor key and rank where known, and what to do
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping
+import errno
+import os
+from typing import Dict, List, Mapping, Optional
 
 
 class MegashardError(Exception):
@@ -26,6 +28,29 @@ class UnsupportedFormatError(FormatError):
 
 class CheckpointError(MegashardError):
     """A checkpoint directory or manifest is missing, incomplete or inconsistent."""
+
+
+class NoSpaceError(CheckpointError, OSError):
+    """A save ran out of space: still an ``OSError`` with ``errno == ENOSPC`` (and ``filename``)
+    for code that catches those; the message names the path, the bytes needed and free."""
+
+    def __init__(self, message: str, filename: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = errno.ENOSPC, os.strerror(errno.ENOSPC), filename
+
+    def __str__(self) -> str:  # OSError's would print "[Errno 28] ..." without the message
+        return str(self.args[0]) if self.args else os.strerror(errno.ENOSPC)
+
+
+def no_space_error(path: str, needed: int) -> NoSpaceError:
+    """The error for a write of ``needed`` bytes to ``path`` that found its file system full."""
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+        free = f"{st.f_bavail * st.f_frsize} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return NoSpaceError(f"no space left on device writing {path}: this rank's files need about {needed} bytes, "
+                        f"{free} on that file system; free space there or save elsewhere", path)
 
 
 class CommitConflictError(CheckpointError):
@@ -98,9 +123,13 @@ def distributed_error(failures: Mapping[int, str], what: str = "operation") -> D
     cls: type = DistributedError
     if len(names) == 1:
         base = {c.__name__: c for c in (FormatError, ChecksumError, UnsupportedFormatError, CheckpointError,
-                                         CommitConflictError, ObjectChangedError, StateDictError)}.get(names.pop())
+                                         CommitConflictError, ObjectChangedError, StateDictError,
+                                         NoSpaceError)}.get(names.pop())
         if base is not None:
             cls = _COMBINED.get(base)
             if cls is None:
                 cls = _COMBINED[base] = type(f"Distributed{base.__name__}", (DistributedError, base), {})
-    return cls(failures, what)
+    err = cls(failures, what)
+    if isinstance(err, OSError):  # NoSpaceError on every failing rank: still errno ENOSPC everywhere
+        err.errno, err.strerror = errno.ENOSPC, os.strerror(errno.ENOSPC)
+    return err

@@ -22,6 +22,7 @@ removes its temporary directory; a commit removes the abandoned ones of dead sav
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import hashlib
 import json
@@ -37,7 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import async_save as async_save_mod, jsonstate, plan, storage
-from .errors import StateDictError
+from .errors import NoSpaceError, StateDictError, no_space_error
 from .format import write_file
 from .logs import log_summary, rank_prefix
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
@@ -507,9 +508,15 @@ def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool
     needs. ``write(tensors, path, align, fsync, threads) -> (infos, file size, extra file record)``."""
     files: Dict[str, Dict[str, Any]] = {}
     placed: Dict[Tuple[str, str], Any] = {}
+    needed = sum(t.numel() * t.element_size() for ts in job.groups.values() for t in ts.values())
     for stem, tensors in sorted(job.groups.items()):
         fname = f"{stem}-r{rank:05d}.tensors"
-        infos, size, extra = write(tensors, f"{temp_dir}/{fname}", align, fsync, threads)  # extra: e.g. the ETag
+        try:
+            infos, size, extra = write(tensors, f"{temp_dir}/{fname}", align, fsync, threads)  # extra: e.g. the ETag
+        except OSError as e:
+            if e.errno != errno.ENOSPC or isinstance(e, NoSpaceError):
+                raise
+            raise no_space_error(f"{temp_dir}/{fname}", needed) from e
         files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos), **extra}
         for inf in infos:
             placed[(stem, inf.name)] = (fname, inf)

@@ -22,6 +22,7 @@ from .args import add_arguments, with_arguments
 from .checkpointing import (
     TRACKER_FILENAME,
     async_request,
+    check_save_writable,
     checkpoint_dir,
     finalize_async_save,
     find_checkpoint,
@@ -66,6 +67,7 @@ __all__ = [
     "find_checkpoint",
     "is_megashard_checkpoint",
     "checkpoint_dir",
+    "check_save_writable",
     "read_tracker",
     "TRACKER_FILENAME",
 ]

@@ -434,6 +434,7 @@ def load_checkpoint(
     from megashard.transport import Comm
 
     args = _get_args(args)
+    check_save_writable(args)  # a resume is at start-up: a read-only --save is reported now
     comm = Comm()
     target = target or resolve_load_target(args, load_arg)
     if target.pretrained:
@@ -548,6 +549,41 @@ def load_checkpoint(
              "loaded" if plan["rng"] else "not loaded", ", finetune" if finetune else "",
              time.perf_counter() - t0)
     return iteration, num_flops
+
+
+def check_save_writable(args: Any = None) -> None:
+    """With ``--save-format tensors``: fail at start-up, on every rank and in one line, when
+    ``--save`` (or, if it does not exist yet, the directory it would be created in) cannot be
+    written, not after the first ``--save-interval`` of training. Collective; once per run.
+    A probe file is created there and removed (nothing else is touched)."""
+    import tempfile
+
+    from megashard.transport import Comm
+
+    from .args import uses_megashard_save
+
+    args = _get_args(args)
+    save = getattr(args, "save", None)
+    if not save or not uses_megashard_save(args) or storage.is_url(str(save)) \
+            or getattr(args, "_megashard_save_checked", False):
+        return
+
+    def check() -> None:
+        probe = os.path.abspath(str(save))
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=probe, prefix=".megashard-writable-")
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as e:
+            raise CheckpointError(f"--save {save}: cannot write in {probe} ({e.strerror}); make it writable "
+                                  "or pass another --save (checked at start-up, before training)") from None
+
+    comm = Comm()
+    _, err = comm.run("save/writable", check)
+    comm.agree(err, "start-up check of --save")
+    args._megashard_save_checked = True
 
 
 def _keep_unloaded(loaded: Any, request: Any) -> Any:
