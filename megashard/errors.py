@@ -49,7 +49,7 @@ def no_space_error(path: str, needed: int) -> NoSpaceError:
         free = f"{st.f_bavail * st.f_frsize} bytes free"
     except OSError:
         free = "free space unknown"
-    return NoSpaceError(f"no space left on device writing {path}: this rank's files need about {needed} bytes, "
+    return NoSpaceError(f"No space left on device writing {path}: this rank's files need about {needed} bytes, "
                         f"{free} on that file system; free space there or save elsewhere", path)
 
 

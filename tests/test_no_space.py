@@ -41,7 +41,7 @@ def test_full_disk_names_path_bytes_and_is_enospc(tiny_fs):
     assert isinstance(e, NoSpaceError) and isinstance(e, CheckpointError)
     assert e.errno == errno.ENOSPC
     msg = str(e)
-    assert f"no space left on device writing {tiny_fs}/" in msg and ".tensors" in msg
+    assert f"No space left on device writing {tiny_fs}/" in msg and ".tensors" in msg
     assert "need about 2097152 bytes" in msg and "bytes free on that file system" in msg
     assert not os.path.exists(target)
 
@@ -60,7 +60,7 @@ def test_full_disk_on_two_ranks_raises_enospc_on_every_rank(tiny_fs):
     for ok, v in res:
         assert ok and v is not None, res
         assert v["errno"] == errno.ENOSPC and v["nospace"], v
-        assert "no space left on device writing" in v["msg"] and "need about 2097152 bytes" in v["msg"]
+        assert "No space left on device writing" in v["msg"] and "need about 2097152 bytes" in v["msg"]
 
 
 def test_read_only_save_is_reported_at_start_up(tmp_path):
