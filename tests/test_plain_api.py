@@ -80,3 +80,18 @@ def test_save_and_load_document_every_argument():
         for name in inspect.signature(fn).parameters:
             assert f"``{name}``" in doc, f"{fn.__name__}: {name} undocumented"
         assert "Returns" in doc
+
+
+def test_megatron_non_strict_keeps_the_current_value_where_load_returns_none():
+    """--megashard-non-strict-load: a shard load returns as None keeps the model's own tensor."""
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    from megashard.megatron.checkpointing import _keep_unloaded
+
+    live = torch.ones(3)
+    request = {"model": {"a": ShardedTensor("a", live, (3,), (0,)), "b": ShardedTensor("b", torch.zeros(2), (2,), (0,))},
+               "opt": [ShardedTensor("c", live, (3,), (0,))]}
+    loaded = {"model": {"a": None, "b": torch.full((2,), 7.0)}, "opt": [None]}
+    out = _keep_unloaded(loaded, request)
+    assert out["model"]["a"] is live and out["opt"][0] is live and torch.equal(out["model"]["b"], torch.full((2,), 7.0))
