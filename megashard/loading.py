@@ -39,6 +39,7 @@ from .transport import Comm, node_readers
 
 log = logging.getLogger(__name__)
 
+HEADER_CHECK_MAX = 64 << 10  # a CRC32 check reads a header up to this size, or up to its tensor's size
 DEFAULT_SCATTER_CHUNK = 8 << 20  # bytes per ring slot / staging buffer of a scatter load (4 slots fit a 64 MB /dev/shm)
 
 
@@ -191,7 +192,9 @@ class _LoadWork:
         if type(header_offset) is not int or type(crc32) is not int:
             return None
         hl = data_offset - header_offset
-        if not 0 < hl <= MAX_HEADER or header_offset <= 0:
+        # a header is a few hundred bytes plus alignment padding; never more memory for headers
+        # than for the data itself (a forged index cannot make this allocate much)
+        if not 0 < hl <= min(MAX_HEADER, max(HEADER_CHECK_MAX, nbytes)) or header_offset <= 0:
             return None
         c = self.crcs[(file, name)] = _Crc(file, name, what, data_offset, nbytes, crc32,
                                            torch.empty(hl, dtype=torch.uint8))

@@ -95,3 +95,21 @@ def test_megatron_non_strict_keeps_the_current_value_where_load_returns_none():
     loaded = {"model": {"a": None, "b": torch.full((2,), 7.0)}, "opt": [None]}
     out = _keep_unloaded(loaded, request)
     assert out["model"]["a"] is live and out["opt"][0] is live and torch.equal(out["model"]["b"], torch.full((2,), 7.0))
+
+
+def test_distributed_error_lists_each_message_and_problem_once():
+    """Every rank's StateDictError listed the same mismatches again (issue 28 item 6)."""
+    from megashard.errors import DistributedError, distributed_error
+
+    same = "StateDictError: state dict does not match checkpoint /c (2 problem(s)):\n  shape mismatch: 'a'\n  " \
+           "shape mismatch: 'b'\nPass strict=False to load what matches."
+    other = "StateDictError: state dict does not match checkpoint /c (2 problem(s)):\n  shape mismatch: 'b'\n  " \
+            "shape mismatch: 'c'\nPass strict=False to load what matches."
+    e = distributed_error({r: same for r in range(8)} | {8: other}, "load")
+    text = str(e)
+    assert text.count("shape mismatch: 'a'") == 1 and text.count("shape mismatch: 'b'") == 1
+    assert text.count("shape mismatch: 'c'") == 1
+    assert text.splitlines()[0] == "megashard load failed on rank(s) 0-8:"
+    assert "[ranks 0-7] StateDictError" in text and "[rank 8] StateDictError" in text
+    one = str(DistributedError({0: "CheckpointError: x", 1: "CheckpointError: x"}, "load (prepare)"))
+    assert one == "megashard load (prepare) failed on rank(s) 0, 1: CheckpointError: x"
