@@ -27,7 +27,7 @@ from .devicecopy import on_host
 from .errors import CheckpointError, ChecksumError, StateDictError
 from .format import empty_buffer
 from .format.fastio import default_read_threads, tensor_memoryview
-from .format.layout import zeroed_headers
+from .format.layout import zeroed_header_crcs
 from .format.reader import MAX_HEADER
 from .index import Index, check_file_size, index_from_bytes, open_index, read_index_bytes
 from .logs import log_summary, rank_prefix
@@ -39,7 +39,6 @@ from .transport import Comm, node_readers
 
 log = logging.getLogger(__name__)
 
-HEADER_CHECK_MAX = 64 << 10  # a CRC32 check reads a header up to this size, or up to its tensor's size
 DEFAULT_SCATTER_CHUNK = 8 << 20  # bytes per ring slot / staging buffer of a scatter load (4 slots fit a 64 MB /dev/shm)
 
 
@@ -69,9 +68,10 @@ class _Op:
 
 @dataclass
 class _Crc:
-    """A saved tensor this load reads whole, so its CRC32 can be checked against the index's
-    (tensorizer's CRC32 covers the tensor's header, hash values zeroed, then its data: the
-    header's bytes are read too, next to the data, in the same coalesced read)."""
+    """A saved tensor this load reads whole, so its CRC32 can be checked against the index's.
+    Tensorizer's CRC32 covers the tensor's header (hash values zeroed) and then its data; the
+    header is rebuilt from what the index says (name, dtype, shape, header size), as the writer
+    built it, so no byte beyond the data is read."""
 
     file: str
     name: str
@@ -79,7 +79,9 @@ class _Crc:
     data_offset: int
     nbytes: int
     crc32: int  # as the index records it
-    header: torch.Tensor  # uint8, [header_offset, data_offset)
+    header_bytes: int  # data_offset - header_offset
+    dtype: torch.dtype
+    shapes: List[Tuple[int, ...]]  # the saved tensor's shape (candidates: leading 1s of a chunk may be prepended axes)
     data: Any = None  # the delivered bytes in file order: a uint8 tensor or memoryviews (None: a temporary's)
     data_crc: Optional[int] = None
 
@@ -100,11 +102,11 @@ class _Crc:
     def problem(self, base: str) -> Optional[str]:
         if self.data_crc is None:
             return None
-        heads = zeroed_headers(bytes(self.header.numpy()))
-        got = [isal_zlib.crc32_combine(isal_zlib.crc32(h), self.data_crc, self.nbytes) for h in heads]
+        heads = zeroed_header_crcs(self.name, self.dtype, self.shapes, self.nbytes, self.header_bytes)
+        got = [isal_zlib.crc32_combine(h, self.data_crc, self.nbytes) for h in heads]
         if self.crc32 in got:
             return None
-        what = f"CRC32 {got[0]:08x}, recorded {self.crc32:08x}" if got else "its header is damaged"
+        what = f"CRC32 {got[0]:08x}, recorded {self.crc32:08x}" if got else "its header is not one megashard writes"
         return (f"{base}/{self.file}: tensor {self.name!r} ({self.what}) is damaged ({what}): bytes "
                 f"{self.data_offset}+{self.nbytes} are not what was saved. Load an earlier checkpoint or restore "
                 f"the file from a copy (`megashard verify {base}` lists every damaged tensor); check_crc=False "
@@ -183,22 +185,18 @@ class _LoadWork:
     crcs: Dict[Tuple[str, str], _Crc] = field(default_factory=dict)
 
     def crc(self, file: Optional[str], name: str, what: str, header_offset: Any, data_offset: int, nbytes: int,
-            crc32: Any) -> Optional[_Crc]:
-        """Plan the CRC32 check of a saved tensor read whole (once per tensor): its header's
-        bytes become one more read. None when off or when the index lacks the header's place
-        (rank-local values of checkpoints saved before it was recorded)."""
+            crc32: Any, dtype: torch.dtype, shapes: List[Tuple[int, ...]]) -> Optional[_Crc]:
+        """Plan the CRC32 check of a saved tensor read whole (once per tensor). None when off
+        or when the index lacks the header's place (rank-local values of checkpoints saved
+        before it was recorded)."""
         if not self.check_crc or not file or not nbytes or (file, name) in self.crcs:
             return None
         if type(header_offset) is not int or type(crc32) is not int:
             return None
         hl = data_offset - header_offset
-        # a header is a few hundred bytes plus alignment padding; never more memory for headers
-        # than for the data itself (a forged index cannot make this allocate much)
-        if not 0 < hl <= min(MAX_HEADER, max(HEADER_CHECK_MAX, nbytes)) or header_offset <= 0:
+        if not 0 < hl <= MAX_HEADER or header_offset <= 0:
             return None
-        c = self.crcs[(file, name)] = _Crc(file, name, what, data_offset, nbytes, crc32,
-                                           torch.empty(hl, dtype=torch.uint8))
-        self.ops.append(_Op(file, header_offset, hl, c.header))
+        c = self.crcs[(file, name)] = _Crc(file, name, what, data_offset, nbytes, crc32, hl, dtype, shapes)
         return c
 
     def touch(self, file: str, name: str, offset: int, nbytes: int, owner: Any) -> None:
@@ -354,9 +352,11 @@ def _emit(bp: BoxPlan, view: torch.Tensor, dtype: torch.dtype, work: _LoadWork) 
         s = whole.get((file, offset, nbytes))
         if s is None:
             return None
+        shapes = [(s.flat[1] - s.flat[0],)] if s.flat else [  # the chunk without 0..all of its leading 1s
+            tuple(s.shape[k:]) for k in range(len(s.shape) + 1) if all(d == 1 for d in s.shape[:k])]
         return work.crc(s.file, s.name, f"{bp.key!r} chunk {list(s.offset)}+{list(s.shape)}"
                         + (f" flat {list(s.flat)}" if s.flat else ""), s.header_offset, s.data_offset, s.nbytes,
-                        s.crc32)
+                        s.crc32, dtype, shapes)
 
     def read(file: str, offset: int, nbytes: int, dest: torch.Tensor) -> None:
         work.ops.append(_Op(file, offset, nbytes, dest))
@@ -440,7 +440,7 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
         work.ops.append(_Op(file, offset, nbytes, _bytes_view(t)))
         work.touch(file, str(ref.get("name", "")), offset, nbytes, ("state", path))
         c = work.crc(file, str(ref.get("name", "")), f"state {path or '<root>'}", ref.get("header_offset"), offset,
-                     nbytes, ref.get("crc32"))
+                     nbytes, ref.get("crc32"), dtype, [shape])
         if c is not None:
             c.data = _bytes_view(t)
     if into is not None and not direct:

@@ -363,41 +363,22 @@ def validate_entries(entries: list[MetaEntry], header: FileHeader, path: str,
                 f"{b.name!r} starts at {b.header_offset})")
 
 
-def zeroed_headers(buf: bytes) -> list[bytes]:
-    """``buf`` (a tensor header, exactly [header_offset, data_offset)) with its hash values
-    zeroed: the bytes a tensor's CRC32 and SHA-256 cover before its data. Without the
-    metadata index the width of the shape fields is unknown, so one candidate per width
-    that parses (almost always one); empty when none does."""
-    out: list[bytes] = []
-    n = len(buf)
-    try:
-        size, _module, _type, name_len = _START.unpack_from(buf, 0)
-        if size != n:
-            return out
-        off = _START.size + name_len
-        off += 1 + buf[off]  # dtype
-        ndim = buf[off]
-        off += 1
-    except (struct.error, IndexError):
-        return out
-    for width in (4, 8):
-        at = off + ndim * width
-        if at + _HASH_HEAD.size > n - _DATA_LEN.size:
-            continue
-        hash_len, count = _HASH_HEAD.unpack_from(buf, at)
-        end, p = at + 2 + hash_len, at + _HASH_HEAD.size
-        if hash_len < 1 or end > n - _DATA_LEN.size:
-            continue
-        zeroed = bytearray(buf)
-        for _ in range(count):
-            if p + 2 > end or p + 2 + buf[p + 1] > end:
-                break
-            hlen = buf[p + 1]
-            zeroed[p + 2:p + 2 + hlen] = bytes(hlen)
-            p += 2 + hlen
-        else:
-            if p == end:
-                out.append(bytes(zeroed))
+def zeroed_header_crcs(name: str, dtype: torch.dtype, shapes: Sequence[Sequence[int]], data_length: int,
+                       size: int) -> list[int]:
+    """CRC32s of the header (hash values zeroed) megashard's writer gives a tensor of this
+    name, dtype and data length, ``size`` bytes long (alignment padding included), one per
+    candidate shape that fits: what a tensor's CRC32 covers before its data, without reading it."""
+    from .dtypes import encode_dtype
+    from isal import isal_zlib
+
+    name_b, enc = name.encode("utf-8"), encode_dtype(dtype).encoded
+    out = []
+    for shape in shapes:
+        long_shape = any(d >= LONG_DIM for d in shape)
+        pad = size - header_size(len(name_b), len(enc), len(shape), long_shape)
+        if pad >= 0 and len(shape) <= 255:
+            out.append(isal_zlib.crc32(build_header(0, TENSOR_TYPE_STATE_DICT, name_b, enc, shape, long_shape,
+                                                    data_length, pad).buf))
     return out
 
 
