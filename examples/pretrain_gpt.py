@@ -519,6 +519,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.perf_counter()
     start_iteration, num_flops = 0, 0.0
     restored: Dict[str, Any] = {}  # load_checkpoint says what it restored under "megashard_loaded"
+    msm.check_save_writable(args)  # as install() does for Megatron-LM: a read-only --save fails now
     if args.load or args.pretrained_checkpoint:
         start_iteration, num_flops = msm.load_checkpoint(model, optimizer, scheduler, checkpointing_context=restored,
                                                          args=args)

@@ -9,6 +9,7 @@ from .errors import (
     DistributedError,
     FormatError,
     MegashardError,
+    NoSpaceError,
     StateDictError,
     UnsupportedFormatError,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "is_checkpoint",
     "read_manifest",
     "ShardedTensor",
+    "sharded_state_dict",
     "MegashardError",
     "FormatError",
     "ChecksumError",
@@ -30,6 +32,7 @@ __all__ = [
     "CheckpointError",
     "StateDictError",
     "DistributedError",
+    "NoSpaceError",
 ]
 
 
@@ -43,8 +46,8 @@ def __getattr__(name: str) -> Any:
         from .consolidated import load_consolidated
 
         return load_consolidated
-    if name == "ShardedTensor":
-        from .sharded import ShardedTensor
+    if name in ("ShardedTensor", "sharded_state_dict"):
+        from . import sharded
 
-        return ShardedTensor
+        return getattr(sharded, name)
     raise AttributeError(name)

@@ -5,7 +5,9 @@ problem. Messages name the file, tensor key and rank where known, and what to do
 """
 from __future__ import annotations
 
-from typing import Mapping
+import errno
+import os
+from typing import Dict, List, Mapping, Optional
 
 
 class MegashardError(Exception):
@@ -26,6 +28,29 @@ class UnsupportedFormatError(FormatError):
 
 class CheckpointError(MegashardError):
     """A checkpoint directory or manifest is missing, incomplete or inconsistent."""
+
+
+class NoSpaceError(CheckpointError, OSError):
+    """A save ran out of space: still an ``OSError`` with ``errno == ENOSPC`` (and ``filename``)
+    for code that catches those; the message names the path, the bytes needed and free."""
+
+    def __init__(self, message: str, filename: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.errno, self.strerror, self.filename = errno.ENOSPC, os.strerror(errno.ENOSPC), filename
+
+    def __str__(self) -> str:  # OSError's would print "[Errno 28] ..." without the message
+        return str(self.args[0]) if self.args else os.strerror(errno.ENOSPC)
+
+
+def no_space_error(path: str, needed: int) -> NoSpaceError:
+    """The error for a write of ``needed`` bytes to ``path`` that found its file system full."""
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+        free = f"{st.f_bavail * st.f_frsize} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return NoSpaceError(f"No space left on device writing {path}: this rank's files need about {needed} bytes, "
+                        f"{free} on that file system; free space there or save elsewhere", path)
 
 
 class CommitConflictError(CheckpointError):
@@ -53,12 +78,42 @@ class DistributedError(MegashardError):
 
     def __init__(self, failures: Mapping[int, str], what: str = "operation") -> None:
         self.failures = dict(sorted(failures.items()))
-        ranks = ", ".join(str(r) for r in self.failures)
-        lines = [f"megashard {what} failed on rank(s) {ranks}:"]
+        # each distinct message once, with the ranks that sent it; a line (e.g. one tensor's
+        # mismatch, seen by every rank that holds a shard of it) once, from the first rank
+        groups: Dict[str, List[int]] = {}
         for rank, msg in self.failures.items():
-            indented = "\n    ".join(msg.rstrip().splitlines())
-            lines.append(f"  [rank {rank}] {indented}")
+            groups.setdefault(msg.rstrip(), []).append(rank)
+        head = f"megashard {what} failed on rank(s) {ranks_text(list(self.failures))}:"
+        if len(groups) == 1:
+            msg = next(iter(groups))
+            if "\n" not in msg:  # one line for everyone
+                super().__init__(f"{head} {msg}")
+                return
+        lines, seen = [head], set()
+        for msg, ranks in groups.items():
+            first, *rest = msg.splitlines()
+            new = [ln for ln in rest if ln.strip() not in seen]
+            seen.update(ln.strip() for ln in rest)
+            who = f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {ranks_text(ranks)}]"
+            if rest and not new and first.strip() in seen:
+                lines.append(f"  {who} the same problems as above")
+                continue
+            seen.add(first.strip())
+            lines.append(f"  {who} {first}" + "".join(f"\n    {ln}" for ln in new))
         super().__init__("\n".join(lines))
+
+
+def ranks_text(ranks: List[int]) -> str:
+    """``0-7, 9``: sorted ranks with runs of three or more as ranges."""
+    out: List[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(f"{ranks[i]}-{ranks[j]}" if j - i >= 2 else ", ".join(str(r) for r in ranks[i:j + 1]))
+        i = j + 1
+    return ", ".join(out)
 
 
 _COMBINED: dict = {}
@@ -74,9 +129,12 @@ def distributed_error(failures: Mapping[int, str], what: str = "operation") -> D
     if len(names) == 1:
         base = {c.__name__: c for c in (FormatError, ChecksumError, UnsupportedFormatError, CheckpointError,
                                          CommitConflictError, CommitOutcomeUnknownError, ObjectChangedError,
-                                         StateDictError)}.get(names.pop())
+                                         StateDictError, NoSpaceError)}.get(names.pop())
         if base is not None:
             cls = _COMBINED.get(base)
             if cls is None:
                 cls = _COMBINED[base] = type(f"Distributed{base.__name__}", (DistributedError, base), {})
-    return cls(failures, what)
+    err = cls(failures, what)
+    if isinstance(err, OSError):  # NoSpaceError on every failing rank: still errno ENOSPC everywhere
+        err.errno, err.strerror = errno.ENOSPC, os.strerror(errno.ENOSPC)
+    return err

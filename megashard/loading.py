@@ -20,12 +20,15 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from isal import isal_zlib
 
 from . import jsonstate, plan, readers, storage
 from .devicecopy import on_host
-from .errors import CheckpointError, StateDictError
+from .errors import CheckpointError, ChecksumError, StateDictError
 from .format import empty_buffer
-from .format.fastio import tensor_memoryview
+from .format.fastio import default_read_threads, tensor_memoryview
+from .format.layout import zeroed_header_crcs
+from .format.reader import MAX_HEADER
 from .index import Index, check_file_size, index_from_bytes, open_index, read_index_bytes
 from .logs import log_summary, rank_prefix
 from .manifest import dtype_from_name, dtype_name, itemsize
@@ -63,6 +66,73 @@ class _Op:
             self.lazy[0].arrived(self.lazy[1], nbytes)
 
 
+@dataclass
+class _Crc:
+    """A saved tensor this load reads whole, so its CRC32 can be checked against the index's.
+    Tensorizer's CRC32 covers the tensor's header (hash values zeroed) and then its data; the
+    header is rebuilt from what the index says (name, dtype, shape, header size), as the writer
+    built it, so no byte beyond the data is read."""
+
+    file: str
+    name: str
+    what: str  # what the tensor holds, for the message
+    data_offset: int
+    nbytes: int
+    crc32: int  # as the index records it
+    header_bytes: int  # data_offset - header_offset
+    dtype: torch.dtype
+    shapes: List[Tuple[int, ...]]  # the saved tensor's shape (candidates: leading 1s of a chunk may be prepended axes)
+    data: Any = None  # the delivered bytes in file order: a uint8 tensor or memoryviews (None: a temporary's)
+    data_crc: Optional[int] = None
+
+    def compute(self, data: Any = None) -> None:
+        data = self.data if data is None else data
+        if isinstance(data, list):
+            c = 0
+            for mv in data:
+                c = isal_zlib.crc32(mv, c)
+        elif data.device.type == "cpu":
+            c = isal_zlib.crc32(tensor_memoryview(data))
+        else:  # a GPU destination: its bytes come back through host memory in slices
+            c, step = 0, 64 << 20
+            for i in range(0, data.numel(), step):
+                c = isal_zlib.crc32(tensor_memoryview(data[i:i + step].cpu()), c)
+        self.data_crc = c
+
+    def problem(self, base: str) -> Optional[str]:
+        if self.data_crc is None:
+            return None
+        heads = zeroed_header_crcs(self.name, self.dtype, self.shapes, self.nbytes, self.header_bytes)
+        got = [isal_zlib.crc32_combine(h, self.data_crc, self.nbytes) for h in heads]
+        if self.crc32 in got:
+            return None
+        what = f"CRC32 {got[0]:08x}, recorded {self.crc32:08x}" if got else "its header is not one megashard writes"
+        return (f"{base}/{self.file}: tensor {self.name!r} ({self.what}) is damaged ({what}): bytes "
+                f"{self.data_offset}+{self.nbytes} are not what was saved. Load an earlier checkpoint or restore "
+                f"the file from a copy (`megashard verify {base}` lists every damaged tensor); check_crc=False "
+                "(Megatron: --megashard-no-crc-on-load) loads it unchecked")
+
+
+def check_crcs(crcs: Sequence[_Crc], base: str, threads: Optional[int] = None) -> int:
+    """Check every tensor a load read whole against the CRC32 its index records (ChecksumError
+    naming each damaged one); returns the bytes checked."""
+    todo = [c for c in crcs if c.data_crc is None and c.data is not None]
+    nthreads = min(len(todo), threads or default_read_threads())
+    if nthreads > 1:  # isal releases the GIL: large tensors are checked in parallel
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(nthreads) as ex:
+            list(ex.map(_Crc.compute, sorted(todo, key=lambda c: -c.nbytes)))
+    else:
+        for c in todo:
+            c.compute()
+    bad = [m for m in (c.problem(base) for c in crcs) if m]
+    if bad:
+        more = f"\n  ... and {len(bad) - 10} more damaged tensor(s)" if len(bad) > 10 else ""
+        raise ChecksumError("\n  ".join(bad[:10]) + more)
+    return sum(c.nbytes for c in crcs if c.data_crc is not None)
+
+
 class _Temps:
     """The temporaries of one resharded shard (saved pieces before placement).
 
@@ -75,6 +145,7 @@ class _Temps:
         self.bufs: Dict[int, torch.Tensor] = {}
         self.pending = [0] * len(self.sizes)
         self.placed: set = set()
+        self.crcs: Dict[int, List[Tuple[_Crc, int, int]]] = {}  # buffer -> saved tensors read whole into it
 
     def buffer(self, i: int) -> torch.Tensor:
         if i not in self.bufs:
@@ -89,6 +160,8 @@ class _Temps:
     def place(self, i: int) -> None:
         if i in self.placed:
             return
+        for c, off, n in self.crcs.get(i, ()):  # before the temporary is freed
+            c.compute(self.buffer(i)[off:off + n])
         buf = self.buffer(i).view(self.dtype)
         for p in self.wp.placements:
             if p.buffer == i:
@@ -108,6 +181,23 @@ class _LoadWork:
     problems: List[str] = field(default_factory=list)
     touched: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # file -> {name: [data offset, bytes]} (verify)
     owners: Dict[Tuple[str, str], Any] = field(default_factory=dict)  # (file, name) -> what the index says it holds
+    check_crc: bool = False  # load() turns it on: CRC32 of every saved tensor read whole
+    crcs: Dict[Tuple[str, str], _Crc] = field(default_factory=dict)
+
+    def crc(self, file: Optional[str], name: str, what: str, header_offset: Any, data_offset: int, nbytes: int,
+            crc32: Any, dtype: torch.dtype, shapes: List[Tuple[int, ...]]) -> Optional[_Crc]:
+        """Plan the CRC32 check of a saved tensor read whole (once per tensor). None when off
+        or when the index lacks the header's place (rank-local values of checkpoints saved
+        before it was recorded)."""
+        if not self.check_crc or not file or not nbytes or (file, name) in self.crcs:
+            return None
+        if type(header_offset) is not int or type(crc32) is not int:
+            return None
+        hl = data_offset - header_offset
+        if not 0 < hl <= MAX_HEADER or header_offset <= 0:
+            return None
+        c = self.crcs[(file, name)] = _Crc(file, name, what, data_offset, nbytes, crc32, hl, dtype, shapes)
+        return c
 
     def touch(self, file: str, name: str, offset: int, nbytes: int, owner: Any) -> None:
         """Record a tensor of a file this load reads; one tensor of a file holds one thing, so
@@ -139,8 +229,9 @@ def _empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype)
 
 
-def _plan_rows(rr: plan.RowReads, mv: memoryview, work: _LoadWork) -> None:
-    """Runs whose source bytes are back to back become one preadv per IOV_MAX runs."""
+def _plan_rows(rr: plan.RowReads, mv: memoryview, work: _LoadWork) -> Optional[Tuple[str, int, int, List[memoryview]]]:
+    """Runs whose source bytes are back to back become one preadv per IOV_MAX runs (that
+    row job is returned: it may read a saved tensor whole)."""
     import numpy as np
 
     n = rr.run_bytes
@@ -153,8 +244,9 @@ def _plan_rows(rr: plan.RowReads, mv: memoryview, work: _LoadWork) -> None:
     views = [mv[d:d + n] for d in dst.tolist()]
     if len(src) < 2 or bool(np.all(np.diff(src) == n)):
         work.row_jobs.append((rr.file, int(src[0]), n, views))
-    else:
-        work.view_ops.extend((rr.file, o, v) for o, v in zip(src.tolist(), views))
+        return work.row_jobs[-1]
+    work.view_ops.extend((rr.file, o, v) for o, v in zip(src.tolist(), views))
+    return None
 
 
 @dataclass
@@ -215,19 +307,20 @@ def plan_shard(sh: ShardedTensor, index: Index, rows_ok: bool, path: str = "") -
 def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -> Optional[torch.Tensor]:
     """Plan reads for one requested shard; returns the tensor that will hold it: the
     template's, or one allocated here only once the plan is complete and the files it reads
-    have their recorded sizes (never returned unfilled: ``None`` when the shard cannot load)."""
+    have their recorded sizes (never returned unfilled: ``None`` when the shard cannot load,
+    whether the template brought a tensor or not)."""
     n_el = (sh.flat_range[1] - sh.flat_range[0]) if sh.flat_range is not None else plan.numel(sh.local_shape)
     dest = sh.data
     check_data(sh, path or sh.key, "load")
     if dest is not None and dest.numel() != n_el:
         work.problems.append(f"shape mismatch: {sh.key!r} destination has {dest.numel()} elements, shard needs {n_el}")
-        return dest
+        return None
     # strided row reads need host memory; GPU destinations take whole pieces (read through
     # pinned buffers, :mod:`megashard.devicecopy`) and place resharded ones from host temporaries
     boxes, problems = plan_shard(sh, index, work.rows_ok and (dest is None or on_host(dest)), path)
-    if problems:
+    if problems:  # strict=False: a shard it cannot fill comes back as None, not as the unfilled template
         work.problems += problems
-        return dest
+        return None
     for f in sorted({r.file for bp in boxes for r in bp.records if r.file}):
         index.confirm_file(f)  # before anything is allocated for the bytes it claims to hold
     if dest is None:  # unsaved parts (allow_shape_mismatch) read as zeros, never as stale memory
@@ -249,27 +342,53 @@ def _emit(bp: BoxPlan, view: torch.Tensor, dtype: torch.dtype, work: _LoadWork) 
     """Turn one box plan into reads into ``view`` (contiguous CPU) and placements."""
     wp = bp.wp
     files = {r.file for r in wp.reads} | {r.file for r in wp.rows}
+    whole: Dict[Tuple[str, int, int], Any] = {}  # a read of exactly a saved tensor's bytes can be CRC-checked
     for s in bp.records:
         if s.file in files:
             work.touch(s.file, s.name, s.data_offset, s.nbytes, ("shard", bp.key, s.offset, s.shape, s.flat))
+            whole[(s.file, s.data_offset, s.nbytes)] = s
+
+    def crc(file: str, offset: int, nbytes: int) -> Optional[_Crc]:
+        s = whole.get((file, offset, nbytes))
+        if s is None:
+            return None
+        shapes = [(s.flat[1] - s.flat[0],)] if s.flat else [  # the chunk without 0..all of its leading 1s
+            tuple(s.shape[k:]) for k in range(len(s.shape) + 1) if all(d == 1 for d in s.shape[:k])]
+        return work.crc(s.file, s.name, f"{bp.key!r} chunk {list(s.offset)}+{list(s.shape)}"
+                        + (f" flat {list(s.flat)}" if s.flat else ""), s.header_offset, s.data_offset, s.nbytes,
+                        s.crc32, dtype, shapes)
+
+    def read(file: str, offset: int, nbytes: int, dest: torch.Tensor) -> None:
+        work.ops.append(_Op(file, offset, nbytes, dest))
+        c = crc(file, offset, nbytes)
+        if c is not None:
+            c.data = dest
+
     if wp.direct:
         for r in wp.reads:
-            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(view)[r.buffer_offset:r.buffer_offset + r.nbytes]))
+            read(r.file, r.file_offset, r.nbytes, _bytes_view(view)[r.buffer_offset:r.buffer_offset + r.nbytes])
         return
     chunk = view
     temps = _Temps(wp.buffers, dtype, wp, chunk)
     if wp.rows:
         mv = tensor_memoryview(chunk.detach())
         for rr in wp.rows:
-            _plan_rows(rr, mv, work)
+            job = _plan_rows(rr, mv, work)
+            c = crc(job[0], job[1], job[2] * len(job[3])) if job is not None else None
+            if c is not None:
+                c.data = job[3]
     for r in wp.reads:
         if r.buffer == -1:
-            work.ops.append(_Op(r.file, r.file_offset, r.nbytes, _bytes_view(chunk)[r.buffer_offset:r.buffer_offset + r.nbytes]))
-        elif work.rows_ok:  # own mode: every temporary up front (its reads run all at once anyway)
+            read(r.file, r.file_offset, r.nbytes, _bytes_view(chunk)[r.buffer_offset:r.buffer_offset + r.nbytes])
+            continue
+        if work.rows_ok:  # own mode: every temporary up front (its reads run all at once anyway)
             work.ops.append(_Op(r.file, r.file_offset, r.nbytes, temps.buffer(r.buffer)[r.buffer_offset:r.buffer_offset + r.nbytes]))
         else:  # scatter: allocated when its bytes arrive, placed and freed when complete
             temps.pending[r.buffer] += r.nbytes
             work.ops.append(_Op(r.file, r.file_offset, r.nbytes, None, (temps, r.buffer, r.buffer_offset)))
+        c = crc(r.file, r.file_offset, r.nbytes)
+        if c is not None:  # checked when the temporary is placed, before it is freed
+            temps.crcs.setdefault(r.buffer, []).append((c, r.buffer_offset, r.nbytes))
     if wp.buffers:
         def place(temps=temps) -> None:
             for i in range(len(temps.sizes)):
@@ -320,6 +439,10 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
     if nbytes:
         work.ops.append(_Op(file, offset, nbytes, _bytes_view(t)))
         work.touch(file, str(ref.get("name", "")), offset, nbytes, ("state", path))
+        c = work.crc(file, str(ref.get("name", "")), f"state {path or '<root>'}", ref.get("header_offset"), offset,
+                     nbytes, ref.get("crc32"), dtype, [shape])
+        if c is not None:
+            c.data = _bytes_view(t)
     if into is not None and not direct:
         work.finish.append(lambda d=into, s=t: d.copy_(s.view(d.shape)))
         return into
@@ -492,6 +615,7 @@ class LoadStats:
     index_bytes_read: int = 0  # of the checkpoint's index, by this rank
     transport: str = ""  # scatter: "shm" or "group" on this rank's node; "none": only its reader needed bytes
     seconds: float = 0.0
+    crc_checked: int = 0  # bytes of saved tensors this rank read whole and checked against their CRC32
 
 
 def _probe(base: str) -> Dict[str, Any]:
@@ -578,20 +702,46 @@ def load(
     process_group: Any = None,
     strict: bool = True,
     verify: bool = False,
+    check_crc: bool = True,
     scatter_chunk_bytes: int = DEFAULT_SCATTER_CHUNK,
     scatter_transport: str = "auto",
     threads: Optional[int] = None,
     timeout: Optional[float] = None,
     return_stats: bool = False,
 ) -> Any:
-    """Load a checkpoint into the template ``state_dict``; collective over ``process_group``.
+    """Load a checkpoint into the template ``state_dict``; collective: every rank of
+    ``process_group`` calls it with the template of what it holds.
 
-    Template ShardedTensors are filled in place (any TP/PP/VP/DP layout); the result
-    mirrors the template with ShardedTensor -> tensor, ShardedObject -> its value,
-    and keeps what this rank saved that the template lacks. ``verify`` checks every
-    delivered byte (structure + hashes). ``timeout`` (s) bounds every collective;
-    default: the process group's. ``return_stats``: return ``(result, LoadStats)``.
-    Read-only: never renames or deletes anything in the checkpoint's parent.
+    ``state_dict``: the template, shaped like what was saved: ``ShardedTensor`` leaves describe
+    which part of each global tensor this rank wants, in any TP/PP/VP/EP/DP layout, and are
+    filled in place (:func:`megashard.sharded_state_dict` builds them from a model; without
+    data, a tensor is allocated); plain tensors are filled in place when shape and dtype match;
+    other leaves are replaced by the saved values.
+    ``checkpoint_dir``: a checkpoint directory or ``s3://`` URL.
+    ``mode``: ``"own"`` (every rank reads its own byte ranges), ``"scatter"`` (one reader per
+    node reads and hands the node's ranks their bytes) or ``"auto"`` (``own`` when every
+    rank sees the checkpoint); see ``docs/loading.md``.
+    ``process_group``: the ranks that load together (default: the world).
+    ``strict``: missing keys, dtype and global-shape mismatches raise one ``StateDictError``
+    listing them all; ``False`` loads what matches, logs the rest and returns ``None`` for a
+    shard it cannot fill (never uninitialised memory).
+    ``verify``: after the load, re-read every file region it read and check its structure,
+    CRC32 and SHA-256 (also covers bytes a resharding load read only in part).
+    ``check_crc``: check every saved tensor the load reads whole against the CRC32 its index
+    records, in memory, as it arrives (default on; a mismatch raises ``ChecksumError`` naming the
+    file and tensor). A saved tensor that a resharding load reads only in part is not checked
+    (its CRC32 covers all of it): ``verify=True`` checks those too.
+    ``scatter_chunk_bytes``, ``scatter_transport``: the ring slot size and transport
+    (``"auto"``, ``"shm"``, ``"group"``) of a scatter load.
+    ``threads``: reader threads per rank (default: from the CPU count).
+    ``timeout``: seconds that bound every collective and the wait for an earlier async save's
+    write; default: the process group's.
+    ``return_stats``: return ``(result, LoadStats)`` instead.
+
+    Returns the loaded state: the template's structure with each ShardedTensor replaced by
+    its filled tensor, each ShardedObject by its value, plus what this rank saved that the
+    template lacks. Raises on every rank if any rank fails. Read-only: never renames or
+    deletes anything in the checkpoint's parent.
     """
     if mode not in ("auto", "own", "scatter"):
         raise ValueError(f"mode must be 'auto', 'own' or 'scatter', got {mode!r}")
@@ -609,7 +759,7 @@ def load(
     node = {int(r): rd for r, rd in probe["node"].items()}
 
     index, err = comm.run("load/index", lambda: _open_shared_index(comm, base, probe))
-    work = _LoadWork(rows_ok=chosen == "own")
+    work = _LoadWork(rows_ok=chosen == "own", check_crc=check_crc and not verify)  # verify re-reads every byte
 
     def plan_local() -> Any:
         saved = _decode_saved_tree(index.tree_for_rank(comm.rank), index, work, lazy=True)
@@ -640,6 +790,7 @@ def load(
             def fin() -> None:
                 for f in work.finish:
                     f()
+                stats.crc_checked = check_crcs(list(work.crcs.values()), base, threads)
                 if verify and (chosen == "own" or node.get(comm.rank, comm.rank) == comm.rank):
                     readers.verify_delivered(base, work.touched, index)
             _, err = comm.run("load/finish", fin)
@@ -650,7 +801,8 @@ def load(
             index.close()
     total = comm.all_reduce([stats.bytes_read])[0]
     stats.seconds = time.perf_counter() - t0
-    log_summary(log, comm, "loaded", base, total, stats.seconds, f"{chosen} mode{', verified' if verify else ''}")
+    log_summary(log, comm, "loaded", base, total, stats.seconds,
+                f"{chosen} mode{', verified' if verify else ', CRC32 checked' if check_crc else ', unchecked'}")
     out = _finalize_tree(result)
     return (out, stats) if return_stats else out
 

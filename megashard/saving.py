@@ -22,6 +22,7 @@ removes its temporary directory; a commit removes the abandoned ones of dead sav
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import hashlib
 import json
@@ -37,7 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import async_save as async_save_mod, jsonstate, plan, storage
-from .errors import StateDictError
+from .errors import NoSpaceError, StateDictError, no_space_error
 from .format import write_file
 from .logs import log_summary, rank_prefix
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
@@ -280,29 +281,47 @@ def save(
     direct_io: bool = False,
     new_only: bool = False,
 ) -> Optional["async_save_mod.AsyncSaveHandle"]:
-    """Save a (sharded) state dict to ``checkpoint_dir``; collective over ``process_group``.
+    """Save a (sharded) state dict to ``checkpoint_dir``; collective: every rank of
+    ``process_group`` calls it with its own ``state_dict``.
 
-    Leaves: ``ShardedTensor`` (megashard's or megatron-core's), ``ShardedObject``,
-    plain tensors (rank-local), JSON-representable values and bytes. The directory
-    appears atomically once every rank's files are durable. ``timeout`` (s) bounds
-    every collective; default: the process group's.
+    ``state_dict``: a nested dict whose leaves are ``ShardedTensor`` (megashard's or
+    megatron-core's: this rank's part of a global tensor; :func:`megashard.sharded_state_dict`
+    builds them from a model), megatron-core ``ShardedObject``, plain tensors (rank-local: loaded
+    back by the same rank), JSON-representable values and bytes. Anything else raises
+    ``StateDictError`` naming its key path, before anything is written.
+    ``checkpoint_dir``: a directory (created; it must not exist, or hold a megashard
+    checkpoint or nothing: anything else is refused) or an ``s3://`` URL. It appears
+    atomically once every rank's files are durable.
+    ``process_group``: the ranks that save together (default: the world; none: one process).
+    ``file_stems``: ``{top-level key: file stem}``, which ``.tensors`` file each top-level
+    entry's tensors go to (each rank writes its own ``STEM-rNNNNN.tensors``); default: entries
+    named ``model`` or ``modelN`` each their own stem, everything else ``state``.
+    ``layout``: JSON values recorded in the manifest (e.g. ``{"tp": 2, "pp": 1}``), shown by
+    ``megashard inspect``.
+    ``align``: byte alignment of every tensor's data in the files (4096; 1 gives tensorizer's
+    own bytes).
+    ``fsync``: make every file durable before the commit (off only for scratch data).
+    ``threads``: writer threads per rank (default: from the CPU count).
+    ``timeout``: seconds that bound every collective; default: the process group's.
+    ``async_save``: return an :class:`~megashard.async_save.AsyncSaveHandle` as soon as
+    every rank holds a snapshot of its tensors (the caller may change them at once); files
+    are written in the background and the checkpoint is committed by the collective
+    ``handle.result()``. A save started while another is in flight first finalizes that one,
+    raising its error if it failed (see :mod:`megashard.async_save`).
+    ``direct_io``: write the bulk of every large tensor with ``O_DIRECT``: its bytes bypass
+    the page cache, which keeps a save from allocating and dirtying as much page cache as
+    the checkpoint is large, but leaves nothing cached for a load on the same node
+    afterwards (see :mod:`megashard.format.writer`). The files are identical.
 
-    ``async_save=True`` returns an :class:`~megashard.async_save.AsyncSaveHandle` as
-    soon as every rank holds a snapshot of its tensors (the caller may change them at
-    once); files are written in the background and the checkpoint is committed by the
-    collective ``handle.result()``. A save started while another is in flight first
-    finalizes that one, raising its error if it failed (see :mod:`megashard.async_save`).
-
-    ``direct_io=True`` writes the bulk of every large tensor with ``O_DIRECT``: its bytes
-    bypass the page cache, which keeps a save from allocating and dirtying as much page
-    cache as the checkpoint is large, but leaves nothing cached for a load on the same
-    node afterwards (see :mod:`megashard.format.writer`). The files are identical.
-
-    ``new_only=True``: create the checkpoint or fail, never replace one. Anything at
+    ``new_only``: create the checkpoint or fail, never replace one. Anything at
     ``checkpoint_dir`` when the save starts, or created there by another writer before
     the commit, makes it raise :class:`~megashard.errors.CommitConflictError` naming it
     and leaves it untouched (a rename that refuses to replace; ``If-None-Match: *`` on
     an object store's head).
+
+    Returns ``None`` once the checkpoint is committed on every rank (``async_save=True``: the
+    handle). Raises on every rank if any rank fails (``DistributedError``); the previous
+    content of ``checkpoint_dir`` then stays.
     """
     previous = async_save_mod.in_flight()
     if previous is not None:
@@ -496,9 +515,15 @@ def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool
     needs. ``write(tensors, path, align, fsync, threads) -> (infos, file size, extra file record)``."""
     files: Dict[str, Dict[str, Any]] = {}
     placed: Dict[Tuple[str, str], Any] = {}
+    needed = sum(t.numel() * t.element_size() for ts in job.groups.values() for t in ts.values())
     for stem, tensors in sorted(job.groups.items()):
         fname = f"{stem}-r{rank:05d}.tensors"
-        infos, size, extra = write(tensors, f"{temp_dir}/{fname}", align, fsync, threads)  # extra: e.g. the ETag
+        try:
+            infos, size, extra = write(tensors, f"{temp_dir}/{fname}", align, fsync, threads)  # extra: e.g. the ETag
+        except OSError as e:
+            if e.errno != errno.ENOSPC or isinstance(e, NoSpaceError):
+                raise
+            raise no_space_error(f"{temp_dir}/{fname}", needed) from e
         files[fname] = {"rank": rank, "bytes": size, "tensors": len(infos), **extra}
         for inf in infos:
             placed[(stem, inf.name)] = (fname, inf)
@@ -508,7 +533,8 @@ def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool
         records.append(m.record(name, fname, inf.header_offset, inf.data_offset, inf.crc32))
     for stem, name, ref in job.local_refs:
         fname, inf = placed[(stem, name)]
-        ref.update(file=fname, name=name, data_offset=inf.data_offset, nbytes=inf.nbytes, crc32=inf.crc32)
+        ref.update(file=fname, name=name, header_offset=inf.header_offset, data_offset=inf.data_offset,
+                   nbytes=inf.nbytes, crc32=inf.crc32)
     # JSON texts as the index stores them: the coordinator only places them
     return {"files": files, "records": records, "objects": {u: _dumps(v) for u, v in job.objects.items()},
             "tree": job.tree, "parts": {pid: _dumps(v) for pid, v in job.parts.items()}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -195,3 +195,57 @@ def reject_unapplied(path: str, value: Any) -> None:
             f"{path!r}: {name} must be resolved before megashard.save/load "
             "(apply megatron-core's apply_factories / drop non-persistent objects; megashard.megatron does this)"
         )
+
+
+def sharded_state_dict(obj: Any, split: Optional[Mapping[str, int]] = None, *, rank: int = 0, world: int = 1,
+                       replica_id: ReplicaId = 0, prefix: str = "") -> Dict[str, Any]:
+    """What :func:`megashard.save` takes and :func:`megashard.load` fills, built from a model
+    (anything with ``state_dict()``, e.g. an ``nn.Module``) or a nested dict of tensors, so
+    that nobody writes :class:`ShardedTensor` templates by hand (DCP's ``get_state_dict``).
+
+    Every tensor becomes a ShardedTensor keyed by its dotted path (``prefix`` first) that
+    shares the tensor's memory: a load fills the model in place. ``split`` maps a key without
+    ``prefix`` (or an ``fnmatch`` pattern such as ``"*.fc1.weight"``) to the axis along which this rank holds
+    part ``rank`` of ``world`` equal parts (tensor parallelism: the global shape is the local
+    one times ``world`` on that axis); every other tensor is whole, the same on every rank
+    that holds it, ``replica_id`` telling copies apart (``0`` on the one that saves it, e.g.
+    the data-parallel rank). Other values (numbers, strings, ...) are kept as they are.
+    Load at another layout by building the template with that layout's ``split``/``rank``/
+    ``world``: ``examples/plain_api.py``.
+    """
+    from fnmatch import fnmatchcase
+
+    split = dict(split or {})
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"sharded_state_dict: rank {rank} is not in 0..world-1 (world={world})")
+    state = obj.state_dict() if hasattr(obj, "state_dict") and callable(obj.state_dict) else obj
+    if not isinstance(state, Mapping):
+        raise TypeError(f"sharded_state_dict: expected a model or a mapping, got {type(obj).__name__}")
+    used: set = set()
+
+    def axis_of(key: str) -> Optional[int]:
+        for pat, ax in split.items():
+            if pat == key or fnmatchcase(key, pat):
+                used.add(pat)
+                return ax
+        return None
+
+    def build(value: Any, rel: str) -> Any:
+        if isinstance(value, Mapping):
+            return {k: build(v, f"{rel}.{k}") for k, v in value.items()}
+        if not isinstance(value, torch.Tensor):
+            return value
+        key = prefix + rel
+        ax = axis_of(rel)
+        if ax is None:
+            return ShardedTensor(key, value, tuple(value.shape), (0,) * value.dim(), replica_id=replica_id)
+        if not -value.dim() <= ax < value.dim():
+            raise ValueError(f"sharded_state_dict: {key!r} has {value.dim()} dimensions; cannot split axis {ax}")
+        return ShardedTensor.from_rank_offsets(key, value, (ax % value.dim(), rank, world), replica_id=replica_id)
+
+    out = {k: build(v, str(k)) for k, v in state.items()}
+    unused = sorted(set(split) - used)
+    if unused:
+        raise ValueError(f"sharded_state_dict: split names {unused} but no tensor has such a key "
+                         f"(keys look like {sorted(out)[:3]})")
+    return out

@@ -363,6 +363,25 @@ def validate_entries(entries: list[MetaEntry], header: FileHeader, path: str,
                 f"{b.name!r} starts at {b.header_offset})")
 
 
+def zeroed_header_crcs(name: str, dtype: torch.dtype, shapes: Sequence[Sequence[int]], data_length: int,
+                       size: int) -> list[int]:
+    """CRC32s of the header (hash values zeroed) megashard's writer gives a tensor of this
+    name, dtype and data length, ``size`` bytes long (alignment padding included), one per
+    candidate shape that fits: what a tensor's CRC32 covers before its data, without reading it."""
+    from .dtypes import encode_dtype
+    from isal import isal_zlib
+
+    name_b, enc = name.encode("utf-8"), encode_dtype(dtype).encoded
+    out = []
+    for shape in shapes:
+        long_shape = any(d >= LONG_DIM for d in shape)
+        pad = size - header_size(len(name_b), len(enc), len(shape), long_shape)
+        if pad >= 0 and len(shape) <= 255:
+            out.append(isal_zlib.crc32(build_header(0, TENSOR_TYPE_STATE_DICT, name_b, enc, shape, long_shape,
+                                                    data_length, pad).buf))
+    return out
+
+
 def parse_header(buf: bytes, entry: MetaEntry, path: str) -> ParsedHeader:
     """Parse and cross-check one tensor header against its metadata entry.
 

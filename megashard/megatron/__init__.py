@@ -30,6 +30,7 @@ with warnings.catch_warnings():  # restores the process's filters on exit
     from .checkpointing import (
         TRACKER_FILENAME,
         async_request,
+        check_save_writable,
         checkpoint_dir,
         finalize_async_save,
         find_checkpoint,
@@ -76,6 +77,7 @@ __all__ = [
     "find_checkpoint",
     "is_megashard_checkpoint",
     "checkpoint_dir",
+    "check_save_writable",
     "read_tracker",
     "TRACKER_FILENAME",
 ]

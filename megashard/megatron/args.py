@@ -43,7 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if not _has(parser, "--megashard-verify-on-load"):
         group.add_argument(
             "--megashard-verify-on-load", action="store_true", default=False,
-            help="Verify the checksums of every file read while loading a megashard checkpoint.",
+            help="Also re-read, after the load, every file region it read and check its structure, "
+                 "CRC32 and SHA-256 (covers bytes a resharding load reads only in part).",
+        )
+    if not _has(parser, "--megashard-no-crc-on-load"):
+        group.add_argument(
+            "--megashard-no-crc-on-load", dest="megashard_crc_on_load", action="store_false", default=True,
+            help="Skip the CRC32 check of every saved tensor a load reads whole (on by default: a flipped "
+                 "bit fails the resume, naming the file and tensor, instead of training on).",
         )
     if not _has(parser, "--megashard-non-strict-load"):
         group.add_argument(

@@ -30,6 +30,7 @@ import torch
 
 from megashard import storage
 from megashard.errors import CheckpointError, StateDictError
+from megashard.sharded import looks_like_sharded_tensor
 
 from . import state as st
 from .state import get_logger
@@ -447,6 +448,7 @@ def load_checkpoint(
     from megashard.transport import Comm
 
     args = _get_args(args)
+    check_save_writable(args)  # a resume is at start-up: a read-only --save is reported now
     comm = Comm()
     target = target or resolve_load_target(args, load_arg)
     if target.pretrained:
@@ -477,6 +479,8 @@ def load_checkpoint(
     plan: Dict[str, Any] = {"fresh": st.FreshOptimizerState()}
 
     def prepare() -> Any:
+        if not finetune and common.get("args") is not None:  # first: one line, before any tensor is compared
+            check_checkpoint_args(args, ckpt_args)
         layout = plan["layout"] = _layout()
         ckpt_tp_pp = (getattr(ckpt_args, "tensor_model_parallel_size", 1),
                       getattr(ckpt_args, "pipeline_model_parallel_size", 1))
@@ -523,7 +527,6 @@ def load_checkpoint(
         flops = common.get("num_floating_point_operations_so_far",
                            loaded.get("num_floating_point_operations_so_far", 0)) or 0
         if not finetune and common.get("args") is not None:
-            check_checkpoint_args(args, ckpt_args)
             _restore_counters(args, ckpt_args)
         if not skip_load_to_model_and_opt:
             st.load_model_state(st.as_chunk_list(ddp_model), loaded, strict=strict)
@@ -547,7 +550,10 @@ def load_checkpoint(
         with torch.no_grad():
             loaded = _call(_api().load, prepared.request, ckpt,
                            mode=_flag(args, "megashard_load_mode", "auto") or "auto",
-                           strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")))
+                           strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")),
+                           check_crc=bool(_flag(args, "megashard_crc_on_load", True)))
+            if not strict_load:
+                loaded = _keep_unloaded(loaded, prepared.request)
         out, err = comm.run("load/restore", lambda: restore(loaded))
         comm.agree(err, "load (restore)")
     except BaseException:
@@ -565,12 +571,71 @@ def load_checkpoint(
     return iteration, num_flops
 
 
+def check_save_writable(args: Any = None) -> None:
+    """With ``--save-format tensors``: fail at start-up, on every rank and in one line, when
+    ``--save`` (or, if it does not exist yet, the directory it would be created in) cannot be
+    written, not after the first ``--save-interval`` of training. Collective; once per run.
+    A probe file is created there and removed (nothing else is touched)."""
+    import tempfile
+
+    from megashard.transport import Comm
+
+    from .args import uses_megashard_save
+
+    args = _get_args(args)
+    save = getattr(args, "save", None)
+    if not save or not uses_megashard_save(args) or storage.is_url(str(save)) \
+            or getattr(args, "_megashard_save_checked", False):
+        return
+
+    def check() -> None:
+        probe = os.path.abspath(str(save))
+        while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=probe, prefix=".megashard-writable-")
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as e:
+            raise CheckpointError(f"--save {save}: cannot write in {probe} ({e.strerror}); make it writable "
+                                  "or pass another --save (checked at start-up, before training)") from None
+
+    comm = Comm()
+    _, err = comm.run("save/writable", check)
+    comm.agree(err, "start-up check of --save")
+    args._megashard_save_checked = True
+
+
+def _keep_unloaded(loaded: Any, request: Any) -> Any:
+    """--megashard-non-strict-load: a shard the checkpoint cannot fill (``None`` from
+    :func:`megashard.load`) keeps its current value, the model's or optimizer's own tensor."""
+    if loaded is None and looks_like_sharded_tensor(request):
+        return request.data
+    if isinstance(loaded, dict) and isinstance(request, dict):
+        for k in loaded:
+            if k in request:
+                loaded[k] = _keep_unloaded(loaded[k], request[k])
+    elif isinstance(loaded, list) and isinstance(request, (list, tuple)):
+        for i in range(min(len(loaded), len(request))):
+            loaded[i] = _keep_unloaded(loaded[i], request[i])
+    return loaded
+
+
+# the arguments that fix a model's tensor shapes (Megatron's check_checkpoint_args compares the
+# first three; the parallel sizes may differ: megashard reshards)
+ARCH_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+             "kv_channels", "num_experts", "moe_ffn_hidden_size")
+
+
 def check_checkpoint_args(args: Any, ckpt_args: Any) -> None:
-    """Megatron's ``check_checkpoint_args``: the model architecture must match the checkpoint's."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads"):
-        if hasattr(args, name) and hasattr(ckpt_args, name) and getattr(args, name) != getattr(ckpt_args, name):
-            raise CheckpointError(f"{name} value from checkpoint ({getattr(ckpt_args, name)}) is not equal to "
-                             f"the input argument value ({getattr(args, name)})")
+    """Megatron's ``check_checkpoint_args``, run before any tensor is compared: a resume with
+    another model size fails in one line naming the argument and both values."""
+    for name in ARCH_ARGS:
+        mine, saved = getattr(args, name, None), getattr(ckpt_args, name, None)
+        if mine is not None and saved is not None and mine != saved:
+            raise CheckpointError(f"{name} value from checkpoint ({saved}) is not equal to the input argument "
+                                  f"value ({mine}): resume with the checkpoint's --{name.replace('_', '-')} "
+                                  "(or start a new run with another --save)")
 
 
 def _restore_counters(args: Any, ckpt_args: Any) -> None:

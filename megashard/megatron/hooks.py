@@ -78,6 +78,7 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
     def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                         strict: bool = True, *args: Any, **kwargs: Any) -> Any:
         margs = _megatron_args()
+        ms_ckpt.check_save_writable(margs)  # start-up: a read-only --save fails now, also for Megatron's loads
         if any(storage.is_url(u) and not str(u).startswith("s3://")
                for u in (getattr(margs, a, None) for a in (load_arg, "pretrained_checkpoint"))):
             # another URL (Megatron's msc:// for torch_dist) is Megatron's; megashard reads s3:// itself
@@ -120,6 +121,7 @@ def install() -> Dict[str, bool]:
     save_w = make_save_wrapper(original_save)
     load_w = make_load_wrapper(original_load, ckpt_module)
     done: Dict[str, bool] = {}
+    _wrap_setup()
     for name in _MODULES:
         try:
             mod = importlib.import_module(name)
@@ -136,6 +138,29 @@ def install() -> Dict[str, bool]:
         done[name] = True
     log.info("megashard installed into %s", ", ".join(k for k, v in done.items() if v))
     return done
+
+
+def _wrap_setup() -> None:
+    """Megatron-LM calls ``load_checkpoint`` at start-up only with ``--load``;
+    ``setup_model_and_optimizer`` runs on every start: it checks a megashard ``--save`` first."""
+    import importlib
+
+    try:
+        mod = importlib.import_module("megatron.training.training")
+    except ImportError:
+        return
+    current = getattr(mod, "setup_model_and_optimizer", None)
+    if current is None or hasattr(current, "__megashard_wrapped__"):
+        return
+
+    @functools.wraps(current)
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        ms_ckpt.check_save_writable(_megatron_args())
+        return current(*args, **kwargs)
+
+    setup_model_and_optimizer.__megashard_wrapped__ = current  # type: ignore[attr-defined]
+    _PATCHED.append((mod, "setup_model_and_optimizer", current))
+    mod.setup_model_and_optimizer = setup_model_and_optimizer
 
 
 def uninstall() -> None:
