@@ -12,7 +12,7 @@ import torch
 import megashard
 from megashard import CheckpointError, MegashardError, storage
 from megashard.cli import main as cli_main
-from megashard.copy import CopyInputError, copy
+from megashard.copy import copy
 from megashard.format import write_file
 from megashard.format.streamverify import StreamVerifier
 from megashard.errors import FormatError
