@@ -3,7 +3,9 @@
 Collectives per save, whatever the world size (none per tensor):
   1. *plan*: every rank sends its announcement (shards, objects, state-tree parts) to
      rank 0, which validates the whole (:func:`megashard.plan.coordinate_save`) and sends
-     each rank only its own writer assignment;
+     each rank only its own writer assignment. A save whose layout equals the previous
+     save's on every rank reuses that plan instead (one all-reduce of four integers, then
+     rank 0 broadcasts the save's token; see :func:`plan_vote`);
   2. every rank writes its files into a shared temporary directory and fsyncs them;
   3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 checks that
      every reported file is in the directory with its size, writes the index

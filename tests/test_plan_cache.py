@@ -149,3 +149,50 @@ def test_plan_cache_reuses_only_an_unchanged_layout_and_every_checkpoint_is_exac
     assert all(os.path.exists(os.path.join(base, n, "manifest.json")) for n in names)
     assert all(all_ok(run_ranks(_new_job, 2, base, timeout=200)))
     assert os.path.exists(os.path.join(base, "job2_21", "manifest.json"))
+
+
+# -- the vote alone (plain data, no processes) ------------------------------------------------
+
+
+def _messages(world: int, args=None, rows: int = 8):
+    """Announcements of ``world`` ranks holding replicas of one tensor, with shared and
+    rank-local state-tree parts (``args[r]``: rank r's args part id)."""
+    from megashard import plan
+
+    out = []
+    for r in range(world):
+        entries = [["w", "float32", [rows, 6], [0, 0], [rows, 6], None, rows * 24]]
+        blobs = [("iteration", "a" * 32), ("args", (args or {}).get(r, "b" * 32)), ("local", f"rank{r}/local")]
+        msg, _ = plan.announcement(entries, [r == 0], [], [], blobs)
+        out.append(msg)
+    return out
+
+
+def _agreed(entries, msgs) -> bool:
+    world = len(msgs)
+    total = [0, 0, 0]
+    for r, (e, m) in enumerate(zip(entries, msgs)):
+        total = [a + b for a, b in zip(total, saving.plan_vote(e, m, r, world))]
+    return saving.plan_agreed(total)
+
+
+def test_vote_agrees_only_when_every_rank_holds_the_same_plan_and_grouping():
+    msgs = _messages(4)
+    replies = saving.coordinate(msgs, "t")
+    entries = [saving.remember_plan(m, rep) for m, rep in zip(msgs, replies)]
+    assert _agreed(entries, msgs)
+    # new content of shared parts (the iteration), same grouping: reused, the same uploader sends the new part
+    new = _messages(4, args={r: "c" * 32 for r in range(4)})
+    assert _agreed(entries, new)
+    assert [saving.cached_reply(e, m)["blobs"] for e, m in zip(entries, new)] == \
+        [["a" * 32, "c" * 32, "rank0/local"], ["rank1/local"], ["rank2/local"], ["rank3/local"]]
+    # one rank's shared part now differs from its uploader's: nobody would upload it -> plan afresh
+    assert not _agreed(entries, _messages(4, args={2: "d" * 32}))
+    # a changed shape on one rank, or one rank without a cached plan: plan afresh
+    assert not _agreed(entries, _messages(4, rows=10)[:1] + msgs[1:])
+    assert not _agreed([None] + entries[1:], msgs)
+    # one rank's plan is another save's (same layout, another plan id): plan afresh
+    other = [saving.remember_plan(m, rep) for m, rep in zip(msgs, saving.coordinate(msgs, "u"))]
+    assert other[3].plan_id != entries[3].plan_id
+    assert not _agreed(entries[:3] + other[3:], msgs)
+    assert _agreed(other, msgs)
