@@ -12,6 +12,7 @@ import torch
 
 import megashard
 from megashard import saving
+from megashard.errors import CheckpointError, DistributedError
 from megashard.sharded import ShardedTensor
 
 from bitexact import assert_same
@@ -123,6 +124,19 @@ def _steps(rank, world, base):
     megashard.save(_state(12, rank, world, **kw), os.path.join(base, "after_world2"))
     reused.append(before is not None and _plan_id(world, rank) == before)
     _check(rank, world, os.path.join(base, "after_world2"), _state(12, rank, world, **kw), kw)
+    # a reused plan whose target rank 0 refuses: every rank raises, nothing is written, the plan stays
+    refused = os.path.join(base, "refused")
+    if rank == 0:
+        with open(refused, "wb") as f:
+            f.write(b"precious")
+    dist.barrier()
+    before = _plan_id(world, rank)
+    try:
+        megashard.save(_state(13, rank, world, **kw), refused)
+        err = None
+    except CheckpointError as e:
+        err = (isinstance(e, DistributedError), refused in str(e) and "it is a file, not a directory" in str(e))
+    reused.append((err, _plan_id(world, rank) == before))
     return reused
 
 
@@ -139,12 +153,14 @@ def _new_job(rank, world, base):
 def test_plan_cache_reuses_only_an_unchanged_layout_and_every_checkpoint_is_exact(tmp_path):
     base = str(tmp_path)
     res = all_ok(run_ranks(_steps, 4, base, timeout=400))
-    expected = [r for *_, r in STEPS] + [True, True]
+    expected = [r for *_, r in STEPS] + [True, True, ((True, True), True)]
     for rank, got in enumerate(res):
         assert got == expected, f"rank {rank}: reused {got}, expected {expected}"
     assert _records(os.path.join(base, "reused")) == _records(os.path.join(base, "fresh"))
     # nothing cached on disk: every directory here is a checkpoint this test saved
-    names = set(os.listdir(base))
+    with open(os.path.join(base, "refused"), "rb") as f:
+        assert f.read() == b"precious"
+    names = set(os.listdir(base)) - {"refused"}
     assert names == {n for n, *_ in STEPS} | {"reused", "fresh", "world2", "after_world2"}
     assert all(os.path.exists(os.path.join(base, n, "manifest.json")) for n in names)
     assert all(all_ok(run_ranks(_new_job, 2, base, timeout=200)))
