@@ -14,6 +14,16 @@ data). The functions are the ones ``megashard.save`` / ``megashard.load`` run:
   of its state tree, ``loading.plan_shard`` for every ShardedTensor of its template (own mode)
   and ``index.object`` for every ShardedObject.
 
+A second, steady-state save of the same state follows: every rank votes with the plan it
+cached (``saving.remember_plan`` / ``plan_vote`` / ``cached_reply``, the plan cache ``save``
+uses), the summed votes must agree and give every rank its first reply, and rank 0 decodes
+the commit and builds the index again. ``rank0_s`` is everything rank 0 does in the first
+save (its own announcement, decoding the plan gather, planning, encoding the replies,
+decoding the commit gather, the index); ``rank0_steady_s`` the same for the steady-state save
+(its vote, decoding the commit, the index); ``max_rank_recv_bytes`` what rank 0 receives in the
+first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
+collective.
+
 Message sizes are those of the JSON the collectives carry (``transport.Comm.gather_json`` /
 ``scatter_json``: each message its own size, plus 8 bytes of size exchange).
 ``coordinator_peak_mb`` is the peak resident memory the coordinator's work adds on top of
