@@ -299,14 +299,26 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             w = obj_writer[u]
             if w in rset:
                 obj_writes[w].append(i)
+    # state-tree blobs: the first rank holding one uploads it; every rank also learns the
+    # uploader of each of its blobs, and the uploader how many entries share it, which is what
+    # lets a later save with the same plan check in one all-reduce that the blobs still group
+    # the same way (megashard.saving.plan_vote)
     blob_owner: Dict[str, int] = {}
+    blob_count: Dict[str, int] = {}
+    for rank, m in enumerate(messages):
+        for _key, sha, *_ in m["blobs"]:
+            blob_owner.setdefault(sha, rank)
+            blob_count[sha] = blob_count.get(sha, 0) + 1
     replies: List[Dict[str, Any]] = []
     for rank, m in enumerate(messages):
-        upload = []
-        for _key, sha, *_ in m["blobs"]:
-            if blob_owner.setdefault(sha, rank) == rank and sha not in upload:
+        upload: List[str] = []
+        lead: List[List[int]] = []  # [entry index, entries sharing it] of the blobs this rank uploads
+        for j, (_key, sha, *_) in enumerate(m["blobs"]):
+            if blob_owner[sha] == rank and sha not in upload:
                 upload.append(sha)
-        replies.append({"write": sorted(writes[rank]), "objects": obj_writes[rank], "blobs": upload})
+                lead.append([j, blob_count[sha]])
+        replies.append({"write": sorted(writes[rank]), "objects": obj_writes[rank], "blobs": upload,
+                        "blob_owners": [blob_owner[sha] for _key, sha, *_ in m["blobs"]], "blob_lead": lead})
     return SaveAssignment(replies, tensors, blob_owner)
 
 

@@ -3,7 +3,9 @@
 Collectives per save, whatever the world size (none per tensor):
   1. *plan*: every rank sends its announcement (shards, objects, state-tree parts) to
      rank 0, which validates the whole (:func:`megashard.plan.coordinate_save`) and sends
-     each rank only its own writer assignment;
+     each rank only its own writer assignment. A save whose layout equals the previous
+     save's on every rank reuses that plan instead (one all-reduce of four integers, then
+     rank 0 broadcasts the save's token; see :func:`plan_vote`);
   2. every rank writes its files into a shared temporary directory and fsyncs them;
   3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 checks that
      every reported file is in the directory with its size, writes the index
@@ -38,7 +40,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from . import async_save as async_save_mod, jsonstate, plan, storage
-from .errors import NoSpaceError, StateDictError, no_space_error
+from .errors import DistributedError, NoSpaceError, StateDictError, distributed_error, no_space_error
 from .format import write_file
 from .logs import log_summary, rank_prefix
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
@@ -225,7 +227,132 @@ def coordinate(messages: List[Dict[str, Any]], token: str, keep: Optional[_Coord
         raise StateDictError(str(e)) from None
     if keep is not None:
         keep.tensors = assignment.tensors
-    return [dict(r, token=token) for r in assignment.replies]
+    plan_id = secrets.randbits(62)  # names this plan in later saves' votes (plan_vote)
+    return [dict(r, token=token, plan=plan_id) for r in assignment.replies]
+
+
+# ---------------------------------------------------------------------------
+# the plan cache: a save whose announcement equals the previous save's on every rank reuses
+# that save's plan (writer assignment, and on rank 0 the index's tensor table) after one
+# all-reduce of four integers instead of gathering every announcement on rank 0.
+#
+# Kept in each process's memory only (never on disk: nothing to trust or clean up); a new
+# job starts empty. A rank may reuse its entry when its announcement's layout (shards with
+# dtype, global shape, offsets, flat ranges and replica flags, objects, state-tree keys) has
+# the digest it had; the all-reduce then checks that every rank may, that every rank holds
+# the same plan, and that the state-tree blobs (whose content, e.g. the iteration, changes
+# from save to save) still group as they did, so that each blob's uploader still holds what
+# every rank sharing it holds. The last two are sums of hashes modulo two 31-bit primes that
+# are zero when all is as planned (and, otherwise, zero with probability about 2**-62).
+
+_LANES = (2147483647, 2147483629)  # primes
+
+
+@dataclass
+class PlanEntry:
+    """What one rank keeps of the last plan it took part in."""
+
+    plan_id: int
+    digest: str  # plan_digest of this rank's announcement
+    write: List[int]
+    objects: List[int]
+    owners: List[int]  # uploader rank of each of this rank's state-tree blob entries
+    lead: List[Tuple[int, int]]  # (entry, entries sharing it on all ranks) of the blobs this rank uploads
+    tensors: Dict[str, Tuple[str, Tuple[int, ...]]]  # rank 0: the index's tensor table; else empty
+
+
+_PLAN_CACHE: Dict[Tuple[int, int], PlanEntry] = {}  # (world size, rank) -> the last plan
+
+
+def plan_digest(msg: Mapping[str, Any]) -> str:
+    """The layout an announcement describes, without the content hashes of shared state-tree
+    parts (they change every save; :func:`plan_vote` checks how they group)."""
+    layout = [msg["fixed"], msg["flat"], msg["main"], msg["objects"], msg["objects_main"],
+              [[k, pid if pid.startswith("rank") else ""] for k, pid, *_ in msg["blobs"]]]
+    return hashlib.sha256(_dumps(layout).encode()).hexdigest()
+
+
+def remember_plan(msg: Mapping[str, Any], reply: Mapping[str, Any],
+                  tensors: Optional[Mapping[str, Tuple[str, Tuple[int, ...]]]] = None) -> PlanEntry:
+    """The cache entry of a plan this rank received (rank 0 also keeps ``tensors``)."""
+    return PlanEntry(int(reply["plan"]), plan_digest(msg), list(reply["write"]), list(reply["objects"]),
+                     [int(o) for o in reply["blob_owners"]], [(int(j), int(n)) for j, n in reply["blob_lead"]],
+                     dict(tensors or {}))
+
+
+def _lane_hash(*parts: Any) -> Tuple[int, int]:
+    d = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(d[:8], "little") % _LANES[0], int.from_bytes(d[8:16], "little") % _LANES[1]
+
+
+def plan_vote(entry: Optional[PlanEntry], msg: Mapping[str, Any], rank: int, world: int) -> List[int]:
+    """This rank's part of the all-reduce (sum): ``[misses, lane, lane]``. Summed over the
+    ranks, the plan may be reused when :func:`plan_agreed` holds: no rank missed, every rank
+    names rank 0's plan id, and each blob's entries all hash like their uploader's."""
+    if entry is None or entry.digest != plan_digest(msg) or len(entry.owners) != len(msg["blobs"]):
+        return [1, 0, 0]
+    v = [0, 0]
+
+    def add(h: Tuple[int, int], times: int) -> None:
+        v[0] = (v[0] + times * h[0]) % _LANES[0]
+        v[1] = (v[1] + times * h[1]) % _LANES[1]
+
+    add(_lane_hash("plan", entry.plan_id), 1 - world if rank == 0 else 1)  # zero iff every rank has rank 0's id
+    pids = [b[1] for b in msg["blobs"]]
+    for j, o in enumerate(entry.owners):  # zero iff every entry holds what its uploader holds
+        add(_lane_hash(entry.plan_id, o, pids[j]), -1)
+    for j, n in entry.lead:
+        add(_lane_hash(entry.plan_id, rank, pids[j]), n)
+    return [0] + v
+
+
+def plan_agreed(total: Sequence[int]) -> bool:
+    """Whether the summed :func:`plan_vote` lets every rank reuse its plan."""
+    return total[0] == 0 and total[1] % _LANES[0] == 0 and total[2] % _LANES[1] == 0
+
+
+def cached_reply(entry: PlanEntry, msg: Mapping[str, Any]) -> Dict[str, Any]:
+    """The reply this rank's plan gives for this save: its writes, and the blobs it uploads
+    (their current content hashes)."""
+    pids = [b[1] for b in msg["blobs"]]
+    return {"write": entry.write, "objects": entry.objects, "blobs": list(dict.fromkeys(pids[j] for j, _n in entry.lead))}
+
+
+def _reuse_plan(comm: Comm, msg: Any, err: Optional[str], keep: _Coordinator, target: Any,
+                token: str) -> Optional[Dict[str, Any]]:
+    """Collective: this save's reply from the cached plan, or None (every rank alike) when
+    any rank failed to prepare or cannot reuse it; then the full plan runs, which also
+    reports the failures."""
+    key = (comm.world_size, comm.rank)
+    entry = _PLAN_CACHE.get(key) if err is None else None
+    vote = plan_vote(entry, msg, comm.rank, comm.world_size) if entry is not None else [1, 0, 0]
+    try:
+        total = comm.all_reduce([1 if err else 0] + vote, "sum")
+    except DistributedError as e:
+        raise comm._with_own(e, err, "save") from None
+    if total[0] or not plan_agreed(total[1:]) or entry is None:
+        _PLAN_CACHE.pop(key, None)
+        return None
+
+    def start() -> Dict[str, Any]:  # rank 0: what plan_save does besides planning
+        target.check()
+        keep.tensors = entry.tensors
+        keep.temp_dir = target.create(token)
+        return {"token": token}
+
+    with _discard_on_failure(keep):
+        out: Any = None
+        if comm.rank == 0:
+            got, e = comm.run("save", start)
+            out = got if e is None else {"failures": {"0": e}}
+        try:
+            out = comm.broadcast_json(out, 0)
+        except DistributedError as e:
+            raise comm._with_own(e, None, "save") from None
+        if "failures" in out:
+            raise distributed_error({int(r): m for r, m in out["failures"].items()}, "save")
+    log.debug("%ssave reuses plan %x", rank_prefix(comm), entry.plan_id)
+    return dict(cached_reply(entry, msg), token=out["token"])
 
 
 def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordinator, target: Any, token: str,
@@ -350,8 +477,11 @@ def save(
         keep.temp_dir = target.create(token)
         return replies
 
-    with _discard_on_failure(keep):
-        reply = comm.coordinate("save", err, msg, plan_save)  # collective 1
+    reply = _reuse_plan(comm, msg, err, keep, target, token)  # collective 1: the plan cache's vote
+    if reply is None:
+        with _discard_on_failure(keep):
+            reply = comm.coordinate("save", err, msg, plan_save)  # collective 1': the full plan
+        _PLAN_CACHE[(comm.world_size, comm.rank)] = remember_plan(msg, reply, keep.tensors)
     temp_dir = target.temp_location(reply["token"])
     finish = partial(_finish_save, keep=keep, target=target, token=reply["token"], final_dir=final_dir, layout=layout,
                      t0=t0, fsync=fsync, is_async=async_save)

@@ -14,6 +14,16 @@ data). The functions are the ones ``megashard.save`` / ``megashard.load`` run:
   of its state tree, ``loading.plan_shard`` for every ShardedTensor of its template (own mode)
   and ``index.object`` for every ShardedObject.
 
+A second, steady-state save of the same state follows: every rank votes with the plan it
+cached (``saving.remember_plan`` / ``plan_vote`` / ``cached_reply``, the plan cache ``save``
+uses), the summed votes must agree and give every rank its first reply, and rank 0 decodes
+the commit and builds the index again. ``rank0_s`` is everything rank 0 does in the first
+save (its own announcement, decoding the plan gather, planning, encoding the replies,
+decoding the commit gather, the index); ``rank0_steady_s`` the same for the steady-state save
+(its vote, decoding the commit, the index); ``max_rank_recv_bytes`` what rank 0 receives in the
+first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
+collective.
+
 Message sizes are those of the JSON the collectives carry (``transport.Comm.gather_json`` /
 ``scatter_json``: each message its own size, plus 8 bytes of size exchange).
 ``coordinator_peak_mb`` is the peak resident memory the coordinator's work adds on top of
@@ -90,14 +100,21 @@ def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool) -> saving
 
 def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[str, Any]:
     """Every rank announces; the coordinator plans; every rank "writes"; the coordinator
-    builds the index. Returns the figures and the index bytes."""
+    builds the index. Then the same save again as a steady-state save: every rank votes
+    with the plan it cached (``saving.plan_vote``), the votes must agree and give every rank
+    the reply it had; rank 0 decodes the commit and builds the index again. Returns the
+    figures and the index bytes."""
     world = layout.world
     t0 = time.perf_counter()
-    t_decode = 0.0  # rank 0 parsing what it receives (both gathers)
+    t_decode = 0.0  # rank 0 parsing what it receives in the plan gather
+    t_rank0_own = 0.0  # rank 0's own state, announcement and vote
     messages, send = [], []
     for r in range(world):
+        t1 = time.perf_counter()
         st = _save_state(model, layout, r, quirk)
         msg = saving.announce(st, r)
+        if r == 0:
+            t_rank0_own += time.perf_counter() - t1
         payload = {"error": None, "payload": msg}
         send.append(_wire(payload))
         text = json.dumps({"error": None, "payload": msg})
@@ -112,10 +129,32 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     keep = saving._Coordinator()
     replies = saving.coordinate(messages, "simulated", keep)
     t_plan = time.perf_counter() - t0
-    recv = [_wire({"ok": rep}) for rep in replies]
+    t0 = time.perf_counter()
+    reply_texts = [json.dumps({"ok": rep}, separators=(",", ":")) for rep in replies]  # what the scatter sends
+    t_encode = time.perf_counter() - t0
+    recv = [len(t.encode()) for t in reply_texts]
+    del reply_texts
+
+    # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
+    t0 = time.perf_counter()
+    total = [0, 0, 0]
+    steady_replies_ok = True
+    for r in range(world):
+        t1 = time.perf_counter()
+        entry = saving.remember_plan(messages[r], replies[r], keep.tensors if r == 0 else None)
+        vote = saving.plan_vote(entry, messages[r], r, world)
+        reuse = saving.cached_reply(entry, messages[r])
+        if r == 0:
+            t_rank0_own += time.perf_counter() - t1
+            t_vote0 = time.perf_counter() - t1
+        total = [a + b for a, b in zip(total, vote)]
+        steady_replies_ok &= all(reuse[k] == replies[r][k] for k in ("write", "objects", "blobs"))
+    t_votes = time.perf_counter() - t0
+    agreed = saving.plan_agreed(total)
     del messages
 
     t0 = time.perf_counter()
+    t_decode_commit = 0.0
     results, commit_send = [], []
     for r in range(world):
         st = _save_state(model, layout, r, quirk)
@@ -126,25 +165,46 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
         text = json.dumps({"error": None, "payload": res})
         t1 = time.perf_counter()
         results.append(json.loads(text)["payload"])
-        t_decode += time.perf_counter() - t1
+        t_decode_commit += time.perf_counter() - t1
     t_write = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    head, sections = saving.build_index(results, keep.tensors, world, {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp})
+    layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+    head, sections = saving.build_index(results, keep.tensors, world, layout_doc)
     t_index = time.perf_counter() - t0
     peak_after = _status_kib("VmHWM") * 1024
-    del results
+    t0 = time.perf_counter()  # the steady-state save's commit: the same records, the index again
+    head2, sections2 = saving.build_index(results, keep.tensors, world, layout_doc)
+    t_index_steady = time.perf_counter() - t0
+    same_index = sections2 == sections
+    del results, head2, sections2
+    plan_recv = sum(send) + SIZE_EXCHANGE * (world - 1)
+    commit_recv = sum(commit_send) + SIZE_EXCHANGE * (world - 1)
+    rank0 = t_rank0_own + t_decode + t_plan + t_encode + t_decode_commit + t_index
+    rank0_steady = t_vote0 + t_decode_commit + t_index_steady
     return {
         "world": world,
+        # the issue's figures (seconds and bytes of rank 0 / of the busiest rank)
+        "rank0_s": round(rank0, 3),
+        "rank0_steady_s": round(rank0_steady, 3),
+        "max_rank_recv_bytes": plan_recv + commit_recv,  # rank 0, first save
+        "max_rank_recv_bytes_steady": commit_recv + 8 * 3,  # rank 0: the commit and the vote
+        "rank0_parts_s": {"own": round(t_rank0_own, 3), "decode_plan": round(t_decode, 3), "plan": round(t_plan, 3),
+                          "encode_replies": round(t_encode, 3), "decode_commit": round(t_decode_commit, 3),
+                          "index": round(t_index, 3), "steady_vote": round(t_vote0, 6),
+                          "steady_index": round(t_index_steady, 3)},
+        "steady_plan_reused": bool(agreed and steady_replies_ok and same_index),
+        "steady_votes_s_all_ranks": round(t_votes, 2),
         "announce_s_all_ranks": round(t_announce, 2),
         "coordinator_plan_s": round(t_plan, 3),
         "coordinator_index_s": round(t_index, 3),
         "coordinator_s": round(t_plan + t_index, 3),
-        "coordinator_decode_s": round(t_decode, 3),
+        "coordinator_decode_s": round(t_decode + t_decode_commit, 3),
         "coordinator_peak_mb": round(max(0, peak_after - rss_before) / 2**20, 1) if peak_ok else None,
         "coordinator_recv_bytes": sum(send) + sum(commit_send),
         "max_rank_send_bytes": {"save/plan": max(send) + SIZE_EXCHANGE, "save/commit": max(commit_send) + SIZE_EXCHANGE},
-        "max_rank_recv_bytes": {"save/plan": max(recv[1:] or recv) + SIZE_EXCHANGE, "save/commit": 16 + SIZE_EXCHANGE},
+        "max_other_rank_recv_bytes": {"save/plan": max(recv[1:] or recv) + SIZE_EXCHANGE,
+                                      "save/commit": 16 + SIZE_EXCHANGE, "save/plan steady": 8 * 3 + 32},
         "write_records_s_all_ranks": round(t_write, 2),
         "index_bytes": len(head) + len(sections),
         "index_head_bytes": len(head),

@@ -1,0 +1,214 @@
+"""The save plan cache (megashard.saving: plan_vote / _reuse_plan) across 4 real gloo ranks.
+
+A save whose layout equals the previous save's reuses its plan after one all-reduce; a
+changed key, shape, dtype, replica flag, state-tree grouping or world size plans afresh.
+Every checkpoint, reused plan or not, loads back bit-exact, and a reused plan writes the
+same files and records as a fresh plan of the same state."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import megashard
+from megashard import saving
+from megashard.errors import CheckpointError, DistributedError
+from megashard.sharded import ShardedTensor
+
+from bitexact import assert_same
+from distributed import all_ok, run_ranks
+
+
+def _values(step: int, rank: int, shape, dtype) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float64).reshape(shape) * (step + 1) + rank * 1000 + 0.25).to(dtype)
+
+
+def _state(step: int, rank: int, world: int, *, bias_key: str = "b", rows: int = 8,
+           m_dtype: torch.dtype = torch.float32, args_by_rank: bool = False, main_bias_rank: int = 0,
+           empty: bool = False) -> dict:
+    """TP2 x DP(world/2): ``w`` split by rows over TP, replicated over DP; ``bias_key``
+    replicated on every rank; ``m`` a distributed-optimizer state (each TP chunk cut in DP
+    flat ranges); plain values (shared, per rank) and a rank-local tensor."""
+    tp, dp, ndp = rank % 2, rank // 2, world // 2
+    half = rows // 2
+    w = _values(step, tp, (half, 6), torch.float32)
+    b = _values(step, 0, (6,), torch.bfloat16)
+    chunk = _values(step + 7, tp, (half * 6,), m_dtype)
+    per = half * 6 // ndp
+    m = chunk[dp * per:(dp + 1) * per].clone()
+    local = _values(step, rank, (3,), torch.float64)
+    if empty:
+        w, b, m, local = torch.zeros_like(w), torch.zeros_like(b), torch.zeros_like(m), torch.zeros_like(local)
+    return {
+        "model": {
+            "w": ShardedTensor("w", w, (rows, 6), (tp * half, 0), replica_id=dp),
+            bias_key: ShardedTensor(bias_key, b, (6,), (0,), replica_id=0 if rank == main_bias_rank else 1),
+        },
+        "optimizer": {"m": ShardedTensor("m", m, (rows, 6), (tp * half, 0), replica_id=0, local_shape=(half, 6),
+                                         dtype=m_dtype, flattened_range=slice(dp * per, (dp + 1) * per))},
+        "iteration": 100 + step,
+        "args": {"lr": 0.5 if args_by_rank and rank == 3 else 0.25, "layers": [1, 2, 3]},
+        "note": {"rank": rank},
+        "local": local,
+    }
+
+
+def _check(rank: int, world: int, path: str, saved: dict, kw: dict, pg=None) -> None:
+    """Load ``path`` into a zero template and compare bit-exact with what was saved."""
+    tmpl = _state(0, rank, world, empty=True, **kw)
+    out = megashard.load(tmpl, path, process_group=pg)
+    for part, key in (("model", "w"), ("model", kw.get("bias_key", "b")), ("optimizer", "m")):
+        assert_same(out[part][key], saved[part][key].data)
+    assert_same(out["local"], saved["local"])
+    assert out["iteration"] == saved["iteration"] and out["args"] == saved["args"] and out["note"] == saved["note"]
+
+
+# (name, step, state keywords, plan reused?)
+STEPS = [
+    ("first", 0, {}, False),
+    ("same_layout_new_values", 1, {}, True),
+    ("key_renamed", 2, {"bias_key": "bias"}, False),
+    ("renamed_again", 3, {"bias_key": "bias"}, True),
+    ("shape_changed", 4, {"bias_key": "bias", "rows": 12}, False),
+    ("dtype_changed", 5, {"bias_key": "bias", "rows": 12, "m_dtype": torch.bfloat16}, False),
+    ("main_replica_moved", 6, {"bias_key": "bias", "rows": 12, "m_dtype": torch.bfloat16, "main_bias_rank": 2}, False),
+    ("args_differ_on_rank3", 7, {"bias_key": "bias", "rows": 12, "m_dtype": torch.bfloat16, "main_bias_rank": 2,
+                                 "args_by_rank": True}, False),
+    ("args_still_differ", 8, {"bias_key": "bias", "rows": 12, "m_dtype": torch.bfloat16, "main_bias_rank": 2,
+                              "args_by_rank": True}, True),
+    # groups that merge keep their uploaders (ranks 0 and 3 both upload the same args): reused
+    ("args_agree_again", 9, {"bias_key": "bias", "rows": 12, "m_dtype": torch.bfloat16, "main_bias_rank": 2}, True),
+]
+
+
+def _plan_id(world: int, rank: int):
+    e = saving._PLAN_CACHE.get((world, rank))
+    return e.plan_id if e is not None else None
+
+
+def _records(path: str) -> dict:
+    m = megashard.read_manifest(path)
+    return {k: sorted((s.offset, s.shape, s.flat, s.file, s.name, s.nbytes, s.data_offset) for s in t.shards)
+            for k, t in m.tensors.items()}
+
+
+def _steps(rank, world, base):
+    import torch.distributed as dist
+
+    reused = []
+    for name, step, kw, _ in STEPS:
+        before = _plan_id(world, rank)
+        sd = _state(step, rank, world, **kw)
+        path = os.path.join(base, name)
+        megashard.save(sd, path)
+        after = _plan_id(world, rank)
+        reused.append(before is not None and before == after)
+        _check(rank, world, path, _state(step, rank, world, **kw), kw)
+    # a reused plan writes what a fresh plan of the same state writes
+    kw = STEPS[-1][2]
+    megashard.save(_state(10, rank, world, **kw), os.path.join(base, "reused"))
+    reused.append(_plan_id(world, rank) == after)
+    saving._PLAN_CACHE.clear()
+    megashard.save(_state(10, rank, world, **kw), os.path.join(base, "fresh"))
+    # another world size in the same job: a group of 2 plans afresh, and the 4-rank plan survives it
+    g2 = dist.new_group([0, 1])
+    if rank < 2:
+        sd2 = _state(11, rank, 2)
+        megashard.save(sd2, os.path.join(base, "world2"), process_group=g2)
+        _check(rank, 2, os.path.join(base, "world2"), _state(11, rank, 2), {}, g2)
+    dist.barrier()
+    before = _plan_id(world, rank)
+    megashard.save(_state(12, rank, world, **kw), os.path.join(base, "after_world2"))
+    reused.append(before is not None and _plan_id(world, rank) == before)
+    _check(rank, world, os.path.join(base, "after_world2"), _state(12, rank, world, **kw), kw)
+    # a reused plan whose target rank 0 refuses: every rank raises, nothing is written, the plan stays
+    refused = os.path.join(base, "refused")
+    if rank == 0:
+        with open(refused, "wb") as f:
+            f.write(b"precious")
+    dist.barrier()
+    before = _plan_id(world, rank)
+    try:
+        megashard.save(_state(13, rank, world, **kw), refused)
+        err = None
+    except CheckpointError as e:
+        err = (isinstance(e, DistributedError), refused in str(e) and "it is a file, not a directory" in str(e))
+    reused.append((err, _plan_id(world, rank) == before))
+    return reused
+
+
+def _new_job(rank, world, base):
+    """A new job (fresh processes) of another world size: nothing cached, a correct checkpoint."""
+    assert _plan_id(world, rank) is None and not saving._PLAN_CACHE
+    for step in (20, 21):
+        path = os.path.join(base, f"job2_{step}")
+        megashard.save(_state(step, rank, world), path)
+        _check(rank, world, path, _state(step, rank, world), {})
+    return _plan_id(world, rank) is not None
+
+
+def test_plan_cache_reuses_only_an_unchanged_layout_and_every_checkpoint_is_exact(tmp_path):
+    base = str(tmp_path)
+    res = all_ok(run_ranks(_steps, 4, base, timeout=400))
+    expected = [r for *_, r in STEPS] + [True, True, ((True, True), True)]
+    for rank, got in enumerate(res):
+        assert got == expected, f"rank {rank}: reused {got}, expected {expected}"
+    assert _records(os.path.join(base, "reused")) == _records(os.path.join(base, "fresh"))
+    # nothing cached on disk: every directory here is a checkpoint this test saved
+    with open(os.path.join(base, "refused"), "rb") as f:
+        assert f.read() == b"precious"
+    names = set(os.listdir(base)) - {"refused"}
+    assert names == {n for n, *_ in STEPS} | {"reused", "fresh", "world2", "after_world2"}
+    assert all(os.path.exists(os.path.join(base, n, "manifest.json")) for n in names)
+    assert all(all_ok(run_ranks(_new_job, 2, base, timeout=200)))
+    assert os.path.exists(os.path.join(base, "job2_21", "manifest.json"))
+
+
+# -- the vote alone (plain data, no processes) ------------------------------------------------
+
+
+def _messages(world: int, args=None, rows: int = 8):
+    """Announcements of ``world`` ranks holding replicas of one tensor, with shared and
+    rank-local state-tree parts (``args[r]``: rank r's args part id)."""
+    from megashard import plan
+
+    out = []
+    for r in range(world):
+        entries = [["w", "float32", [rows, 6], [0, 0], [rows, 6], None, rows * 24]]
+        blobs = [("iteration", "a" * 32), ("args", (args or {}).get(r, "b" * 32)), ("local", f"rank{r}/local")]
+        msg, _ = plan.announcement(entries, [r == 0], [], [], blobs)
+        out.append(msg)
+    return out
+
+
+def _agreed(entries, msgs) -> bool:
+    world = len(msgs)
+    total = [0, 0, 0]
+    for r, (e, m) in enumerate(zip(entries, msgs)):
+        total = [a + b for a, b in zip(total, saving.plan_vote(e, m, r, world))]
+    return saving.plan_agreed(total)
+
+
+def test_vote_agrees_only_when_every_rank_holds_the_same_plan_and_grouping():
+    msgs = _messages(4)
+    replies = saving.coordinate(msgs, "t")
+    entries = [saving.remember_plan(m, rep) for m, rep in zip(msgs, replies)]
+    assert _agreed(entries, msgs)
+    # new content of shared parts (the iteration), same grouping: reused, the same uploader sends the new part
+    new = _messages(4, args={r: "c" * 32 for r in range(4)})
+    assert _agreed(entries, new)
+    assert [saving.cached_reply(e, m)["blobs"] for e, m in zip(entries, new)] == \
+        [["a" * 32, "c" * 32, "rank0/local"], ["rank1/local"], ["rank2/local"], ["rank3/local"]]
+    # one rank's shared part now differs from its uploader's: nobody would upload it -> plan afresh
+    assert not _agreed(entries, _messages(4, args={2: "d" * 32}))
+    # a changed shape on one rank, or one rank without a cached plan: plan afresh
+    assert not _agreed(entries, _messages(4, rows=10)[:1] + msgs[1:])
+    assert not _agreed([None] + entries[1:], msgs)
+    # one rank's plan is another save's (same layout, another plan id): plan afresh
+    other = [saving.remember_plan(m, rep) for m, rep in zip(msgs, saving.coordinate(msgs, "u"))]
+    assert other[3].plan_id != entries[3].plan_id
+    assert not _agreed(entries[:3] + other[3:], msgs)
+    assert _agreed(other, msgs)
