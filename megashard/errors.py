@@ -84,11 +84,6 @@ class DistributedError(MegashardError):
         for rank, msg in self.failures.items():
             groups.setdefault(msg.rstrip(), []).append(rank)
         head = f"megashard {what} failed on rank(s) {ranks_text(list(self.failures))}:"
-        if len(groups) == 1:
-            msg = next(iter(groups))
-            if "\n" not in msg:  # one line for everyone
-                super().__init__(f"{head} {msg}")
-                return
         lines, seen = [head], set()
         for msg, ranks in groups.items():
             first, *rest = msg.splitlines()

@@ -112,4 +112,4 @@ def test_distributed_error_lists_each_message_and_problem_once():
     assert text.splitlines()[0] == "megashard load failed on rank(s) 0-8:"
     assert "[ranks 0-7] StateDictError" in text and "[rank 8] StateDictError" in text
     one = str(DistributedError({0: "CheckpointError: x", 1: "CheckpointError: x"}, "load (prepare)"))
-    assert one == "megashard load (prepare) failed on rank(s) 0, 1: CheckpointError: x"
+    assert one == "megashard load (prepare) failed on rank(s) 0, 1:\n  [ranks 0, 1] CheckpointError: x"
