@@ -631,6 +631,9 @@ def check_checkpoint_args(args: Any, ckpt_args: Any) -> None:
     """Megatron's ``check_checkpoint_args``, run before any tensor is compared: a resume with
     another model size fails in one line naming the argument and both values."""
     for name in ARCH_ARGS:
+        if name == "num_query_groups" and not (getattr(args, "group_query_attention", False)
+                                               and getattr(ckpt_args, "group_query_attention", False)):
+            continue  # used only with GQA (Megatron-LM leaves its default 1, the example sets the heads)
         mine, saved = getattr(args, name, None), getattr(ckpt_args, name, None)
         if mine is not None and saved is not None and mine != saved:
             raise CheckpointError(f"{name} value from checkpoint ({saved}) is not equal to the input argument "
