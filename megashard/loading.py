@@ -91,12 +91,12 @@ class _Crc:
             c = 0
             for mv in data:
                 c = isal_zlib.crc32(mv, c)
-        elif data.device.type == "cpu":
+        elif on_host(data):
             c = isal_zlib.crc32(tensor_memoryview(data))
         else:  # a GPU destination: its bytes come back through host memory in slices
             c, step = 0, 64 << 20
             for i in range(0, data.numel(), step):
-                c = isal_zlib.crc32(tensor_memoryview(data[i:i + step].cpu()), c)
+                c = isal_zlib.crc32(tensor_memoryview(data[i:i + step].to("cpu", copy=True)), c)
         self.data_crc = c
 
     def problem(self, base: str) -> Optional[str]:
