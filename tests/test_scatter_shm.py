@@ -223,7 +223,12 @@ def _corrupt_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
             out[transport] = "no error"
         except megashard.DistributedError as e:
             out[transport] = [type(e).__name__, isinstance(e, megashard.ChecksumError), sorted(e.failures)]
-    out["unverified"] = _load(layout, rank, path, scatter_transport="shm")["bad"]
+    try:  # the default load checks CRC32 where the bytes land: rank 1 names the damaged tensor
+        _load(layout, rank, path, scatter_transport="shm")
+        out["default"] = "no error"
+    except megashard.DistributedError as e:
+        out["default"] = [isinstance(e, megashard.ChecksumError), sorted(e.failures)]
+    out["unverified"] = _load(layout, rank, path, scatter_transport="shm", check_crc=False)["bad"]
     return out
 
 
@@ -233,7 +238,8 @@ def test_scatter_verify_covers_every_rank(tmp_path) -> None:
         for transport in ("shm", "group"):
             # the reader re-hashes the shards rank 1 received: every rank raises a ChecksumError
             assert r[transport] == ["DistributedChecksumError", True, [0]], (rank, transport, r[transport])
-    assert res[0]["unverified"] == [] and len(res[1]["unverified"]) == 1  # without verify the flip goes through
+        assert r["default"] == [True, [1]], (rank, r["default"])
+    assert res[0]["unverified"] == [] and len(res[1]["unverified"]) == 1  # with no check at all the flip goes through
 
 
 def _kill_job(rank: int, world: int, tmp: str, victim: int, path_kind: str) -> Dict[str, Any]:
