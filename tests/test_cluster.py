@@ -44,8 +44,7 @@ def job(the_cluster: cluster.Cluster, tmp_path_factory: pytest.TempPathFactory) 
     c = the_cluster
     out = tmp_path_factory.mktemp("cluster-job")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "AWS_ENDPOINT_URL": c.s3_endpoint, "AWS_ACCESS_KEY_ID": "megashard", "AWS_SECRET_ACCESS_KEY": "cluster",
-           "AWS_DEFAULT_REGION": "us-east-1", "MEGASHARD_HUGEPAGES": "0"}
+           "MEGASHARD_HUGEPAGES": "0", **c.s3_env()}
     codes = c.torchrun(str(JOB), ["--shared-dir", str(c.shared), "--node-local-dir", str(c.local),
                                   "--s3-url", "s3://megashard-cluster/job/ckpt", "--results", str(out)],
                        nproc=NPROC, env=env, name="job")

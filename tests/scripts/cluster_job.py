@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import http.client
 import json
 import os
 import socket
@@ -72,13 +71,10 @@ def _refused(fn: Callable[[], Any]) -> Dict[str, Any]:
 
 
 def _make_bucket(url: str) -> None:
-    """The S3 bucket, created through the gateway (anonymous: no identities configured)."""
-    endpoint = urlparse(os.environ["AWS_ENDPOINT_URL"])
-    conn = http.client.HTTPConnection(endpoint.hostname, endpoint.port, timeout=30)
-    conn.request("PUT", "/" + urlparse(url).netloc)
-    resp = conn.getresponse()
-    body = resp.read()
-    assert resp.status < 300, f"create bucket: HTTP {resp.status} {body[:300]!r}"
+    """The S3 bucket, created through the gateway (AWS_* variables: the cluster's credentials)."""
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=urlparse(url).netloc)
 
 
 def _s3(rank: int, url: str) -> Dict[str, Any]:
