@@ -24,7 +24,7 @@ JOB = HERE / "scripts" / "cluster_job.py"
 NNODES, NPROC = 2, 2
 WORLD = NNODES * NPROC
 SAVED, RESHARDED = Layout(tp=2, dp=2), Layout(tp=4)  # as in tests/scripts/cluster_job.py
-CASES = ("save_shared", "scatter", "reshard", "local_save", "s3")
+CASES = ("save_shared", "scatter", "reshard", "local_save", "local_copy", "s3")
 
 _why = cluster.missing_prerequisites()
 if _why and os.environ.get("MEGASHARD_CLUSTER_REQUIRED") == "1":
@@ -148,6 +148,11 @@ def test_node_local_save_refused_on_every_rank(job: Dict[str, List[dict]]) -> No
         assert "save to a shared filesystem every rank sees" in r["message"], r["message"]
         # nothing committed and no temporary left on any node's local disk
         assert r["listing"] == [], f"rank {r['rank']} on {r['host']}: {r['listing']}"
+
+
+def test_node_local_copies_load_with_scatter(job: Dict[str, List[dict]]) -> None:
+    """Each node loads its own copy on its own disk (``L/copy``: another directory on each node)."""
+    _assert_one_reader_per_node(job["local_copy"], SAVED)
 
 
 def test_s3_scatter_only_node_readers_talk_to_the_store(job: Dict[str, List[dict]]) -> None:

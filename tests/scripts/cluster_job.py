@@ -15,6 +15,8 @@ needs the whole model. Cases, one after the other:
   ``scatter``      ``mode="scatter"`` load of ``S/ckpt``: one reader per node.
   ``reshard``      ``mode="scatter"`` load of ``S/ckpt`` into ``Layout(tp=4)`` (other shards).
   ``local_save``   every rank saves to ``L/ckpt``: must be refused on every rank.
+  ``local_copy``   each node's first rank copies ``S/ckpt`` to ``L/copy`` (its own disk); a
+                   ``mode="scatter"`` load of ``L/copy`` on every rank.
   ``s3``           save to ``--s3`` (SeaweedFS's S3 gateway), then a ``mode="scatter"`` load
                    with each rank's object-store request counts.
 
@@ -26,8 +28,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import socket
 import sys
+import time
 import traceback
 from typing import Any, Callable, Dict, List
 from urllib.parse import urlparse
@@ -92,6 +96,13 @@ def _s3(rank: int, url: str) -> Dict[str, Any]:
     return out
 
 
+def _local_copy(rank: int, src: str, dst: str) -> Dict[str, Any]:
+    if int(os.environ["LOCAL_RANK"]) == 0:
+        shutil.copytree(src, dst)
+    dist.barrier()
+    return _load(SAVED, rank, dst)
+
+
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shared-dir", dest="shared", required=True)
@@ -110,9 +121,11 @@ def main(argv: List[str] | None = None) -> int:
         "reshard": lambda: _load(RESHARDED, rank, shared_ckpt),
         "local_save": lambda: dict(_refused(lambda: megashard.save(model_state(SAVED, rank), local_ckpt)),
                                    listing=sorted(os.listdir(a.local))),
+        "local_copy": lambda: _local_copy(rank, shared_ckpt, os.path.join(a.local, "copy")),
         "s3": lambda: _s3(rank, a.s3),
     }
     for case, fn in cases.items():
+        t0 = time.monotonic()
         try:
             res = fn()
         except Exception as e:  # noqa: BLE001  (recorded: the next case still runs on every rank)
@@ -121,7 +134,7 @@ def main(argv: List[str] | None = None) -> int:
         if case in ("save_shared", "local_save"):
             res["listing"] = sorted(os.listdir(a.shared if case == "save_shared" else a.local))
         with open(os.path.join(a.out, f"{case}-rank{rank}.json"), "w") as f:
-            json.dump(dict(_who(rank), case=case, **res), f)
+            json.dump(dict(_who(rank), case=case, seconds=round(time.monotonic() - t0, 3), **res), f)
     dist.barrier()
     dist.destroy_process_group()
     return 0
