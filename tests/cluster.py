@@ -82,6 +82,17 @@ def _run(argv: Sequence[str], timeout: float = 30, check: bool = True) -> subpro
     return p
 
 
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line ``proc`` prints ("" when it prints none within ``timeout``; it is killed then)."""
+    got: List[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not got:
+        proc.kill()
+    return got[0] if got else ""
+
+
 def _tail(path: Path, n: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]
@@ -159,11 +170,6 @@ def teardown(state: Dict) -> List[str]:
         p = _run(["ip", "netns", "del", ns], check=False)
         if p.returncode != 0:
             problems.append(f"ip netns del {ns}: {p.stderr.strip()}")
-    for pid in state.get("pids", []):  # processes outside the namespaces (none today)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     root = state.get("root")
     if root and os.path.isdir(root) and os.path.basename(root).startswith("megashard-cluster-"):
         shutil.rmtree(root, ignore_errors=True)
@@ -211,7 +217,7 @@ class Cluster:
         self.logs = self.root / "logs"
         self.holders: List[subprocess.Popen] = []
         self._procs: List[subprocess.Popen] = []
-        self._state = {"root": str(self.root), "namespaces": [], "pids": [], "interrupt": []}
+        self._state = {"root": str(self.root), "namespaces": [], "interrupt": []}
         self._state_path = self.root.parent / f".{self.root.name}.state.json"
         self._reaper: Optional[subprocess.Popen] = None
         self._launcher: Optional[subprocess.Popen] = None
@@ -325,12 +331,8 @@ class Cluster:
         self._procs.append(self._launcher)
         self._state["interrupt"].append(self._launcher.pid)
         self._save_state()
-        got: List[str] = []
-        reader = threading.Thread(target=lambda: got.append(self._launcher.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(START_TIMEOUT_S + 10)
         try:
-            self.weed = json.loads(got[0]) if got and got[0].strip() else None
+            self.weed = json.loads(_readline(self._launcher, START_TIMEOUT_S + 10) or "null")
         except ValueError:
             self.weed = None
         if self.weed is None:
@@ -370,8 +372,7 @@ class Cluster:
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                   text=True, start_new_session=True)
         self.holders.append(holder)
-        line = holder.stdout.readline()
-        if line.strip() != "ready":
+        if _readline(holder, START_TIMEOUT_S).strip() != "ready":
             holder.wait(10)
             raise ClusterError(f"node {i} did not start (exit {holder.returncode}): {holder.stderr.read()}")
 
@@ -379,6 +380,15 @@ class Cluster:
         """``argv`` run in node ``i``'s network, mount and UTS namespaces (in ``cwd``, default ours)."""
         return ["nsenter", "-t", str(self.holders[i].pid), "-n", "-m", "-u", f"--wd={cwd or os.getcwd()}",
                 "--", *argv]
+
+    def egress_mbit(self) -> Dict[str, float]:
+        """The token-bucket rate on each host's ``eth0`` (storage, node0, ...), read back from ``tc``."""
+        out = {}
+        for name, ns in [("storage", self.storage)] + [(self.hostname(i), n) for i, n in enumerate(self.node_ns)]:
+            qdiscs = json.loads(_run(["ip", "netns", "exec", ns, "tc", "-j", "qdisc", "show", "dev", "eth0"]).stdout)
+            rates = [q["options"]["rate"] for q in qdiscs if q.get("kind") == "tbf"]
+            out[name] = rates[0] * 8 / 1e6 if rates else float("inf")  # tc -j gives bytes per second
+        return out
 
     def run_in_node(self, i: int, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
         return _run(self.node_cmd(i, argv), timeout=timeout)
