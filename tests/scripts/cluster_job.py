@@ -33,7 +33,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 from urllib.parse import urlparse
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -81,12 +81,27 @@ def _make_bucket(url: str) -> None:
     boto3.client("s3").create_bucket(Bucket=urlparse(url).netloc)
 
 
+def _together(action: Optional[Callable[[], Any]]) -> None:
+    """Run ``action`` on the ranks that have one, then raise on every rank if it failed on any (a
+    failure must not leave the other ranks waiting in the next collective)."""
+    err: Optional[BaseException] = None
+    if action is not None:
+        try:
+            action()
+        except Exception as e:  # noqa: BLE001  (re-raised below)
+            err = e
+    failed = torch.tensor([int(err is not None)])
+    dist.all_reduce(failed)
+    if err is not None:
+        raise err
+    if failed.item():
+        raise RuntimeError(f"{failed.item()} other rank(s) failed: see their results")
+
+
 def _s3(rank: int, url: str) -> Dict[str, Any]:
     from megashard.objstore.client import ObjectStore
 
-    if rank == 0:
-        _make_bucket(url)
-    dist.barrier()
+    _together((lambda: _make_bucket(url)) if rank == 0 else None)
     megashard.save(model_state(SAVED, rank), url)
     dist.barrier()
     store, _ = ObjectStore.for_url(url)
@@ -97,9 +112,7 @@ def _s3(rank: int, url: str) -> Dict[str, Any]:
 
 
 def _local_copy(rank: int, src: str, dst: str) -> Dict[str, Any]:
-    if int(os.environ["LOCAL_RANK"]) == 0:
-        shutil.copytree(src, dst)
-    dist.barrier()
+    _together((lambda: shutil.copytree(src, dst)) if int(os.environ["LOCAL_RANK"]) == 0 else None)
     return _load(SAVED, rank, dst)
 
 
