@@ -520,7 +520,7 @@ def test_list_delete_and_uploads_page(s3, monkeypatch) -> None:
     assert len(store.list_uploads("g/")) == 3
     store.delete(keys)
     assert store.list("g/") == ([], [])
-    assert store.stats["LIST"] == 3 + 1 and store.stats["DELETE"] == 3  # (moto ignores MaxUploads)
+    assert store.stats["LIST"] == 3 + 1 and store.stats["DELETE"] == 3 and store.stats["MPU_LIST"] == 2
 
 
 def test_fork_gets_fresh_stores_and_connections(s3) -> None:
