@@ -42,7 +42,7 @@ class S3Server:
         self.seaweedfs: Optional[seaweedfs.SeaweedFS] = None
         args = [sys.executable, str(_SERVER), "--log", str(log_path)]
         if backend == "seaweedfs":
-            self.seaweedfs = seaweedfs.start(Path(log_path).parent / "seaweedfs")
+            self.seaweedfs = seaweedfs.start(Path(log_path).parent / "seaweedfs", volumes_per_bucket=1)
             args += ["--upstream", self.seaweedfs.endpoint]
         elif backend != "moto":
             raise ValueError(f"backend {backend!r}: seaweedfs or moto")
