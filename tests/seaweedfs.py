@@ -179,12 +179,15 @@ def _probe(sw: SeaweedFS) -> Optional[str]:
 
 
 def start(root: Path, ip: str = "127.0.0.1", prefix: Sequence[str] = (), extra_args: Sequence[str] = (),
-          timeout: float = 90.0, weed: Optional[str] = None) -> SeaweedFS:
+          timeout: float = 90.0, weed: Optional[str] = None, volumes_per_bucket: Optional[int] = None) -> SeaweedFS:
     """Start ``weed server`` with its files under ``root`` and wait until a signed PUT succeeds. Raises
     RuntimeError (with the server's log tail) when it exits or is not ready within ``timeout``; the process
-    is stopped then."""
+    is stopped then. ``volumes_per_bucket``: how many volumes a bucket's first write creates (weed's default 7;
+    tests that make a bucket each pass 1: fewer files and less time per bucket)."""
     root = Path(root)
     (root / "data").mkdir(parents=True, exist_ok=True)
+    if volumes_per_bucket:  # weed server reads master.toml from its working directory (root)
+        (root / "master.toml").write_text(f"[master.volume_growth]\ncopy_1 = {int(volumes_per_bucket)}\n")
     config = root / "s3.json"
     config.write_text(json.dumps({"identities": [{
         "name": "megashard-tests", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -224,13 +227,15 @@ def start(root: Path, ip: str = "127.0.0.1", prefix: Sequence[str] = (), extra_a
 
 @contextlib.contextmanager
 def seaweedfs(root: Optional[Path] = None, ip: str = "127.0.0.1", prefix: Sequence[str] = (),
-              extra_args: Sequence[str] = (), timeout: float = 90.0, grace: float = 2.0) -> Iterator[SeaweedFS]:
+              extra_args: Sequence[str] = (), timeout: float = 90.0, grace: float = 2.0,
+              volumes_per_bucket: Optional[int] = None) -> Iterator[SeaweedFS]:
     """A running server for the ``with`` block, stopped (by its pid) on the way out, also on failure. Without
     ``root`` its files live in a temporary directory removed afterwards."""
     with contextlib.ExitStack() as stack:
         if root is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="seaweedfs-")))
-        sw = start(Path(root), ip=ip, prefix=prefix, extra_args=extra_args, timeout=timeout)
+        sw = start(Path(root), ip=ip, prefix=prefix, extra_args=extra_args, timeout=timeout,
+                   volumes_per_bucket=volumes_per_bucket)
         try:
             yield sw
         finally:
