@@ -142,7 +142,10 @@ def teardown(state: Dict) -> List[str]:
             continue
         gentle = [pid for pid in _ns_pids(ns) if pid in state.get("interrupt", [])]
         for pid in gentle:  # tests/seaweedfs.py stops weed and removes its sockets on SIGINT
-            os.kill(pid, signal.SIGINT)
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in gentle) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -337,7 +340,8 @@ class Cluster:
             self.weed = None
         if self.weed is None:
             raise ClusterError(f"SeaweedFS did not start in the storage namespace (exit {self._launcher.poll()}):\n"
-                               f"{_tail(self.logs / 'storage-launcher.log')}\n{_tail(self.root / 'storage' / 'weed.log')}")
+                               f"{_tail(self.logs / 'storage-launcher.log')}\n"
+                               f"{_tail(self.root / 'storage' / 'weed.log')}")
 
     def _wait_storage(self) -> None:
         """Until the filer and S3 answer HTTP from node 0 (through the bridge and both rate limits)."""
