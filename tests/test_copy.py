@@ -1,5 +1,5 @@
 """``megashard copy`` (issue 28 item 1): checkpoints and Megatron save roots between directories and an
-S3 endpoint (moto on 127.0.0.1, tests/s3_endpoint.py), streamed, checked on the way, committed as a save."""
+S3 endpoint (SeaweedFS on 127.0.0.1, tests/s3_endpoint.py), streamed, checked on the way, committed as a save."""
 from __future__ import annotations
 
 import json

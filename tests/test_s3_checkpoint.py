@@ -1,5 +1,5 @@
 """Checkpoints in an S3-compatible object store (issue 22), against a real local endpoint
-(moto's server on 127.0.0.1, tests/s3_endpoint.py) that logs every request."""
+(SeaweedFS on 127.0.0.1 behind a proxy, tests/s3_endpoint.py) that logs every request."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -285,8 +286,6 @@ _SAVER = textwrap.dedent("""
 
 @pytest.mark.parametrize("when", ["mid-upload", "before-tracker"])
 def test_sigkill_leaves_the_previous_checkpoint_and_recover_cleans(s3, when):
-    import time
-
     root = s3.url(f"kill-{when}")
     megashard.save(state(0), root + "/iter_0000001")
     storage.write_tracker(root, 1)
@@ -311,7 +310,6 @@ def test_sigkill_leaves_the_previous_checkpoint_and_recover_cleans(s3, when):
     if when == "mid-upload":
         assert storage.locate(second) is None  # objects and an unfinished upload, but no head: no checkpoint
         assert store.list_uploads(key + "/")
-        # (moto reports every upload as started in 2010, so the one-day rule for uploads is not testable here)
         removed = objck.cleanup(second, older_than_s=0)
         assert removed and _objects(second) == {} and store.list_uploads(key + "/") == []
     else:
@@ -454,24 +452,29 @@ def test_a_commit_that_another_save_overtook_while_the_answer_was_lost_is_discar
 def test_recover_aborts_only_uploads_of_dead_megashard_saves(s3):
     """Other clients' multipart uploads under the prefix survive ``megashard recover``; on a Megatron save
     root the age rule applies to each save prefix under iter_N, so a save still being written survives and
-    only a dead one's upload is aborted. (moto reports every upload as started in 2010: all look old.)"""
+    only a dead one's upload is aborted. The server dates uploads truly, so "old" is ``--older-than 3`` and the
+    dead save's upload is started 3 s before the young save's."""
     from megashard.cli import main as cli_main
 
     root = s3.url("mroot")
     store, key = ObjectStore.for_url(root)
     client = s3.boto3()
+    age = 3.0
 
     def start(k):
         return client.create_multipart_upload(Bucket=s3.bucket, Key=f"{key}/{k}")["UploadId"]
 
+    dead = start("iter_0000002/.megashard-save-dead/state-r00000.tensors")
+    dead_started = time.time()
     megashard.save(state(0), root + "/iter_0000001")
     storage.write_tracker(root, 1)
     foreign = {start("iter_0000002/model.bin"), start("other-client/big.bin"), start("top.bin")}
+    assert cli_main(["recover", "--older-than", str(age), root + "/iter_0000001"]) == 0
+    time.sleep(max(0.0, dead_started + age + 1.2 - time.time()))  # upload dates have whole seconds
     store.put_bytes(f"{key}/iter_0000002/.megashard-save-young/state-r00000.tensors", b"written just now")
     young = start("iter_0000002/.megashard-save-young/state-r00001.tensors")
-    dead = start("iter_0000002/.megashard-save-dead/state-r00000.tensors")
-    assert cli_main(["recover", root + "/iter_0000001"]) == 0
-    assert cli_main(["recover", root]) == 0  # a save root: every iteration recovered, its dead saves cleaned
+    # a save root: every iteration recovered, its dead saves cleaned
+    assert cli_main(["recover", "--older-than", str(age), root]) == 0
     left = {u for _k, u, _t in store.list_uploads(key + "/")}
     assert left == foreign | {young}, (left, dead)
     # a checkpoint URL: another client's upload under it is not megashard's either

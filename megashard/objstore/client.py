@@ -339,10 +339,13 @@ class ObjectStore:
 
     # ----------------------------------------------------------------------------------------- control path
     def _call(self, kind: str, key: str, op: str, *, not_found: Any = ..., conflict: type = CheckpointError,
+              conflict_hint: str = "; another writer changed the object first", missing_is_conflict: bool = False,
               landed: Optional[Callable[[], Any]] = None, **params: Any) -> Any:
         """One boto3 call with our retry policy; errors become CheckpointError naming s3://bucket/key.
 
-        ``not_found``: returned on 404 instead of raising. ``conflict``: the class a 412/409-conflict raises.
+        ``not_found``: returned on 404 instead of raising. ``conflict``: the class a 412/409-conflict raises,
+        ``conflict_hint`` what it means. ``missing_is_conflict``: a write with If-Match, whose failed precondition
+        on a missing key AWS answers 404 NoSuchKey and SeaweedFS 412: both are the same lost race.
         ``landed``: for a conditional write, called when a *retry* fails its precondition or finds no upload:
         the earlier attempt may have been applied before its answer was lost; a non-None result (the
         response to return) means it was.
@@ -363,17 +366,18 @@ class ObjectStore:
                 message = str(err.get("Message") or "")
                 if status in _RETRY_STATUS or code in _RETRY_CODES:
                     raise _Retryable(f"HTTP {status} {code}") from None
-                conflicted = status == 412 or (status == 409 and code == "ConditionalRequestConflict")
+                conflicted = status == 412 or (status == 409 and code == "ConditionalRequestConflict") or (
+                    missing_is_conflict and status == 404 and code != "NoSuchBucket")
                 if n > 0 and landed is not None and (conflicted or code == "NoSuchUpload"):
                     done = landed()
                     if done is not None:
                         log.info("S3 %s of %s: an earlier attempt was applied before its answer was lost",
                                  op, self.url(key))
                         return done
+                if conflicted:
+                    raise conflict(self._message(op, key, status, code, message) + conflict_hint) from None
                 if status == 404 and not_found is not ...:
                     return not_found
-                if conflicted:
-                    raise conflict(self._message(op, key, status, code, message)) from None
                 raise CheckpointError(self._message(op, key, status, code, message)) from None
             except (exc.NoCredentialsError, exc.PartialCredentialsError, exc.NoRegionError) as e:
                 raise CheckpointError(f"{self.url(key)}: {e}; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
@@ -386,16 +390,21 @@ class ObjectStore:
         return self._retrying(kind, op, key, attempt)
 
     def _message(self, op: str, key: str, status: int, code: str, message: str) -> str:
-        hint = ""
-        if status == 403:
-            hint = "; check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE) and the bucket policy"
-        elif code == "NoSuchBucket":
-            hint = f"; bucket {self.bucket!r} does not exist on {self.endpoint_url or 'AWS'}"
-        elif status == 404:
+        hint = self._meaning(status, code)
+        if not hint and status == 404:
             hint = "; the object does not exist"
-        elif status == 412:
-            hint = "; another writer changed the object first"
         return f"S3 {op} of {self.url(key)} failed: HTTP {status} {code} {message}".rstrip() + hint
+
+    def _meaning(self, status: int, code: str) -> str:
+        """What an answer about the bucket means, whichever store gave it: AWS answers a missing bucket 404
+        NoSuchBucket, SeaweedFS (and AWS to a caller without s3:ListBucket) 403."""
+        where = self.endpoint_url or "AWS"
+        if code == "NoSuchBucket":
+            return f"; bucket {self.bucket!r} does not exist on {where}"
+        if status == 403:
+            return (f"; check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE) and the bucket policy; bucket "
+                    f"{self.bucket!r} may not exist on {where} (stores answer 403 for a missing bucket too)")
+        return ""
 
     def _retrying(self, kind: str, op: str, key: str, attempt: Callable[[int], T]) -> T:
         retries = _retries()
@@ -473,12 +482,10 @@ class ObjectStore:
             body, etag = self.get_bytes(key, info.size, if_match=info.etag)
             return {"ETag": etag} if body == params["Body"] else None
 
-        gone = object()
-        resp = self._call("PUT", key, "put_object", conflict=CommitConflictError, landed=landed,
-                          not_found=gone if if_match else ..., **params)
-        if resp is gone:  # If-Match on an object that no longer exists: S3 answers 404, a lost race all the same
-            raise CommitConflictError(f"S3 put_object of {self.url(key)} failed: HTTP 404 NoSuchKey; the object "
-                                      f"with ETag {if_match} was deleted by another writer")
+        hint = (f"; the object no longer has ETag {if_match}: another writer replaced or deleted it first" if if_match
+                else "; another writer created the object first")
+        resp = self._call("PUT", key, "put_object", conflict=CommitConflictError, conflict_hint=hint, landed=landed,
+                          missing_is_conflict=bool(if_match), **params)
         return resp["ETag"]
 
     def list(self, prefix: str, delimiter: Optional[str] = None) -> Tuple[List[ObjectInfo], List[str]]:
@@ -706,12 +713,12 @@ class ObjectStore:
         if status == 416:
             raise ObjectChangedError(f"{where}: bytes {a}-{b} are past the object's end (HTTP 416) but the "
                                      f"checkpoint recorded {size} bytes; the object changed since it was written")
-        if status == 404:
+        if status == 404 and code != "NoSuchBucket":
             raise CheckpointError(f"{where}: the object does not exist (HTTP 404 {code}); the checkpoint is "
                                   f"incomplete or was deleted")
-        if status == 403:
-            raise CheckpointError(f"{where}: access denied (HTTP 403 {code} {message}); check the credentials "
-                                  f"and the bucket policy")
+        if status in (403, 404):
+            what = "access denied" if status == 403 else "no such bucket"
+            raise CheckpointError(f"{where}: {what} (HTTP {status} {code} {message}){self._meaning(status, code)}")
         if status == 200:
             raise CheckpointError(f"{where}: the server ignored the Range header (HTTP 200 for bytes {a}-{b}); "
                                   f"megashard needs an endpoint that supports ranged GETs")
@@ -905,8 +912,8 @@ class ObjectStore:
                         return done
                     raise CommitConflictError(f"PUT of {where}: HTTP {resp.status} {code}: another writer created "
                                               f"or replaced the object first")
-                hint = "; check the credentials and the bucket policy" if resp.status == 403 else ""
-                raise CheckpointError(f"PUT of {where} failed: HTTP {resp.status} {code} {message}{hint}")
+                raise CheckpointError(f"PUT of {where} failed: HTTP {resp.status} {code} {message}"
+                                      f"{self._meaning(resp.status, code)}")
             try:
                 resp.read()
             except (OSError, http.client.HTTPException):

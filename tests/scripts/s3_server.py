@@ -1,11 +1,13 @@
-"""A local S3 endpoint for the object-storage tests: moto's server app behind a logging, fault-injecting
-middleware, served on 127.0.0.1 by werkzeug.
+"""A local S3 endpoint for the object-storage tests: a logging, fault-injecting proxy in front of a real S3
+server (``--upstream``: the SeaweedFS of ``tests/seaweedfs.py``), served on 127.0.0.1 by werkzeug; without
+``--upstream``, moto's server app stands in for the server.
 
 Run by ``tests/s3_endpoint.py``::
 
-    python tests/scripts/s3_server.py [--log FILE]
+    python tests/scripts/s3_server.py [--upstream http://127.0.0.1:PORT] [--log FILE]
 
-prints ``{"port": N}`` on stdout once it accepts connections, then serves until killed.
+prints ``{"port": N}`` on stdout once it accepts connections, then serves until killed. Requests go upstream
+byte for byte (path, query, headers, Host included, so SigV4 signatures made for this endpoint verify there).
 
 Control requests (never logged, never failed):
   ``POST /__inject__``  JSON ``{"status": 503, "count": 3, "method": "GET", "match": "substring of the path",
@@ -21,6 +23,7 @@ Control requests (never logged, never failed):
 from __future__ import annotations
 
 import argparse
+import http.client
 import io
 import json
 import logging
@@ -161,10 +164,113 @@ class Middleware:
                 pass
 
 
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection",
+               "expect"}
+
+
+class Proxy:
+    """A WSGI app that forwards each request to ``upstream`` over a persistent connection per thread."""
+
+    def __init__(self, upstream: str) -> None:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(upstream)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.local = threading.local()
+
+    def _conn(self) -> "http.client.HTTPConnection":
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self.local, "conn", None)
+        self.local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def __call__(self, environ: Dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        method = environ["REQUEST_METHOD"]
+        target = environ.get("RAW_URI") or environ.get("PATH_INFO", "/")
+        if environ.get("CONTENT_LENGTH"):
+            body = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"]))
+        elif environ.get("wsgi.input_terminated"):  # chunked request body, already de-chunked by werkzeug
+            body = environ["wsgi.input"].read()
+        else:
+            body = b""
+        headers = []
+        for name, value in environ.items():
+            if name.startswith("HTTP_"):
+                header = name[5:].replace("_", "-").lower()
+                if header not in _HOP_BY_HOP and header != "content-length":
+                    headers.append((header, value))
+        if environ.get("CONTENT_TYPE"):
+            headers.append(("content-type", environ["CONTENT_TYPE"]))
+        if body or method in ("PUT", "POST"):
+            headers.append(("content-length", str(len(body))))
+        for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: once more on a fresh one
+            conn = self._conn()
+            try:
+                conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+                for name, value in headers:
+                    conn.putheader(name, value)
+                conn.endheaders(body or None)
+                resp = conn.getresponse()
+                break
+            except (OSError, http.client.HTTPException):
+                self._drop()
+                if attempt:
+                    raise
+        out = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
+        start_response(f"{resp.status} {resp.reason}", out)
+        return _Body(self, conn, resp)
+
+
+class _Body:
+    """The upstream answer's body as a WSGI iterable; closed early (a truncated answer), it drops the
+    connection, whose unread rest would otherwise be read as the next answer."""
+
+    def __init__(self, proxy: Proxy, conn: "http.client.HTTPConnection", resp: "http.client.HTTPResponse") -> None:
+        self.proxy, self.conn, self.resp = proxy, conn, resp
+
+    def __iter__(self) -> Iterable[bytes]:
+        while True:
+            chunk = self.resp.read1(1 << 20) if not self.resp.isclosed() else b""
+            if not chunk:
+                return
+            yield chunk
+
+    def close(self) -> None:
+        if not self.resp.isclosed() or self.resp.will_close:
+            if getattr(self.proxy.local, "conn", None) is self.conn:
+                self.proxy._drop()
+            else:
+                self.conn.close()
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--log", default=None, help="also append the request log to this file")
+    parser.add_argument("--upstream", default=None, help="the S3 server to forward to (default: moto in-process)")
     args = parser.parse_args(argv)
+    from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request on stderr
+    if args.upstream:
+        app = Middleware(Proxy(args.upstream), args.log)
+        server = make_server("127.0.0.1", 0, app, threaded=True)
+    else:
+        server = _moto_server(args.log)
+    sys.stdout.write(json.dumps({"port": server.server_address[1]}) + "\n")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+def _moto_server(log: Optional[str]) -> Any:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
@@ -172,15 +278,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request on stderr
-    app = Middleware(DomainDispatcherApplication(create_backend_app), args.log)
-    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
-    sys.stdout.write(json.dumps({"port": server.server_address[1]}) + "\n")
-    sys.stdout.flush()
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    app = Middleware(DomainDispatcherApplication(create_backend_app), log)
+    return make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
 
 
 if __name__ == "__main__":
