@@ -12,6 +12,7 @@ optimizer, ``flattened_range``); a regular shard holds ``[0, numel(chunk))``.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -780,3 +781,164 @@ def schedule_extents(
     if cur is not None:
         out.append((Extent(cur[0], cur[1], cur[2]), cur[3]))
     return out
+
+
+def partition(ranges: Sequence[Tuple[str, int, int]], chunk: int) -> Tuple[List[Extent], List[List[Tuple[int, int, int, int]]]]:
+    """Cut the union of byte ranges into disjoint extents of at most ``chunk`` bytes.
+
+    Returns the extents in (file, offset) order and, per range, its pieces
+    ``(extent index, offset in extent, offset in range, nbytes)``, so every byte any
+    range needs is read exactly once however ranges overlap or ``chunk`` splits them.
+    """
+    extents: List[Extent] = []
+    starts: Dict[str, Tuple[int, List[int]]] = {}  # file -> (first extent index, extent starts)
+    order = sorted(range(len(ranges)), key=lambda j: (ranges[j][0], ranges[j][1]))
+    j = 0
+    while j < len(order):
+        f = ranges[order[j]][0]
+        first = len(extents)
+        while j < len(order) and ranges[order[j]][0] == f:
+            a, b = ranges[order[j]][1], ranges[order[j]][1] + ranges[order[j]][2]
+            j += 1
+            while j < len(order) and ranges[order[j]][0] == f and ranges[order[j]][1] <= b:
+                b = max(b, ranges[order[j]][1] + ranges[order[j]][2])
+                j += 1
+            for s0 in range(a, b, chunk):
+                extents.append(Extent(f, s0, min(b, s0 + chunk)))
+        starts[f] = (first, [e.start for e in extents[first:]])
+    pieces: List[List[Tuple[int, int, int, int]]] = []
+    for f, a, n in ranges:
+        out: List[Tuple[int, int, int, int]] = []
+        if n:
+            first, st = starts[f]
+            k = first + bisect.bisect_right(st, a) - 1
+            while k < len(extents) and extents[k].file == f and extents[k].start < a + n:
+                e = extents[k]
+                lo, hi = max(a, e.start), min(a + n, e.stop)
+                if hi > lo:
+                    out.append((k, lo - e.start, lo - a, hi - lo))
+                k += 1
+        pieces.append(out)
+    return extents, pieces
+
+
+# ---------------------------------------------------------------------------
+# read-once loads: every byte the job needs is read from storage by one rank of the job
+
+
+@dataclass
+class ReadOncePlan:
+    """Who reads which extent and who sends what to whom (see :func:`plan_read_once`).
+
+    ``extents``: disjoint byte ranges of the union of every rank's requests, in (file,
+    offset) order, none over the chunk size. ``reader[k]``: the rank that reads extent ``k``.
+    ``needs[k]``: ``(rank, op index, offset in op, nbytes, offset in extent)`` of every rank
+    that needs bytes of extent ``k``, the reader included. ``rounds[r]``: the extents rank
+    ``r`` reads, in the order it reads them (its round ``i`` reads ``rounds[r][i]``)."""
+
+    extents: List[Extent]
+    reader: List[int]
+    needs: List[List[Tuple[int, int, int, int, int]]]
+    rounds: List[List[int]]
+
+    def runs(self, k: int) -> List[Tuple[int, int, int]]:
+        """The messages extent ``k`` sends: ``(destination rank, offset in extent, nbytes)``, one per
+        maximal contiguous run of bytes another rank needs, in (rank, offset) order."""
+        spans: Dict[int, List[Tuple[int, int]]] = {}
+        for r, _, _, n, off in self.needs[k]:
+            if r != self.reader[k] and n:
+                spans.setdefault(r, []).append((off, off + n))
+        out: List[Tuple[int, int, int]] = []
+        for r in sorted(spans):
+            start = end = None
+            for a, b in sorted(spans[r]):
+                if end is not None and a <= end:
+                    end = max(end, b)
+                    continue
+                if end is not None:
+                    out.append((r, start, end - start))
+                start, end = a, b
+            out.append((r, start, end - start))
+        return out
+
+    def read_bytes(self) -> List[int]:
+        """Bytes each rank reads from storage."""
+        out = [0] * len(self.rounds)
+        for k, e in enumerate(self.extents):
+            out[self.reader[k]] += e.stop - e.start
+        return out
+
+    def replies(self) -> List[Dict[str, Any]]:
+        """Each rank's part of the plan, as JSON: ``reads`` (per round: file, start, stop, this
+        rank's own pieces ``[op, offset in op, nbytes, offset in extent]`` and the messages
+        ``[destination, offset in extent, nbytes]``) and ``recvs`` (per round: the messages it
+        receives ``[source, nbytes, pieces]``, pieces as ``[op, offset in op, nbytes, offset in
+        message]``, in the order each source sends them)."""
+        world = len(self.rounds)
+        out: List[Dict[str, Any]] = [{"reads": [], "recvs": {}} for _ in range(world)]
+        round_of = {k: i for ks in self.rounds for i, k in enumerate(ks)}
+        for r, ks in enumerate(self.rounds):
+            for k in ks:
+                e = self.extents[k]
+                mine = [[i, pos, n, off] for q, i, pos, n, off in self.needs[k] if q == r]
+                runs = self.runs(k)
+                out[r]["reads"].append([e.file, e.start, e.stop, mine, [list(x) for x in runs]])
+                for dst, a, n in runs:
+                    pieces = [[i, pos, m, off - a] for q, i, pos, m, off in self.needs[k]
+                              if q == dst and a <= off and off + m <= a + n]
+                    out[dst]["recvs"].setdefault(str(round_of[k]), []).append([r, n, pieces])
+        return out
+
+
+def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: int) -> ReadOncePlan:
+    """Plan a load in which every byte the job needs leaves storage once.
+
+    ``requests[r]``: rank ``r``'s byte ranges ``(file, offset, nbytes)`` (its load's ops, in
+    op order). The union of all ranges is cut into extents of at most ``chunk`` bytes; an
+    extent only one rank needs is read by that rank; an extent several ranks need goes to the
+    least-loaded of them while its load stays within one chunk of the job's mean, else to the
+    least-loaded rank of the job (so the reads are byte-balanced over all ranks, on every
+    node, and a rank reads what it keeps where balance allows). Deterministic."""
+    world = len(requests)
+    ranges: List[Tuple[str, int, int]] = []
+    owners: List[Tuple[int, int]] = []
+    for r, ops in enumerate(requests):
+        for i, (f, a, n) in enumerate(ops):
+            if n:
+                ranges.append((f, a, n))
+                owners.append((r, i))
+    extents, pieces = partition(ranges, max(1, int(chunk)))
+    needs: List[List[Tuple[int, int, int, int, int]]] = [[] for _ in extents]
+    for (r, i), ps in zip(owners, pieces):
+        for k, off, pos, n in ps:
+            needs[k].append((r, i, pos, n, off))
+    for ns in needs:
+        ns.sort(key=lambda x: (x[0], x[4], x[1], x[2]))
+    load = [0] * world
+    reader = [-1] * len(extents)
+    shared: List[int] = []
+    for k, ns in enumerate(needs):
+        ranks = {x[0] for x in ns}
+        if len(ranks) == 1:
+            reader[k] = ns[0][0]
+            load[reader[k]] += extents[k].stop - extents[k].start
+        else:
+            shared.append(k)
+    total = sum(e.stop - e.start for e in extents)
+    cap = -(-total // max(world, 1)) + max(1, int(chunk))
+    heap = [(load[r], r) for r in range(world)]
+    heapq.heapify(heap)
+    for k in shared:
+        size = extents[k].stop - extents[k].start
+        low, best = min((load[x[0]], x[0]) for x in needs[k])
+        if low + size > cap:
+            while heap[0][0] != load[heap[0][1]]:  # entries are lower bounds: refresh the top
+                heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+            if heap[0][0] < low:
+                best = heap[0][1]
+        reader[k] = best
+        load[best] += size
+    rounds: List[List[int]] = [[] for _ in range(world)]
+    for k in range(len(extents)):
+        rounds[reader[k]].append(k)
+    return ReadOncePlan(extents, reader, needs, rounds)
