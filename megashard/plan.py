@@ -825,6 +825,8 @@ def partition(ranges: Sequence[Tuple[str, int, int]], chunk: int) -> Tuple[List[
 # ---------------------------------------------------------------------------
 # read-once loads: every byte the job needs is read from storage by one rank of the job
 
+Need = Tuple[int, int, int, int, int]  # (group, op index, offset in op, nbytes, offset in extent)
+
 
 @dataclass
 class ReadOncePlan:
@@ -832,34 +834,16 @@ class ReadOncePlan:
 
     ``extents``: disjoint byte ranges of the union of every rank's requests, in (file,
     offset) order, none over the chunk size. ``reader[k]``: the rank that reads extent ``k``.
-    ``needs[k]``: ``(rank, op index, offset in op, nbytes, offset in extent)`` of every rank
-    that needs bytes of extent ``k``, the reader included. ``rounds[r]``: the extents rank
-    ``r`` reads, in the order it reads them (its round ``i`` reads ``rounds[r][i]``)."""
+    Ranks with the same requests (data-parallel replicas) form one group, ``members[g]``;
+    ``needs[k]``: ``(group, op index, offset in op, nbytes, offset in extent)`` of every piece
+    of extent ``k`` that some group needs. ``rounds[r]``: the extents rank ``r`` reads, in the
+    order it reads them (its round ``i`` reads ``rounds[r][i]``)."""
 
     extents: List[Extent]
     reader: List[int]
-    needs: List[List[Tuple[int, int, int, int, int]]]
+    needs: List[List[Need]]
+    members: List[List[int]]
     rounds: List[List[int]]
-
-    def runs(self, k: int) -> List[Tuple[int, int, int]]:
-        """The messages extent ``k`` sends: ``(destination rank, offset in extent, nbytes)``, one per
-        maximal contiguous run of bytes another rank needs, in (rank, offset) order."""
-        spans: Dict[int, List[Tuple[int, int]]] = {}
-        for r, _, _, n, off in self.needs[k]:
-            if r != self.reader[k] and n:
-                spans.setdefault(r, []).append((off, off + n))
-        out: List[Tuple[int, int, int]] = []
-        for r in sorted(spans):
-            start = end = None
-            for a, b in sorted(spans[r]):
-                if end is not None and a <= end:
-                    end = max(end, b)
-                    continue
-                if end is not None:
-                    out.append((r, start, end - start))
-                start, end = a, b
-            out.append((r, start, end - start))
-        return out
 
     def read_bytes(self) -> List[int]:
         """Bytes each rank reads from storage."""
@@ -873,21 +857,52 @@ class ReadOncePlan:
         rank's own pieces ``[op, offset in op, nbytes, offset in extent]`` and the messages
         ``[destination, offset in extent, nbytes]``) and ``recvs`` (per round: the messages it
         receives ``[source, nbytes, pieces]``, pieces as ``[op, offset in op, nbytes, offset in
-        message]``, in the order each source sends them)."""
+        message]``, in the order the source sends them). A message is one maximal contiguous run
+        of the bytes a group needs in the extent."""
         world = len(self.rounds)
+        group_of = [0] * world
+        for g, ranks in enumerate(self.members):
+            for r in ranks:
+                group_of[r] = g
         out: List[Dict[str, Any]] = [{"reads": [], "recvs": {}} for _ in range(world)]
-        round_of = {k: i for ks in self.rounds for i, k in enumerate(ks)}
         for r, ks in enumerate(self.rounds):
-            for k in ks:
+            for rnd, k in enumerate(ks):
                 e = self.extents[k]
-                mine = [[i, pos, n, off] for q, i, pos, n, off in self.needs[k] if q == r]
-                runs = self.runs(k)
-                out[r]["reads"].append([e.file, e.start, e.stop, mine, [list(x) for x in runs]])
-                for dst, a, n in runs:
-                    pieces = [[i, pos, m, off - a] for q, i, pos, m, off in self.needs[k]
-                              if q == dst and a <= off and off + m <= a + n]
-                    out[dst]["recvs"].setdefault(str(round_of[k]), []).append([r, n, pieces])
+                by_group: Dict[int, List[Need]] = {}
+                for x in self.needs[k]:
+                    by_group.setdefault(x[0], []).append(x)
+                mine = [[i, pos, n, off] for _, i, pos, n, off in by_group.get(group_of[r], ())]
+                runs: List[List[int]] = []
+                for g in sorted(by_group):
+                    dsts = [d for d in self.members[g] if d != r]
+                    if not dsts:
+                        continue
+                    for start, length, pieces in _runs(by_group[g]):
+                        for d in dsts:
+                            runs.append([d, start, length])
+                            out[d]["recvs"].setdefault(str(rnd), []).append([r, length, pieces])
+                out[r]["reads"].append([e.file, e.start, e.stop, mine, runs])
         return out
+
+
+def _runs(needs: Sequence[Need]) -> List[Tuple[int, int, List[List[int]]]]:
+    """Maximal contiguous runs of the pieces ``needs`` (offsets in the extent), in order:
+    ``(offset in extent, nbytes, pieces [op, offset in op, nbytes, offset in run])``."""
+    out: List[Tuple[int, int, List[List[int]]]] = []
+    start = end = -1
+    cur: List[Need] = []
+    for x in sorted(needs, key=lambda x: (x[4], x[1], x[2])):
+        off, n = x[4], x[3]
+        if cur and off <= end:
+            end = max(end, off + n)
+            cur.append(x)
+            continue
+        if cur:
+            out.append((start, end - start, [[i, pos, m, o - start] for _, i, pos, m, o in cur]))
+        start, end, cur = off, off + n, [x]
+    if cur:
+        out.append((start, end - start, [[i, pos, m, o - start] for _, i, pos, m, o in cur]))
+    return out
 
 
 def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: int) -> ReadOncePlan:
@@ -898,47 +913,63 @@ def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: in
     extent only one rank needs is read by that rank; an extent several ranks need goes to the
     least-loaded of them while its load stays within one chunk of the job's mean, else to the
     least-loaded rank of the job (so the reads are byte-balanced over all ranks, on every
-    node, and a rank reads what it keeps where balance allows). Deterministic."""
+    node, and a rank reads what it keeps where balance allows). Ranks with identical requests
+    (data-parallel replicas) are planned once, as a group, so the work grows with the distinct
+    requests plus the extents each rank reads and receives. Deterministic."""
     world = len(requests)
+    chunk = max(1, int(chunk))
+    by_ops: Dict[Tuple[Tuple[str, int, int], ...], List[int]] = {}
+    for r, ops in enumerate(requests):
+        by_ops.setdefault(tuple((str(f), int(a), int(n)) for f, a, n in ops), []).append(r)
+    groups = list(by_ops)
+    members = [by_ops[g] for g in groups]
     ranges: List[Tuple[str, int, int]] = []
     owners: List[Tuple[int, int]] = []
-    for r, ops in enumerate(requests):
+    for g, ops in enumerate(groups):
         for i, (f, a, n) in enumerate(ops):
             if n:
                 ranges.append((f, a, n))
-                owners.append((r, i))
-    extents, pieces = partition(ranges, max(1, int(chunk)))
-    needs: List[List[Tuple[int, int, int, int, int]]] = [[] for _ in extents]
-    for (r, i), ps in zip(owners, pieces):
+                owners.append((g, i))
+    extents, pieces = partition(ranges, chunk)
+    needs: List[List[Need]] = [[] for _ in extents]
+    for (g, i), ps in zip(owners, pieces):
         for k, off, pos, n in ps:
-            needs[k].append((r, i, pos, n, off))
-    for ns in needs:
-        ns.sort(key=lambda x: (x[0], x[4], x[1], x[2]))
+            needs[k].append((g, i, pos, n, off))
     load = [0] * world
     reader = [-1] * len(extents)
-    shared: List[int] = []
+    shared: List[Tuple[int, Tuple[int, ...]]] = []
     for k, ns in enumerate(needs):
-        ranks = {x[0] for x in ns}
-        if len(ranks) == 1:
-            reader[k] = ns[0][0]
+        gs = tuple(sorted({x[0] for x in ns}))
+        if len(gs) == 1 and len(members[gs[0]]) == 1:  # one rank needs it: it reads it
+            reader[k] = members[gs[0]][0]
             load[reader[k]] += extents[k].stop - extents[k].start
         else:
-            shared.append(k)
+            shared.append((k, gs))
     total = sum(e.stop - e.start for e in extents)
-    cap = -(-total // max(world, 1)) + max(1, int(chunk))
-    heap = [(load[r], r) for r in range(world)]
-    heapq.heapify(heap)
-    for k in shared:
+    cap = -(-total // max(world, 1)) + chunk
+
+    def top(heap: List[Tuple[int, int]]) -> Tuple[int, int]:
+        while heap[0][0] != load[heap[0][1]]:  # entries are lower bounds (loads only grow): refresh
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        return heap[0]
+
+    everyone = [(load[r], r) for r in range(world)]
+    heapq.heapify(everyone)
+    heaps: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}  # per set of needing groups: their ranks
+    for k, gs in shared:
         size = extents[k].stop - extents[k].start
-        low, best = min((load[x[0]], x[0]) for x in needs[k])
+        heap = heaps.get(gs)
+        if heap is None:
+            heap = heaps[gs] = [(load[r], r) for g in gs for r in members[g]]
+            heapq.heapify(heap)
+        low, best = top(heap)
         if low + size > cap:
-            while heap[0][0] != load[heap[0][1]]:  # entries are lower bounds: refresh the top
-                heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
-            if heap[0][0] < low:
-                best = heap[0][1]
+            glow, gbest = top(everyone)
+            if glow < low:
+                best = gbest
         reader[k] = best
         load[best] += size
     rounds: List[List[int]] = [[] for _ in range(world)]
     for k in range(len(extents)):
         rounds[reader[k]].append(k)
-    return ReadOncePlan(extents, reader, needs, rounds)
+    return ReadOncePlan(extents, reader, needs, members, rounds)

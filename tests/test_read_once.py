@@ -2,7 +2,8 @@
 
 The plan (``plan.plan_read_once``) is tested as a pure function; the loads run on gloo ranks
 split over two fake nodes (``MEGASHARD_NODE_ID`` per rank), where ``mode="auto"`` picks
-``readonce``. One spawned job per world size runs every scenario to keep the suite fast.
+``readonce``. One spawned job of 4 ranks runs every scenario (world 2: a group of one rank per
+node) to keep the suite fast.
 """
 from __future__ import annotations
 
@@ -163,28 +164,50 @@ def _needed(template: Dict[str, Any]) -> int:
     return out
 
 
-def _layouts_job(rank: int, world: int, tmp: str) -> List[Dict[str, Any]]:
+def _scenarios(rank: int, world: int, tmp: str, group: Any) -> List[Dict[str, Any]]:
+    """``rank``/``world`` within ``group`` (None: the default group)."""
     import megashard
-    import torch.distributed as dist
 
     out = []
     for n, (saved, loaded, distopt) in enumerate(SCENARIOS[world]):
-        path = os.path.join(tmp, f"ckpt{n}")
-        megashard.save(model_state(saved, rank, distopt=distopt), path)
-        dist.barrier()
-        for mode, chunk in (("auto", 700), ("auto", 8 << 20), ("own", 8 << 20), ("scatter", 8 << 20)):
+        path = os.path.join(tmp, f"world{world}-ckpt{n}")
+        megashard.save(model_state(saved, rank, distopt=distopt), path, process_group=group)
+        for mode, chunk in (("auto", 4096), ("auto", 8 << 20), ("own", 8 << 20), ("scatter", 8 << 20)):
             template = model_state(loaded, rank, empty=True, distopt=distopt)
-            _, stats = megashard.load(template, path, mode=mode, return_stats=True, scatter_chunk_bytes=chunk)
+            _, stats = megashard.load(template, path, mode=mode, return_stats=True, scatter_chunk_bytes=chunk,
+                                      process_group=group)
             out.append({"scenario": n, "want": mode, "chunk": chunk, "mode": stats.mode, "bad": check_state(template),
                         "read": stats.bytes_read, "received": stats.bytes_received, "peak": stats.buffer_peak,
                         "needed": _needed(template), "crc": stats.crc_checked})
-        dist.barrier()
     return out
 
 
+def _job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """World 4 (ranks 0-1 on node n0, 2-3 on n1), then world 2 as the group of ranks 0 and 2
+    (one per node): one spawn for every load of this module."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 2])
+    out: Dict[str, Any] = {4: _scenarios(rank, 4, tmp, None)}
+    dist.barrier()
+    if rank in (0, 2):
+        out[2] = _scenarios(rank // 2, 2, tmp, pair)
+        out["memory"] = _memory_job(rank // 2, tmp, pair)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> List[Dict[str, Any]]:
+    """Results by rank of the world 4 job; ranks 0 and 2 also of world 2."""
+    tmp = str(tmp_path_factory.mktemp("readonce"))
+    return all_ok(run_ranks(_job, 4, tmp, env=_two_nodes(4), timeout=240))
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_read_once_loads_bit_exact_reading_each_byte_once_per_job(tmp_path, world: int) -> None:
-    results = all_ok(run_ranks(_layouts_job, world, str(tmp_path), env=_two_nodes(world), timeout=240))
+def test_read_once_loads_bit_exact_reading_each_byte_once_per_job(job, world: int) -> None:
+    results = [r[world] for r in job if world in r]
+    assert len(results) == world
     for i in range(len(results[0])):
         rows = [res[i] for res in results]
         saved, loaded, distopt = SCENARIOS[world][rows[0]["scenario"]]
@@ -237,38 +260,37 @@ def _hwm_kib() -> Tuple[int, int]:
     return tuple(int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "VmHWM"))  # type: ignore
 
 
-def _memory_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+def _memory_job(rank: int, tmp: str, group: Any) -> Dict[str, Any]:
     import gc
 
     import megashard
-    import torch.distributed as dist
 
     out: Dict[str, Any] = {}
     for name, saved, loaded in (("resume", "none", "none"), ("reshard", "rows", "cols")):
-        path = os.path.join(tmp, name)
-        megashard.save(_mem_state(rank, saved, False), path)
-        dist.barrier()
-        megashard.load(_mem_state(rank, loaded, True), path, mode="readonce")  # warm: first-use allocations
+        path = os.path.join(tmp, f"mem-{name}")
+        megashard.save(_mem_state(rank, saved, False), path, process_group=group)
+        megashard.load(_mem_state(rank, loaded, True), path, mode="readonce", process_group=group)  # warm: first-use allocations
         template = _mem_state(rank, loaded, True)  # destinations exist (touched) before the load
         gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
         before, _ = _hwm_kib()
-        _, stats = megashard.load(template, path, mode="readonce", scatter_chunk_bytes=MEM_CHUNK, return_stats=True)
+        _, stats = megashard.load(template, path, mode="readonce", scatter_chunk_bytes=MEM_CHUNK, return_stats=True,
+                                  process_group=group)
         _, peak = _hwm_kib()
         ok = all(torch.equal(sh.data, _mem_state(rank, loaded, False)[k].data) for k, sh in template.items())
         out[name] = {"extra": (peak - before) * 1024, "ok": ok, "peak_buffers": stats.buffer_peak,
                      "read": stats.bytes_read, "received": stats.bytes_received}
-        dist.barrier()
     return out
 
 
-def test_read_once_peak_extra_memory_is_bounded_by_the_largest_tensor_not_the_checkpoint(tmp_path) -> None:
+def test_read_once_peak_extra_memory_is_bounded_by_the_largest_tensor_not_the_checkpoint(job) -> None:
     """Peak host memory beyond the destinations, per rank, of a 16 MiB checkpoint (2 MiB tensors)
     loaded in 1 MiB chunks over two nodes: ≤ 2 × the largest tensor (the production bound is
     max(256 MiB, 2 × largest tensor)); a load that held its replica's or its saved shards' bytes
     would need 8-16 MiB more."""
-    res = all_ok(run_ranks(_memory_job, 2, str(tmp_path), env=_two_nodes(2), timeout=240))
+    res = [r["memory"] for r in job if "memory" in r]
+    assert len(res) == 2
     largest = MEM_ROWS * MEM_COLS * 4
     for name in res[0]:
         assert sum(r[name]["read"] for r in res) == MEM_TENSORS * largest, name  # the 16 MiB, once
