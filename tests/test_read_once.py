@@ -188,12 +188,76 @@ def _job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
     pair = dist.new_group([0, 2])
-    out: Dict[str, Any] = {4: _scenarios(rank, 4, tmp, None)}
+    out: Dict[str, Any] = {4: _scenarios(rank, 4, tmp, None), "failures": _failures(rank, tmp)}
     dist.barrier()
     if rank in (0, 2):
         out[2] = _scenarios(rank // 2, 2, tmp, pair)
         out["memory"] = _memory_job(rank // 2, tmp, pair)
     dist.barrier()
+    return out
+
+
+def _failures(rank: int, tmp: str) -> Dict[str, Any]:
+    """World 4, TP=2 x DP=2: a damaged shard that ranks 1 and 3 keep (one reads it, the other
+    receives it), and rank 2's storage failing mid-transfer."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    import megashard
+    from megashard import storage
+
+    layout = Layout(tp=2, dp=2)
+    path = os.path.join(tmp, "fail-ckpt")
+    megashard.save(model_state(layout, rank), path)
+    if rank == 0:
+        m = megashard.read_manifest(path)
+        rec = [s for s in m.tensors["decoder.layers.self_attention.linear_qkv.weight"].shards
+               if s.offset[0] == 7 and s.offset[1] > 0][0]
+        with open(os.path.join(path, rec.file), "r+b") as f:
+            f.seek(rec.data_offset + 5)
+            b = f.read(1)
+            f.seek(rec.data_offset + 5)
+            f.write(bytes([b[0] ^ 0x01]))
+    dist.barrier()
+    out: Dict[str, Any] = {}
+
+    def attempt(name: str, **kw: Any) -> None:
+        try:
+            megashard.load(model_state(layout, rank, empty=True), path, mode="auto", scatter_chunk_bytes=4096, **kw)
+            out[name] = "no error"
+        except megashard.DistributedError as e:
+            out[name] = {"crc": isinstance(e, megashard.ChecksumError), "ranks": sorted(e.failures),
+                         "text": {r: m[:300] for r, m in e.failures.items()}}
+
+    attempt("damaged")
+    real = storage.checkpoint_files
+
+    class Failing:
+        """Rank 2's storage: checks pass, every read of tensor bytes fails."""
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            self.inner = real(*a, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.inner.close()
+
+        def read_into(self, f: str, reqs: Any, **kw: Any) -> int:
+            if reqs and f.endswith(".tensors"):
+                raise OSError(5, "Input/output error")
+            return self.inner.read_into(f, reqs, **kw)
+
+    with contextlib.ExitStack() as stack:
+        if rank == 2:
+            storage.checkpoint_files = Failing  # type: ignore[assignment]
+            stack.callback(setattr, storage, "checkpoint_files", real)
+        attempt("read_fails", check_crc=False)
     return out
 
 
@@ -299,3 +363,16 @@ def test_read_once_peak_extra_memory_is_bounded_by_the_largest_tensor_not_the_ch
             assert m["ok"], (rank, name)
             assert m["peak_buffers"] <= 3 * MEM_CHUNK, (rank, name, m)
             assert m["extra"] <= 2 * largest, (rank, name, m["extra"] / 2**20)
+
+
+def test_read_once_failures_reach_every_rank(job) -> None:
+    """Damaged bytes are caught by the CRC32 check on both ranks that keep them (the reader
+    and the one that received them); a rank whose storage fails mid-transfer still sends, so
+    every rank raises naming it instead of waiting."""
+    for rank, r in enumerate(job):
+        f = r["failures"]
+        assert f["damaged"]["crc"] is True and f["damaged"]["ranks"] == [1, 3], (rank, f["damaged"])
+        assert "is damaged" in f["damaged"]["text"][1], f["damaged"]
+        assert f["read_fails"]["ranks"] == [2], (rank, f["read_fails"])
+        assert "read-once load: reading" in f["read_fails"]["text"][2], f["read_fails"]
+        assert "Input/output error" in f["read_fails"]["text"][2], f["read_fails"]
