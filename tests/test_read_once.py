@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distributed import all_ok, run_ranks
-from layouts import EXP_AVG, GLOBALS, Layout, check_state, model_state
+from layouts import GLOBALS, Layout, check_state, model_state
 
 from megashard import plan
 
@@ -172,7 +172,8 @@ def _scenarios(rank: int, world: int, tmp: str, group: Any) -> List[Dict[str, An
     for n, (saved, loaded, distopt) in enumerate(SCENARIOS[world]):
         path = os.path.join(tmp, f"world{world}-ckpt{n}")
         megashard.save(model_state(saved, rank, distopt=distopt), path, process_group=group)
-        for mode, chunk in (("auto", 4096), ("auto", 8 << 20), ("own", 8 << 20), ("scatter", 8 << 20)):
+        modes = [("auto", 4096), ("auto", 8 << 20), ("own", 8 << 20)] + ([("scatter", 8 << 20)] if world == 2 else [])
+        for mode, chunk in modes:
             template = model_state(loaded, rank, empty=True, distopt=distopt)
             verify = mode == "auto" and chunk == 8 << 20  # re-reads what it loaded, in place of the CRC32 check
             _, stats = megashard.load(template, path, mode=mode, return_stats=True, scatter_chunk_bytes=chunk,
