@@ -24,7 +24,6 @@ failed one: the error reaches every rank in ``load``'s final agreement. Nothing 
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,8 +35,6 @@ from .format import empty_buffer
 from .format.fastio import default_read_threads, tensor_memoryview
 from .scatter import _copy
 from .transport import Comm
-
-log = logging.getLogger(__name__)
 
 
 def _plan_replies(requests: List[Any], chunk: int) -> List[Dict[str, Any]]:
