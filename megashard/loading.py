@@ -2,12 +2,13 @@
 
 Collectives per load, whatever the world size: *probe* (every rank sends rank 0 whether
 it sees the checkpoint and its node; each receives its mode and node reader), *plan*
-agreement, the transfer (scatter mode only) and the final agreement. Each rank opens
+agreement, the transfer (scatter and readonce modes) and the final agreement. Each rank opens
 the index itself and reads only the sections its own shards overlap
 (:class:`~megashard.manifest.LazyIndex`); a rank that cannot see the checkpoint gets the
 index from its node's reader. ``own`` mode reads exactly the byte ranges each rank
 needs; ``scatter`` has one reader per node read every needed byte once and hand it to
-the node's ranks (:mod:`megashard.readers`).
+the node's ranks; ``readonce`` has every byte the job needs read once, by ranks on every
+node, and sent to the ranks that need it (:mod:`megashard.readers`).
 """
 from __future__ import annotations
 
@@ -614,6 +615,7 @@ class LoadStats:
     bytes_received: int = 0
     index_bytes_read: int = 0  # of the checkpoint's index, by this rank
     transport: str = ""  # scatter: "shm" or "group" on this rank's node; "none": only its reader needed bytes
+    buffer_peak: int = 0  # readonce: most bytes of staging buffers this rank held at once
     seconds: float = 0.0
     crc_checked: int = 0  # bytes of saved tensors this rank read whole and checked against their CRC32
 
@@ -632,10 +634,12 @@ def plan_probe(infos: List[Dict[str, Any]], base: str, mode: str) -> List[Dict[s
         raise CheckpointError(f"{base} is not a readable megashard checkpoint: {infos[0]['why']}")
     readers_of = node_readers([i["node"] for i in infos])
     all_see = all(i["sees"] for i in infos)
-    chosen = mode if mode != "auto" else ("own" if all_see else "scatter")
-    if chosen == "own" and not all_see:
+    nodes = len(set(readers_of.values()))
+    # several nodes that all see the checkpoint: read each byte once per job, not once per node or replica
+    chosen = mode if mode != "auto" else ("scatter" if not all_see else "readonce" if nodes > 1 else "own")
+    if chosen in ("own", "readonce") and not all_see:
         blind = [r for r, i in enumerate(infos) if not i["sees"]]
-        raise StateDictError(f"mode='own' but ranks {blind[:20]} cannot see {base}; use mode='scatter' or 'auto'")
+        raise StateDictError(f"mode={chosen!r} but ranks {blind[:20]} cannot see {base}; use mode='scatter' or 'auto'")
     members: Dict[int, List[int]] = {}
     for r, rd in readers_of.items():
         members.setdefault(rd, []).append(r)
@@ -719,8 +723,10 @@ def load(
     other leaves are replaced by the saved values.
     ``checkpoint_dir``: a checkpoint directory or ``s3://`` URL.
     ``mode``: ``"own"`` (every rank reads its own byte ranges), ``"scatter"`` (one reader per
-    node reads and hands the node's ranks their bytes) or ``"auto"`` (``own`` when every
-    rank sees the checkpoint); see ``docs/loading.md``.
+    node reads and hands the node's ranks their bytes), ``"readonce"`` (every byte the job needs
+    is read once, by ranks spread over all nodes, and sent over the process group to the ranks
+    that need it) or ``"auto"`` (when every rank sees the checkpoint: ``own`` on one node,
+    ``readonce`` on several; else ``scatter``); see ``docs/loading.md``.
     ``process_group``: the ranks that load together (default: the world).
     ``strict``: missing keys, dtype and global-shape mismatches raise one ``StateDictError``
     listing them all; ``False`` loads what matches, logs the rest and returns ``None`` for a
@@ -732,7 +738,8 @@ def load(
     file and tensor). A saved tensor that a resharding load reads only in part is not checked
     (its CRC32 covers all of it): ``verify=True`` checks those too.
     ``scatter_chunk_bytes``, ``scatter_transport``: the ring slot size and transport
-    (``"auto"``, ``"shm"``, ``"group"``) of a scatter load.
+    (``"auto"``, ``"shm"``, ``"group"``) of a scatter load; ``scatter_chunk_bytes`` is also the
+    largest extent (staging buffer, message) of a readonce load.
     ``threads``: reader threads per rank (default: from the CPU count).
     ``timeout``: seconds that bound every collective and the wait for an earlier async save's
     write; default: the process group's.
@@ -743,8 +750,8 @@ def load(
     template lacks. Raises on every rank if any rank fails. Read-only: never renames or
     deletes anything in the checkpoint's parent.
     """
-    if mode not in ("auto", "own", "scatter"):
-        raise ValueError(f"mode must be 'auto', 'own' or 'scatter', got {mode!r}")
+    if mode not in ("auto", "own", "scatter", "readonce"):
+        raise ValueError(f"mode must be 'auto', 'own', 'scatter' or 'readonce', got {mode!r}")
     if scatter_transport not in readers.SCATTER_TRANSPORTS:
         raise ValueError(f"scatter_transport must be one of {readers.SCATTER_TRANSPORTS}, got {scatter_transport!r}")
     comm = Comm(process_group, timeout)
@@ -778,6 +785,13 @@ def load(
             nread, err = comm.run("load/read", lambda: readers.read_own(base, index, work.ops, work.view_ops,
                                                                           work.row_jobs, threads))
             stats.bytes_read = nread or 0
+        elif chosen == "readonce":
+            try:
+                (nread, nrecv, stats.buffer_peak), err = readers.read_once(comm, base, index, work.ops,
+                                                                           scatter_chunk_bytes, threads)
+            except Exception as e:  # noqa: BLE001 - must reach the final agreement, never skip it
+                (nread, nrecv), err = (0, 0), f"{type(e).__name__}: read-once transfer failed: {e}"
+            stats.bytes_read, stats.bytes_received = nread, nrecv
         else:
             try:
                 (nread, nrecv, stats.transport), err = readers.scatter(

@@ -12,6 +12,7 @@ optimizer, ``flattened_range``); a regular shard holds ``[0, numel(chunk))``.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -780,3 +781,195 @@ def schedule_extents(
     if cur is not None:
         out.append((Extent(cur[0], cur[1], cur[2]), cur[3]))
     return out
+
+
+def partition(ranges: Sequence[Tuple[str, int, int]], chunk: int) -> Tuple[List[Extent], List[List[Tuple[int, int, int, int]]]]:
+    """Cut the union of byte ranges into disjoint extents of at most ``chunk`` bytes.
+
+    Returns the extents in (file, offset) order and, per range, its pieces
+    ``(extent index, offset in extent, offset in range, nbytes)``, so every byte any
+    range needs is read exactly once however ranges overlap or ``chunk`` splits them.
+    """
+    extents: List[Extent] = []
+    starts: Dict[str, Tuple[int, List[int]]] = {}  # file -> (first extent index, extent starts)
+    order = sorted(range(len(ranges)), key=lambda j: (ranges[j][0], ranges[j][1]))
+    j = 0
+    while j < len(order):
+        f = ranges[order[j]][0]
+        first = len(extents)
+        while j < len(order) and ranges[order[j]][0] == f:
+            a, b = ranges[order[j]][1], ranges[order[j]][1] + ranges[order[j]][2]
+            j += 1
+            while j < len(order) and ranges[order[j]][0] == f and ranges[order[j]][1] <= b:
+                b = max(b, ranges[order[j]][1] + ranges[order[j]][2])
+                j += 1
+            for s0 in range(a, b, chunk):
+                extents.append(Extent(f, s0, min(b, s0 + chunk)))
+        starts[f] = (first, [e.start for e in extents[first:]])
+    pieces: List[List[Tuple[int, int, int, int]]] = []
+    for f, a, n in ranges:
+        out: List[Tuple[int, int, int, int]] = []
+        if n:
+            first, st = starts[f]
+            k = first + bisect.bisect_right(st, a) - 1
+            while k < len(extents) and extents[k].file == f and extents[k].start < a + n:
+                e = extents[k]
+                lo, hi = max(a, e.start), min(a + n, e.stop)
+                if hi > lo:
+                    out.append((k, lo - e.start, lo - a, hi - lo))
+                k += 1
+        pieces.append(out)
+    return extents, pieces
+
+
+# ---------------------------------------------------------------------------
+# read-once loads: every byte the job needs is read from storage by one rank of the job
+
+Need = Tuple[int, int, int, int, int]  # (group, op index, offset in op, nbytes, offset in extent)
+
+
+@dataclass
+class ReadOncePlan:
+    """Who reads which extent and who sends what to whom (see :func:`plan_read_once`).
+
+    ``extents``: disjoint byte ranges of the union of every rank's requests, in (file,
+    offset) order, none over the chunk size. ``reader[k]``: the rank that reads extent ``k``.
+    Ranks with the same requests (data-parallel replicas) form one group, ``members[g]``;
+    ``needs[k]``: ``(group, op index, offset in op, nbytes, offset in extent)`` of every piece
+    of extent ``k`` that some group needs. ``rounds[r]``: the extents rank ``r`` reads, in the
+    order it reads them (its round ``i`` reads ``rounds[r][i]``)."""
+
+    extents: List[Extent]
+    reader: List[int]
+    needs: List[List[Need]]
+    members: List[List[int]]
+    rounds: List[List[int]]
+
+    def read_bytes(self) -> List[int]:
+        """Bytes each rank reads from storage."""
+        out = [0] * len(self.rounds)
+        for k, e in enumerate(self.extents):
+            out[self.reader[k]] += e.stop - e.start
+        return out
+
+    def replies(self) -> List[Dict[str, Any]]:
+        """Each rank's part of the plan, as JSON: ``reads`` (per round: file, start, stop, this
+        rank's own pieces ``[op, offset in op, nbytes, offset in extent]`` and the messages
+        ``[destination, offset in extent, nbytes]``) and ``recvs`` (per round: the messages it
+        receives ``[source, nbytes, pieces]``, pieces as ``[op, offset in op, nbytes, offset in
+        message]``, in the order the source sends them). A message is one maximal contiguous run
+        of the bytes a group needs in the extent."""
+        world = len(self.rounds)
+        group_of = [0] * world
+        for g, ranks in enumerate(self.members):
+            for r in ranks:
+                group_of[r] = g
+        out: List[Dict[str, Any]] = [{"reads": [], "recvs": {}} for _ in range(world)]
+        for r, ks in enumerate(self.rounds):
+            for rnd, k in enumerate(ks):
+                e = self.extents[k]
+                by_group: Dict[int, List[Need]] = {}
+                for x in self.needs[k]:
+                    by_group.setdefault(x[0], []).append(x)
+                mine = [[i, pos, n, off] for _, i, pos, n, off in by_group.get(group_of[r], ())]
+                runs: List[List[int]] = []
+                for g in sorted(by_group):
+                    dsts = [d for d in self.members[g] if d != r]
+                    if not dsts:
+                        continue
+                    for start, length, pieces in _runs(by_group[g]):
+                        for d in dsts:
+                            runs.append([d, start, length])
+                            out[d]["recvs"].setdefault(str(rnd), []).append([r, length, pieces])
+                out[r]["reads"].append([e.file, e.start, e.stop, mine, runs])
+        return out
+
+
+def _runs(needs: Sequence[Need]) -> List[Tuple[int, int, List[List[int]]]]:
+    """Maximal contiguous runs of the pieces ``needs`` (offsets in the extent), in order:
+    ``(offset in extent, nbytes, pieces [op, offset in op, nbytes, offset in run])``."""
+    out: List[Tuple[int, int, List[List[int]]]] = []
+    start = end = -1
+    cur: List[Need] = []
+    for x in sorted(needs, key=lambda x: (x[4], x[1], x[2])):
+        off, n = x[4], x[3]
+        if cur and off <= end:
+            end = max(end, off + n)
+            cur.append(x)
+            continue
+        if cur:
+            out.append((start, end - start, [[i, pos, m, o - start] for _, i, pos, m, o in cur]))
+        start, end, cur = off, off + n, [x]
+    if cur:
+        out.append((start, end - start, [[i, pos, m, o - start] for _, i, pos, m, o in cur]))
+    return out
+
+
+def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: int) -> ReadOncePlan:
+    """Plan a load in which every byte the job needs leaves storage once.
+
+    ``requests[r]``: rank ``r``'s byte ranges ``(file, offset, nbytes)`` (its load's ops, in
+    op order). The union of all ranges is cut into extents of at most ``chunk`` bytes; an
+    extent only one rank needs is read by that rank; an extent several ranks need goes to the
+    least-loaded of them while its load stays within one chunk of the job's mean, else to the
+    least-loaded rank of the job (so the reads are byte-balanced over all ranks, on every
+    node, and a rank reads what it keeps where balance allows). Ranks with identical requests
+    (data-parallel replicas) are planned once, as a group, so the work grows with the distinct
+    requests plus the extents each rank reads and receives. Deterministic."""
+    world = len(requests)
+    chunk = max(1, int(chunk))
+    by_ops: Dict[Tuple[Tuple[str, int, int], ...], List[int]] = {}
+    for r, ops in enumerate(requests):
+        by_ops.setdefault(tuple((str(f), int(a), int(n)) for f, a, n in ops), []).append(r)
+    groups = list(by_ops)
+    members = [by_ops[g] for g in groups]
+    ranges: List[Tuple[str, int, int]] = []
+    owners: List[Tuple[int, int]] = []
+    for g, ops in enumerate(groups):
+        for i, (f, a, n) in enumerate(ops):
+            if n:
+                ranges.append((f, a, n))
+                owners.append((g, i))
+    extents, pieces = partition(ranges, chunk)
+    needs: List[List[Need]] = [[] for _ in extents]
+    for (g, i), ps in zip(owners, pieces):
+        for k, off, pos, n in ps:
+            needs[k].append((g, i, pos, n, off))
+    load = [0] * world
+    reader = [-1] * len(extents)
+    shared: List[Tuple[int, Tuple[int, ...]]] = []
+    for k, ns in enumerate(needs):
+        gs = tuple(sorted({x[0] for x in ns}))
+        if len(gs) == 1 and len(members[gs[0]]) == 1:  # one rank needs it: it reads it
+            reader[k] = members[gs[0]][0]
+            load[reader[k]] += extents[k].stop - extents[k].start
+        else:
+            shared.append((k, gs))
+    total = sum(e.stop - e.start for e in extents)
+    cap = -(-total // max(world, 1)) + chunk
+
+    def top(heap: List[Tuple[int, int]]) -> Tuple[int, int]:
+        while heap[0][0] != load[heap[0][1]]:  # entries are lower bounds (loads only grow): refresh
+            heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+        return heap[0]
+
+    everyone = [(load[r], r) for r in range(world)]
+    heapq.heapify(everyone)
+    heaps: Dict[Tuple[int, ...], List[Tuple[int, int]]] = {}  # per set of needing groups: their ranks
+    for k, gs in shared:
+        size = extents[k].stop - extents[k].start
+        heap = heaps.get(gs)
+        if heap is None:
+            heap = heaps[gs] = [(load[r], r) for g in gs for r in members[g]]
+            heapq.heapify(heap)
+        low, best = top(heap)
+        if low + size > cap:
+            glow, gbest = top(everyone)
+            if glow < low:
+                best = gbest
+        reader[k] = best
+        load[best] += size
+    rounds: List[List[int]] = [[] for _ in range(world)]
+    for k in range(len(extents)):
+        rounds[reader[k]].append(k)
+    return ReadOncePlan(extents, reader, needs, members, rounds)

@@ -3,7 +3,8 @@
 ``own``: every rank reads its own ranges (parallel ``preadv`` per file). ``scatter``: one
 reader per node opens the files and the node reads every range it needs once: through
 the reader's passed descriptors, shared memory or the process group
-(:mod:`megashard.scatter`). Both read members only through a files object
+(:mod:`megashard.scatter`). ``readonce``: every byte the job needs is read by one rank of the
+job and sent to the others that need it (:mod:`megashard.readonce`). Both read members only through a files object
 (:func:`megashard.storage.checkpoint_files`; in ``scatter`` only the reader has one): its
 ``read_into`` fills ``(offset, view)`` requests (rows back to back in a file as one
 :class:`~megashard.format.fastio.Requests` row run), and only scatter's descriptor passing asks
@@ -18,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import scatter as scatter_mod, storage
+from . import readonce, scatter as scatter_mod, storage
 from .devicecopy import DeviceCopier, device_targets, split_targets
 from .errors import CheckpointError
 from .format.fastio import Requests, default_read_threads
@@ -89,6 +90,13 @@ def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict
     there covers every byte the node loaded."""
     return scatter_mod.scatter(comm, base, index, ops, touched, node, chunk, threads, transport,
                                partial(storage.checkpoint_files, base, index))
+
+
+def read_once(comm: Comm, base: str, index: Any, ops: Sequence[Any], chunk: int,
+              threads: Optional[int]) -> Tuple[Tuple[int, int, int], Optional[str]]:
+    """Every byte the job needs is read once, by ranks on every node (byte-balanced), and
+    exchanged over the process group (:mod:`megashard.readonce`)."""
+    return readonce.read_once(comm, base, index, ops, chunk, threads, partial(storage.checkpoint_files, base, index))
 
 
 def verify_delivered(base: str, touched: Mapping[str, Mapping[str, Any]], index: Any = None) -> None:

@@ -520,7 +520,7 @@ class _Reader:
                     ring_owners.append((c, i, pos))
                 else:
                     (mine_direct if c < 0 else direct[c]).append((f, a + pos, n, i, pos))
-        extents, pieces = partition(ring_ranges, self.chunk)
+        extents, pieces = plan.partition(ring_ranges, self.chunk)
         mine: Dict[int, List[Tuple[int, int, int, int]]] = {}  # ring extent -> (op, pos, n, offset in slot)
         per_consumer: List[Dict[int, List[List[int]]]] = [{} for _ in self.consumers]
         for (c, i, base), ps in zip(ring_owners, pieces):
@@ -826,42 +826,3 @@ def split_shared(ranges: Sequence[Range]) -> List[List[Tuple[int, int, bool]]]:
                 pos = end
         out.append(pieces)
     return out
-
-
-def partition(ranges: Sequence[Range], chunk: int) -> Tuple[List[plan.Extent], List[List[Tuple[int, int, int, int]]]]:
-    """Cut the union of byte ranges into disjoint extents of at most ``chunk`` bytes.
-
-    Returns the extents in (file, offset) order and, per range, its pieces
-    ``(extent index, offset in extent, offset in range, nbytes)``, so every byte any
-    range needs is read exactly once however ranges overlap or ``chunk`` splits them.
-    """
-    extents: List[plan.Extent] = []
-    starts: Dict[str, Tuple[int, List[int]]] = {}  # file -> (first extent index, extent starts)
-    order = sorted(range(len(ranges)), key=lambda j: (ranges[j][0], ranges[j][1]))
-    j = 0
-    while j < len(order):
-        f = ranges[order[j]][0]
-        first = len(extents)
-        while j < len(order) and ranges[order[j]][0] == f:
-            a, b = ranges[order[j]][1], ranges[order[j]][1] + ranges[order[j]][2]
-            j += 1
-            while j < len(order) and ranges[order[j]][0] == f and ranges[order[j]][1] <= b:
-                b = max(b, ranges[order[j]][1] + ranges[order[j]][2])
-                j += 1
-            for s0 in range(a, b, chunk):
-                extents.append(plan.Extent(f, s0, min(b, s0 + chunk)))
-        starts[f] = (first, [e.start for e in extents[first:]])
-    pieces: List[List[Tuple[int, int, int, int]]] = []
-    for f, a, n in ranges:
-        out: List[Tuple[int, int, int, int]] = []
-        if n:
-            first, st = starts[f]
-            k = first + bisect.bisect_right(st, a) - 1
-            while k < len(extents) and extents[k].file == f and extents[k].start < a + n:
-                e = extents[k]
-                lo, hi = max(a, e.start), min(a + n, e.stop)
-                if hi > lo:
-                    out.append((k, lo - e.start, lo - a, hi - lo))
-                k += 1
-        pieces.append(out)
-    return extents, pieces

@@ -266,6 +266,32 @@ class Comm:
             return _Pending(self, work, what, tmp, t)
         return _Pending(self, _dist().irecv(t, src=self.global_rank(src), group=self.group), what)
 
+    def exchange(self, sends: Sequence[Tuple[torch.Tensor, int]], recvs: Sequence[Tuple[torch.Tensor, int]],
+                 what: str) -> "_Batch":
+        """Start sending ``(tensor, group rank)`` pairs and receiving into ``(tensor, group rank)``
+        pairs as one batch (NCCL: one group, so two ranks that send to each other cannot deadlock);
+        returns a handle whose ``wait()`` completes them all. Messages between two ranks are
+        matched in the order each side lists them. Tensors are contiguous; NCCL's are staged
+        through the device, gloo's through the host."""
+        dist = _dist()
+        p2p: List[Any] = []
+        copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            for t, dst in sends:
+                if t.device != self.device:
+                    t = t.to(self.device, non_blocking=False)
+                p2p.append(dist.P2POp(dist.isend, t, self.global_rank(dst), self.group))
+            for t, src in recvs:
+                tmp = t
+                if t.device != self.device:
+                    tmp = torch.empty_like(t, device=self.device)
+                    copies.append((tmp, t))
+                p2p.append(dist.P2POp(dist.irecv, tmp, self.global_rank(src), self.group))
+            works = dist.batch_isend_irecv(p2p) if p2p else []
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+            raise DistributedError({self.rank: f"{what}: {type(e).__name__}: {str(e)[:300]}"}, what) from None
+        return _Batch(self, list(works or []), what, copies)
+
 
 class _Pending:
     """A point-to-point op in flight; ``wait()`` honours the Comm's timeout and, for a
@@ -279,6 +305,21 @@ class _Pending:
         self.comm.wait(self.work, self.what)
         if self.dest is not None and self.tmp is not None:
             self.dest.copy_(self.tmp)
+
+
+class _Batch:
+    """A batch of point-to-point ops in flight (:meth:`Comm.exchange`)."""
+
+    def __init__(self, comm: Comm, works: List[Any], what: str,
+                 copies: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.comm, self.works, self.what, self.copies = comm, works, what, copies
+
+    def wait(self) -> None:
+        for w in self.works:
+            self.comm.wait(w, self.what)
+        for tmp, dest in self.copies:
+            dest.copy_(tmp)
+        self.works, self.copies = [], []
 
 
 def _timeout(group: Any, timeout: Optional[float]) -> float:

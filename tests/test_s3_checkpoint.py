@@ -127,14 +127,20 @@ def _save_and_load_ranks(rank, world, url, mode):
     # reshard: every rank loads column halves instead of row blocks
     cols = 8 // world
     dest = torch.empty(64, cols)
-    megashard.load({"w": ShardedTensor.from_rank_offsets("w", dest, (1, rank, world))}, url, mode=mode)
-    return {"ok": bool(torch.equal(dest, full[:, rank * cols:(rank + 1) * cols])), "stats": dict(store.stats)}
+    _, st = megashard.load({"w": ShardedTensor.from_rank_offsets("w", dest, (1, rank, world))}, url, mode=mode,
+                           return_stats=True)
+    return {"ok": bool(torch.equal(dest, full[:, rank * cols:(rank + 1) * cols])), "stats": dict(store.stats),
+            "mode": st.mode, "read": st.bytes_read}
 
 
-@pytest.mark.parametrize("mode", ["own", "scatter"])
+@pytest.mark.parametrize("mode", ["own", "scatter", "readonce"])
 def test_two_ranks_save_and_reshard_with_exact_request_counts(s3, mode):
     url = s3.url(f"dist-{mode}/iter_0000001")
-    out = all_ok(run_ranks(_save_and_load_ranks, 2, url, mode, env={"MEGASHARD_NODE_ID": "node0"}))
+    # readonce: the two ranks on two nodes, where mode="auto" chooses it
+    env = ({str(r): {"MEGASHARD_NODE_ID": f"node{r}"} for r in range(2)} if mode == "readonce"
+           else {"MEGASHARD_NODE_ID": "node0"})
+    out = all_ok(run_ranks(_save_and_load_ranks, 2, url, "auto" if mode == "readonce" else mode, env=env))
+    assert [o["mode"] for o in out] == [mode, mode]
     assert all(o["ok"] for o in out)
     assert_same(megashard.load_consolidated(url)["w"], torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8))
     for r, o in enumerate(out):
@@ -143,6 +149,11 @@ def test_two_ranks_save_and_reshard_with_exact_request_counts(s3, mode):
         reader, other = out[0]["stats"], out[1]["stats"]
         assert sum(other.values()) == 0, f"rank 1 made requests in scatter mode: {other}"
         assert reader.get("GET", 0) == 3  # head, digest and the whole index, once for the node
+    elif mode == "readonce":  # each rank saved one row block; both need (the covering spans of) both
+        assert sum(o["read"] for o in out) == 64 * 8 * 4  # every byte left the store once for the job
+        assert all(o["read"] > 0 for o in out)  # read on both nodes
+        for o in out:
+            assert o["stats"].get("GET", 0) == 3  # head, digest and the whole index, per rank
     else:
         for o in out:
             assert o["stats"].get("GET", 0) == 3  # head, digest and the whole index, per rank

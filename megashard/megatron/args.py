@@ -10,7 +10,7 @@ import argparse
 from typing import Any, Callable, Optional
 
 SAVE_FORMATS = ("torch_dist", "torch", "tensors")
-LOAD_MODES = ("auto", "own", "scatter")
+LOAD_MODES = ("auto", "own", "scatter", "readonce")
 
 
 def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "--megashard-load-mode", type=str, default="auto", choices=LOAD_MODES,
             help="How megashard reads a checkpoint: 'own' (every rank reads its own byte "
                  "ranges), 'scatter' (one reader per node streams to the node's ranks), "
-                 "'auto' (own when every rank sees the checkpoint directory, else scatter).",
+                 "'readonce' (every byte read once per job, by ranks on every node, then exchanged), "
+                 "'auto' (own on one node, readonce on several when every rank sees the checkpoint, "
+                 "else scatter).",
         )
     if not _has(parser, "--megashard-verify-on-load"):
         group.add_argument(
