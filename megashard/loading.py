@@ -628,6 +628,11 @@ def _probe(base: str) -> Dict[str, Any]:
     return {"sees": found, "node": str(node), "why": None if found else storage.why_not_checkpoint(base)}
 
 
+# rank 0 gathers and plans every rank's byte ranges for a readonce load (1,024 ranks x 200 ranges: ~4 s);
+# auto chooses it up to this world size until that gather is two-level
+READONCE_AUTO_MAX_RANKS = 1024
+
+
 def plan_probe(infos: List[Dict[str, Any]], base: str, mode: str) -> List[Dict[str, Any]]:
     """Rank 0: the load mode, each rank's node reader and who shares the index with whom."""
     if not any(i["sees"] for i in infos):
@@ -635,8 +640,10 @@ def plan_probe(infos: List[Dict[str, Any]], base: str, mode: str) -> List[Dict[s
     readers_of = node_readers([i["node"] for i in infos])
     all_see = all(i["sees"] for i in infos)
     nodes = len(set(readers_of.values()))
-    # several nodes that all see the checkpoint: read each byte once per job, not once per node or replica
-    chosen = mode if mode != "auto" else ("scatter" if not all_see else "readonce" if nodes > 1 else "own")
+    # several nodes that all see the checkpoint: read each byte once per job, not once per node or replica;
+    # rank 0 plans every rank's ranges, so above READONCE_AUTO_MAX_RANKS auto keeps own's per-rank plans
+    many = nodes > 1 and len(infos) <= READONCE_AUTO_MAX_RANKS
+    chosen = mode if mode != "auto" else ("scatter" if not all_see else "readonce" if many else "own")
     if chosen in ("own", "readonce") and not all_see:
         blind = [r for r, i in enumerate(infos) if not i["sees"]]
         raise StateDictError(f"mode={chosen!r} but ranks {blind[:20]} cannot see {base}; use mode='scatter' or 'auto'")
@@ -726,7 +733,7 @@ def load(
     node reads and hands the node's ranks their bytes), ``"readonce"`` (every byte the job needs
     is read once, by ranks spread over all nodes, and sent over the process group to the ranks
     that need it) or ``"auto"`` (when every rank sees the checkpoint: ``own`` on one node,
-    ``readonce`` on several; else ``scatter``); see ``docs/loading.md``.
+    ``readonce`` on several, up to 1,024 ranks; else ``scatter``); see ``docs/loading.md``.
     ``process_group``: the ranks that load together (default: the world).
     ``strict``: missing keys, dtype and global-shape mismatches raise one ``StateDictError``
     listing them all; ``False`` loads what matches, logs the rest and returns ``None`` for a

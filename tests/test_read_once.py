@@ -387,3 +387,18 @@ def test_read_once_failures_reach_every_rank(job) -> None:
         assert f["read_fails"]["ranks"] == [2], (rank, f["read_fails"])
         assert "read-once load: reading" in f["read_fails"]["text"][2], f["read_fails"]
         assert "Input/output error" in f["read_fails"]["text"][2], f["read_fails"]
+
+
+def test_auto_chooses_readonce_on_several_nodes_only_up_to_the_bound(tmp_path) -> None:
+    """Rank 0 plans every rank's ranges for readonce: auto keeps own's per-rank plans above the bound."""
+    from megashard.loading import READONCE_AUTO_MAX_RANKS, plan_probe
+
+    def modes(world: int, nodes: int) -> set:
+        infos = [{"sees": str(tmp_path), "node": f"n{r % nodes}", "why": None} for r in range(world)]
+        return {p["mode"] for p in plan_probe(infos, str(tmp_path), "auto")}
+
+    assert modes(4, 2) == {"readonce"} and modes(4, 1) == {"own"}
+    assert modes(READONCE_AUTO_MAX_RANKS, 2) == {"readonce"}
+    assert modes(READONCE_AUTO_MAX_RANKS + 1, 2) == {"own"}
+    infos = [{"sees": str(tmp_path), "node": f"n{r % 2}", "why": None} for r in range(READONCE_AUTO_MAX_RANKS + 1)]
+    assert {p["mode"] for p in plan_probe(infos, str(tmp_path), "readonce")} == {"readonce"}  # asked for: kept
