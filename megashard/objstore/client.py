@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 _GAP_BYTES = MiB  # requests at most this far apart are read by one GET (the gap into a scratch buffer)
 _MIN_PART = 5 * MiB  # S3's smallest multipart part (all but the last)
+_MIN_DEFAULT_PART = 8 * MiB  # smaller parts only add requests
 _MAX_PART = 5 * 1024 * MiB
 _MAX_PARTS = 10000
 _PRESIGN_SECONDS = 3600
@@ -85,8 +86,10 @@ def get_bytes_limit() -> int:
 
 
 def part_bytes(size: int) -> int:
-    """Multipart part size for an object of ``size`` bytes (``MEGASHARD_S3_PART_BYTES``, default 64 MiB)."""
-    part = max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", 64 * MiB, 1))
+    """Multipart part size for an object of ``size`` bytes: ``MEGASHARD_S3_PART_BYTES`` when set, else
+    enough parts to keep every connection busy (size / connections, whole MiB) between 8 and 64 MiB."""
+    default = min(64 * MiB, max(_MIN_DEFAULT_PART, -(-(-(-size // connections())) // MiB) * MiB))
+    part = max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", default, 1))
     if -(-size // part) > _MAX_PARTS:  # S3 allows 10000 parts: grow the part, in whole MiB
         part = -(-(-(-size // _MAX_PARTS)) // MiB) * MiB
     return min(part, _MAX_PART)
@@ -591,11 +594,22 @@ class ObjectStore:
         ``MEGASHARD_S3_GET_BYTES`` and run on up to ``MEGASHARD_S3_CONNECTIONS`` threads. Each GET is pinned
         to ``etag`` with If-Match and checked against ``size``; a changed object raises ObjectChangedError.
         """
-        gets = self._plan_gets(key, reqs, size)
-        if not gets:
+        return self.read_many([(key, reqs, size, etag)], threads=threads)
+
+    def read_many(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], int, Optional[str]]], *,
+                  threads: Optional[int] = None) -> int:
+        """:meth:`read_into` of several objects ``(key, reqs, size, etag)`` at once: their GETs form one
+        queue on up to ``threads`` (``MEGASHARD_S3_CONNECTIONS``) connections, so no connection idles at
+        the end of an object while another's bytes remain. Returns the bytes fetched."""
+        tasks: List[Callable[[], int]] = []
+        for key, reqs, size, etag in jobs:
+            gets = self._plan_gets(key, reqs, size)
+            if gets:
+                url = self._presign("get_object", key)
+                tasks += [lambda key=key, url=url, g=g, size=size, etag=etag:
+                          self._get_range(key, url, g[0], g[1], g[2], size, etag) for g in gets]
+        if not tasks:
             return 0
-        url = self._presign("get_object", key)
-        tasks = [lambda g=g: self._get_range(key, url, g[0], g[1], g[2], size, etag) for g in gets]
         return sum(_run_parallel(tasks, threads or connections()))
 
     def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int
@@ -743,12 +757,15 @@ class ObjectStore:
                                   f"mangles range requests")
 
     def upload(self, key: str, size: int, segments: Sequence[Tuple[int, memoryview]], *, if_none_match: bool = True,
-               threads: Optional[int] = None) -> str:
+               threads: Optional[int] = None, pending: Any = None) -> str:
         """Write an object from ``segments`` ((offset, view) tiling [0, size) in order) without copying them.
 
-        One PUT up to one part (``MEGASHARD_S3_PART_BYTES``), else a multipart upload with parts sent in
+        One PUT up to one part (:func:`part_bytes`), else a multipart upload with parts sent in
         parallel (a part may span segments), aborted on any failure. With ``if_none_match`` the object must
-        not exist yet (CommitConflictError otherwise). Returns the ETag.
+        not exist yet (CommitConflictError otherwise). ``pending`` (a
+        :class:`~megashard.format.writer.DeferredHashes`): bytes still being written (``ranges``);
+        parts clear of them go first, a part holding some is sent after ``pending.wait(a, b)``.
+        Returns the ETag.
         """
         views = []
         pos = 0
@@ -764,10 +781,12 @@ class ObjectStore:
             raise CheckpointError(f"{self.url(key)}: upload segments hold {pos} bytes, not {size}")
         part = part_bytes(size)
         if size <= part:
+            if pending is not None:
+                pending.wait(0, size)
             headers = {"If-None-Match": "*"} if if_none_match else {}
             url = self._presign("put_object", key)
             return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers)
-        return self._multipart(key, size, part, views, if_none_match, threads or connections())
+        return self._multipart(key, size, part, views, if_none_match, threads or connections(), pending)
 
     @staticmethod
     def _slice(views: List[Tuple[int, memoryview]], starts: List[int], a: int, b: int) -> List[memoryview]:
@@ -784,7 +803,7 @@ class ObjectStore:
         return out
 
     def _multipart(self, key: str, size: int, part: int, views: List[Tuple[int, memoryview]], if_none_match: bool,
-                   threads: int) -> str:
+                   threads: int, pending: Any = None) -> str:
         upload_id = self._call("MPU_CREATE", key, "create_multipart_upload", Key=key)["UploadId"]
         try:
             starts = [o for o, _ in views]
@@ -792,10 +811,24 @@ class ObjectStore:
 
             def send(i: int) -> str:
                 a, b = i * part, min(size, (i + 1) * part)
+                if pending is not None:
+                    pending.wait(a, b)
                 url = self._presign("upload_part", key, UploadId=upload_id, PartNumber=i + 1)
                 return self._put_views("MPU_PART", key, url, self._slice(views, starts, a, b), b - a, {})
 
-            etags = _run_parallel([lambda i=i: send(i) for i in range(nparts)], threads)
+            order = list(range(nparts))
+            if pending is not None:  # parts whose bytes are final first: they go while the rest is hashed
+                ranges = pending.ranges
+
+                def waits(i: int) -> bool:
+                    a, b = i * part, min(size, (i + 1) * part)
+                    return any(s < b and a < e for s, e in ranges)
+
+                order.sort(key=lambda i: (waits(i), i))
+            sent = _run_parallel([lambda i=i: send(i) for i in order], threads)
+            etags = [""] * nparts
+            for i, etag in zip(order, sent):
+                etags[i] = etag
             return self._complete(key, upload_id, etags, if_none_match)
         except BaseException:
             self._abort_quietly(key, upload_id)
