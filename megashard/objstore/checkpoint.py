@@ -330,6 +330,8 @@ class ObjectCheckpointFiles:
     ranged GET pinned to the ETag the committed index recorded."""
 
     passes_descriptors = False
+    #: scatter's ring reader reads every free slot's extent in one call (coalesced, parallel GETs)
+    batch_reads = True
 
     def __init__(self, url: str, index: Any = None) -> None:
         self.store, self.key, self.base = _location(url)
