@@ -46,6 +46,10 @@ _RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "Servic
                           "ThrottlingException", "RequestTimeTooSkewed"})
 _ERROR_BODY_LIMIT = 64 * 1024
 _PAGE = 1000  # LIST page and DeleteObjects batch (S3's maximum for both)
+# a bulk connection unused this long is replaced, not reused: servers close idle keep-alive connections
+# (SeaweedFS within 150 s, AWS sooner), and the first request on a closed one fails (a retry, a resent part)
+_IDLE_REUSE_S = 15.0
+_clock = time.monotonic
 KINDS = ("HEAD", "GET", "GET_RANGE", "PUT", "LIST", "DELETE", "MPU_CREATE", "MPU_PART", "MPU_COMPLETE", "MPU_ABORT",
          "MPU_LIST")
 
@@ -83,6 +87,11 @@ def connections() -> int:
 def get_bytes_limit() -> int:
     """Largest single ranged GET (``MEGASHARD_S3_GET_BYTES``, default 16 MiB)."""
     return _env_int("MEGASHARD_S3_GET_BYTES", 16 * MiB, 1)
+
+
+def single_put_bytes() -> int:
+    """Objects up to this size go up in one PUT (``MEGASHARD_S3_PART_BYTES``, default 64 MiB)."""
+    return max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", 64 * MiB, 1))
 
 
 def part_bytes(size: int) -> int:
@@ -550,8 +559,14 @@ class ObjectStore:
         conns = getattr(_LOCAL, "conns", None)
         if conns is None:
             conns = _LOCAL.conns = {}
+            _LOCAL.used = {}
         ident = (parts.scheme, parts.hostname, parts.port)
         conn = conns.get(ident)
+        now = _clock()
+        if conn is not None and now - _LOCAL.used.get(ident, now) > _IDLE_REUSE_S:
+            conn.close()  # idle long enough for the server to have closed it
+            conn = None
+        _LOCAL.used[ident] = now
         if conn is None:
             timeout = _env_int("MEGASHARD_S3_TIMEOUT", 120, 1)
             if parts.scheme == "https":
@@ -760,7 +775,7 @@ class ObjectStore:
                threads: Optional[int] = None, pending: Any = None) -> str:
         """Write an object from ``segments`` ((offset, view) tiling [0, size) in order) without copying them.
 
-        One PUT up to one part (:func:`part_bytes`), else a multipart upload with parts sent in
+        One PUT up to :func:`single_put_bytes`, else a multipart upload (parts of :func:`part_bytes`) with parts sent in
         parallel (a part may span segments), aborted on any failure. With ``if_none_match`` the object must
         not exist yet (CommitConflictError otherwise). ``pending`` (a
         :class:`~megashard.format.writer.DeferredHashes`): bytes still being written (``ranges``);
@@ -779,14 +794,13 @@ class ObjectStore:
             pos += mv.nbytes
         if pos != size:
             raise CheckpointError(f"{self.url(key)}: upload segments hold {pos} bytes, not {size}")
-        part = part_bytes(size)
-        if size <= part:
+        if size <= single_put_bytes():
             if pending is not None:
                 pending.wait(0, size)
             headers = {"If-None-Match": "*"} if if_none_match else {}
             url = self._presign("put_object", key)
             return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers)
-        return self._multipart(key, size, part, views, if_none_match, threads or connections(), pending)
+        return self._multipart(key, size, part_bytes(size), views, if_none_match, threads or connections(), pending)
 
     @staticmethod
     def _slice(views: List[Tuple[int, memoryview]], starts: List[int], a: int, b: int) -> List[memoryview]:
@@ -860,11 +874,11 @@ class ObjectStore:
         """Write an object of ``size`` bytes from ``chunks`` produced while it is sent (a copy streamed
         with bounded memory): consecutive views from offset 0, each a whole number of parts
         (:func:`part_bytes` of ``size``) but the last. A chunk's parts are sent (in parallel) before the
-        next chunk is asked for, so the producer may refill one buffer. One PUT when ``size`` fits one
-        part, else a multipart upload, aborted on any failure. ``if_none_match`` as in :meth:`upload`.
+        next chunk is asked for, so the producer may refill one buffer. One PUT up to
+        :func:`single_put_bytes`, else a multipart upload, aborted on any failure. ``if_none_match`` as in :meth:`upload`.
         Returns the ETag."""
         part = part_bytes(size)
-        if size <= part:
+        if size <= single_put_bytes():
             whole = bytearray()
             for chunk in chunks:
                 mv = _byte_view(chunk)
