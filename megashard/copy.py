@@ -227,10 +227,10 @@ def _copy_file(src: str, index: Any, name: str, size: int, want: Mapping[str, Tu
         verifier = StreamVerifier(cf.path(name), size, sha256=sha256)
         extra: Dict[str, Any] = {}
         if storage.is_url(dst_dir):
-            from .objstore.client import ObjectStore, part_bytes
+            from .objstore.client import ObjectStore, part_bytes, single_put_bytes
             from .objstore.url import child
 
-            part = part_bytes(size)
+            part = part_bytes(size) if size > single_put_bytes() else max(1, size)  # one PUT: one chunk
             chunk = max(part, -(-chunk // part) * part)  # whole parts per chunk
             store, key = ObjectStore.for_url(child(dst_dir, name))
             extra["etag"] = store.upload_chunks(key, size, _chunks(cf, name, size, chunk, verifier, stop, threads),

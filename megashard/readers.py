@@ -6,7 +6,7 @@ the reader's passed descriptors, shared memory or the process group
 (:mod:`megashard.scatter`). ``readonce``: every byte the job needs is read by one rank of the
 job and sent to the others that need it (:mod:`megashard.readonce`). Both read members only through a files object
 (:func:`megashard.storage.checkpoint_files`; in ``scatter`` only the reader has one): its
-``read_into`` fills ``(offset, view)`` requests (rows back to back in a file as one
+``read_into`` (``read_files``: several files at once) fills ``(offset, view)`` requests (rows back to back in a file as one
 :class:`~megashard.format.fastio.Requests` row run), and only scatter's descriptor passing asks
 for ``descriptor`` (where ``passes_descriptors``). Another storage (an object store) plugs
 in as a files object with the same methods.
@@ -70,9 +70,8 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
                 raise CheckpointError(f"{os.path.join(base, f)}: byte range {off}+{run * len(views)} past end of "
                                       f"file ({size} bytes)")
             rows.setdefault(f, []).append((off, run, views))
-        for f in sorted(set(by_file) | set(rows)):
-            reqs = Requests(by_file.get(f, ()), rows[f]) if f in rows else by_file[f]
-            total += cf.read_into(f, reqs, size=_file_size(files, f), threads=nthreads)
+        total += cf.read_files([(f, Requests(by_file.get(f, ()), rows[f]) if f in rows else by_file[f],
+                                 _file_size(files, f)) for f in sorted(set(by_file) | set(rows))], threads=nthreads)
         if on_device:
             with DeviceCopier(device_targets(t for reqs in on_device.values() for _, t in reqs)) as copier:
                 for f, dreqs in sorted(on_device.items()):

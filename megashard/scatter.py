@@ -532,7 +532,9 @@ class _Reader:
         slot_bytes = max((e.stop - e.start for e in extents), default=1)
         # the ring's memory is RING_SLOTS chunks at most; small extents (replicated norms, biases) get
         # more, smaller slots, up to one each, so the reader rarely waits for a slot to be freed
-        slots = min(len(extents), max(shm.RING_SLOTS, shm.RING_SLOTS * self.chunk // slot_bytes))
+        # (an object store's batched reads get 4x the slots: enough extents at once to keep its connections busy)
+        base = shm.RING_SLOTS * (4 if getattr(self.files, "batch_reads", False) else 1)
+        slots = min(len(extents), max(base, base * self.chunk // slot_bytes))
         return {"extents": extents, "mine": mine, "direct": direct, "mine_direct": mine_direct,
                 "per_consumer": per_consumer, "slots": max(1, slots), "slot_bytes": slot_bytes}
 
@@ -633,16 +635,29 @@ class _Reader:
         try:
             if self.err is not None:
                 raise shm.ShmError("not transferring: the setup failed")
-            for k, e in enumerate(extents):
+            batch_reads = bool(getattr(self.opened(), "batch_reads", False))
+            k = 0
+            while k < len(extents):
                 ring.wait_slot_free(k, self.pids)
-                size = e.stop - e.start
-                self.read(e.file, [(e.start, ring.slot_memoryview(k, size))], ring_threads)
-                self.nread += size
-                ring.publish(k)
-                if k in mine:
-                    src = ring.slot(k, size)
-                    _place(self.ops, self.lock, src, mine[k], self.copier)
-                    del src
+                end = k + 1  # an object store: every extent whose slot is free now, in one coalesced read
+                while (batch_reads and end < len(extents) and end - k < ring.slots
+                       and ring.wait_slot_free(end, self.pids, blocking=False)):
+                    end += 1
+                by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
+                for j in range(k, end):
+                    e = extents[j]
+                    by_file.setdefault(e.file, []).append((e.start, ring.slot_memoryview(j, e.stop - e.start)))
+                self.opened().read_files([(f, reqs, self.size(f)) for f, reqs in by_file.items()],
+                                         threads=ring_threads)
+                for j in range(k, end):
+                    size = extents[j].stop - extents[j].start
+                    self.nread += size
+                    ring.publish(j)
+                    if j in mine:
+                        src = ring.slot(j, size)
+                        _place(self.ops, self.lock, src, mine[j], self.copier)
+                        del src
+                k = end
                 if direct.error is not None:
                     break
         except Exception as e:  # noqa: BLE001 - the consumers stop; every rank learns it in the final agreement

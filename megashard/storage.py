@@ -269,6 +269,12 @@ class CheckpointFiles:
             return 0
         return read_requests(fd, reqs, self.path(name), threads)
 
+    def read_files(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], Optional[int]]], *,
+                   threads: int) -> int:
+        """:meth:`read_into` of several members ``(name, reqs, size)``, one after another (each
+        already spread over ``threads``); an object store's files object reads them at once."""
+        return sum(self.read_into(name, reqs, size=size, threads=threads) for name, reqs, size in jobs)
+
     def descriptor(self, name: str, size: Optional[int]) -> int:
         """Member ``name``'s checked descriptor (cached; closed by :meth:`close`), for passing to
         another process of the node."""

@@ -1,34 +1,33 @@
 #!/usr/bin/env python
-"""Benchmark megashard's s3:// save/load against tensorizer's own S3 path and the endpoint's raw floor (issue 22).
+"""Benchmark megashard's s3:// save/load against tensorizer's own S3 path and the floor, on a real S3 server.
 
-Starts its own S3 endpoint (moto behind tests/scripts/s3_server.py, on a free port on 127.0.0.1, killed by its
-pid at the end), creates a bucket, builds a state of four large tensors (2 fp32, 2 bf16) totalling ``--mib`` MiB
-and measures, in ONE run, with the cases of each group interleaved round by round (order rotated each round; one
-untimed warm-up round, then ``--reps`` timed rounds; medians reported):
+Starts SeaweedFS (``weed server -s3 -filer``, tests/seaweedfs.py: free explicit ports on 127.0.0.1, its data
+in a temporary directory, stopped by its pid at the end), creates a bucket, builds a state of four large tensors
+(2 fp32, 2 bf16) totalling ``--mib`` MiB and measures, in ONE run, with the cases of each group interleaved
+round by round (order rotated each round; one untimed warm-up round, then ``--reps`` timed rounds; medians):
 
   write: megashard.save to s3:// (world 1, in-process) | tensorizer TensorSerializer on
          stream_io.open_stream("s3://...", "wb") (serializes to a temp file, then boto3 upload_file) |
-         raw floor: our client's ``upload`` of the same bytes as one object | one plain http.client PUT
-         (presigned URL, one connection)
+         floor_put_N for N in --streams: the same bytes as plain PUTs on N connections (N=1: one PUT; else a
+         multipart upload of N equal parts, one per connection, from one buffer, presigned URLs, http.client)
   read:  megashard.load mode="own" (world 1) | tensorizer TensorDeserializer from s3 (curl stream,
-         lazy_load=False, verify_hash=False) | raw floor: our client's ``read_into`` of one whole object |
-         one plain http.client GET (presigned URL, one connection, readinto)
+         lazy_load=False, verify_hash=False) | floor_get_N: the same bytes as N ranged GETs on N connections
+         (http.client, readinto one buffer)
   ranks: megashard.load with 2 gloo ranks on one node (MEGASHARD_NODE_ID equal), each rank loading its
          row half of every tensor, mode "own" and mode "scatter" (spawned processes; rounds inside them)
 
-For each case: seconds (median), GB/s (payload bytes / s), client CPU-seconds per GiB (getrusage RUSAGE_SELF
-utime+stime, plus RUSAGE_CHILDREN for tensorizer's curl processes; in the rank case each rank's own CPU around
-its load), the endpoint process's own CPU seconds (/proc/<pid>/stat), and request counts by kind: ``stats`` from megashard's ObjectStore (megashard and raw-client cases,
-per rank in the rank case) and ``endpoint`` as the endpoint's own request log classifies them (every case).
-moto is a correctness endpoint (single Python process, ~100-300 MB/s per stream): read the figures against the
-raw floor, not as absolute S3 throughput. Prints ONE JSON object on stdout; progress goes to stderr.
+The floor of a direction is its best floor_*_N. For each case: seconds (median), GB/s (payload bytes / s),
+client CPU-seconds per GiB (getrusage RUSAGE_SELF utime+stime, plus RUSAGE_CHILDREN for tensorizer's curl
+processes; in the rank case each rank's own CPU around its load), the server process's CPU seconds
+(/proc/<pid>/stat) and megashard's request counts (``stats`` of its ObjectStore). Client and server share the
+machine's CPUs: read GB/s as what this machine sustains, and the ratios to the floor and to tensorizer as the
+result. Prints ONE JSON object on stdout; progress goes to stderr.
 
-    python scripts/bench_s3.py [--mib 256] [--reps 3]
+    python scripts/bench_s3.py [--mib 512] [--reps 3] [--streams 1,2,4,8,16,32] [--skip-ranks]
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import gc
 import hashlib
@@ -37,13 +36,13 @@ import json
 import os
 import platform
 import resource
-import shutil
 import statistics
 import sys
 import tempfile
 import time
 import urllib.parse
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -55,82 +54,32 @@ sys.path.insert(0, str(ROOT))
 import megashard  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from distributed import all_ok, run_ranks  # noqa: E402  (the tests' gloo launcher)
-from s3_endpoint import S3Server  # noqa: E402  (the tests' endpoint process: tests/scripts/s3_server.py)
+from seaweedfs import SeaweedFS, seaweedfs  # noqa: E402  (the tests' SeaweedFS process)
 from megashard.objstore.client import ObjectStore, clear_store_cache  # noqa: E402
 from megashard.sharded import ShardedTensor  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
-SERVER = ROOT / "tests" / "scripts" / "s3_server.py"
-KEY = "testing"
 
 
 def log(msg: str) -> None:
     print(f"[bench_s3 {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# ---------------------------------------------------------------------------------------------- endpoint
+def server_cpu_s(sw: SeaweedFS) -> float:
+    """The server process's CPU seconds so far (/proc/<pid>/stat utime + stime)."""
+    with open(f"/proc/{sw.pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Endpoint(S3Server):
-    """The tests' moto endpoint process (our child; only its pid is ever signalled), with the
-    counters this benchmark reads."""
-
-    def __init__(self) -> None:
-        self._log_dir = tempfile.mkdtemp(prefix="bench-s3-")
-        super().__init__(Path(self._log_dir) / "requests.jsonl")
-        self.url = self.endpoint
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(self._log_dir, ignore_errors=True)
-
-    def reset_log(self) -> None:
-        self.request("POST", "/__reset_log__", b"")
-
-    def counts(self) -> Dict[str, int]:
-        """Requests since the last reset, by kind (the same names as ObjectStore.stats)."""
-        out: collections.Counter = collections.Counter()
-        for line in self.request("GET", "/__log__").decode().splitlines():
-            if line.strip():
-                out[_kind(json.loads(line))] += 1
-        return dict(sorted(out.items()))
-
-    def cpu_s(self) -> float:
-        """The endpoint process's CPU seconds so far (/proc/<pid>/stat utime + stime)."""
-        with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-
-def _kind(e: Dict[str, Any]) -> str:
-    m, q = e["method"], set(e.get("query") or ())
-    if m == "GET":
-        if not e.get("key") or "list-type" in q or "prefix" in q:
-            return "LIST" if "uploads" not in q else "MPU_LIST"
-        return "GET_RANGE" if e.get("range") else "GET"
-    if m == "PUT":
-        return "MPU_PART" if "partNumber" in q else ("PUT_BUCKET" if not e.get("key") else "PUT")
-    if m == "POST":
-        if "uploads" in q:
-            return "MPU_CREATE"
-        if "uploadId" in q:
-            return "MPU_COMPLETE"
-        return "DELETE" if "delete" in q else "POST"
-    if m == "DELETE":
-        return "MPU_ABORT" if "uploadId" in q else "DELETE"
-    return m
-
-
-def set_aws_env(endpoint: str) -> None:
-    """Fake credentials and the endpoint, the way tests/s3_endpoint.py sets them (never the user's ~/.aws)."""
+def set_aws_env(sw: SeaweedFS) -> None:
+    """The server's credentials and endpoint (never the user's ~/.aws)."""
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_PROFILE", "AWS_REGION",
                  "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
         os.environ.pop(name, None)
     os.environ.update({"AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-                       "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": KEY, "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": endpoint, "AWS_EC2_METADATA_DISABLED": "true"})
+                       "AWS_EC2_METADATA_DISABLED": "true", **sw.env()})
     clear_store_cache()
 
 
@@ -191,28 +140,26 @@ class Case:
         self.samples: List[Dict[str, Any]] = []
 
 
-def measure(case: Case, rnd: int, ep: Endpoint, nbytes: int, timed: bool) -> None:
+def measure(case: Case, rnd: int, sw: SeaweedFS, nbytes: int, timed: bool) -> None:
     gc.collect()
-    ep.reset_log()
     if case.store is not None:
         case.store.stats.clear()
-    e0 = ep.cpu_s()
+    e0 = server_cpu_s(sw)
     s0, c0 = cpu_now()
     t0 = time.perf_counter()
     result = case.run(rnd)
     dt = time.perf_counter() - t0
     s1, c1 = cpu_now()
-    e1 = ep.cpu_s()
-    sample = {"seconds": dt, "cpu_self_s": s1 - s0, "cpu_children_s": c1 - c0, "endpoint_cpu_s": e1 - e0,
-              "stats": dict(sorted(case.store.stats.items())) if case.store is not None else None,
-              "endpoint": ep.counts()}
+    e1 = server_cpu_s(sw)
+    sample = {"seconds": dt, "cpu_self_s": s1 - s0, "cpu_children_s": c1 - c0, "server_cpu_s": e1 - e0,
+              "stats": dict(sorted(case.store.stats.items())) if case.store is not None else None}
     if case.after is not None:
         case.after(rnd, result)
     del result
     if timed:
         case.samples.append(sample)
     log(f"  {case.name:<22} {'' if timed else '(warm-up) '}{dt:7.2f} s  {nbytes / dt / 1e9:6.3f} GB/s  "
-        f"cpu {s1 - s0 + c1 - c0:6.2f} s  endpoint cpu {e1 - e0:6.2f} s {sample['endpoint']}")
+        f"cpu {(s1 - s0 + c1 - c0) / (nbytes / GiB):5.2f} s/GiB  server cpu {e1 - e0:6.2f} s {sample['stats'] or ''}")
 
 
 def summarize(case: Case, nbytes: int) -> Dict[str, Any]:
@@ -223,91 +170,128 @@ def summarize(case: Case, nbytes: int) -> Dict[str, Any]:
             "cpu_s_per_GiB": round(cpu / (nbytes / GiB), 3),
             "cpu_self_s": round(statistics.median(s["cpu_self_s"] for s in case.samples), 3),
             "cpu_children_s": round(statistics.median(s["cpu_children_s"] for s in case.samples), 3),
-            "endpoint_cpu_s": round(statistics.median(s["endpoint_cpu_s"] for s in case.samples), 3),
-            "seconds_all": [round(s["seconds"], 3) for s in case.samples],
-            "stats": last["stats"], "endpoint": last["endpoint"]}
+            "server_cpu_s": round(statistics.median(s["server_cpu_s"] for s in case.samples), 3),
+            "seconds_all": [round(s["seconds"], 3) for s in case.samples], "stats": last["stats"]}
 
 
-def interleave(cases: List[Case], reps: int, ep: Endpoint, nbytes: int) -> None:
+def interleave(cases: List[Case], reps: int, sw: SeaweedFS, nbytes: int) -> None:
     for rnd in range(reps + 1):  # round 0: warm-up, not reported
         order = cases[rnd % len(cases):] + cases[:rnd % len(cases)]
         if rnd % 2:
             order = order[::-1]
         log(f"round {rnd}{' (warm-up)' if rnd == 0 else ''}: {[c.name for c in order]}")
         for c in order:
-            measure(c, rnd, ep, nbytes, timed=rnd > 0)
+            measure(c, rnd, sw, nbytes, timed=rnd > 0)
 
 
 def delete_prefix(store: ObjectStore, prefix: str) -> None:
     objects, _ = store.list(prefix)
     store.delete([o.key for o in objects])
+    for key, upload_id, _ in store.list_uploads(prefix):
+        store.abort_upload(key, upload_id)
 
 
 # ---------------------------------------------------------------------------------------------- tensorizer
 
 
-def tz_creds(ep: Endpoint) -> Dict[str, Any]:
-    return {"s3_access_key_id": KEY, "s3_secret_access_key": KEY, "s3_endpoint": ep.url, "force_http": True}
+def tz_creds(sw: SeaweedFS) -> Dict[str, Any]:
+    return {"s3_access_key_id": sw.access_key, "s3_secret_access_key": sw.secret_key, "s3_endpoint": sw.endpoint,
+            "force_http": True}
 
 
-def tz_save(url: str, state: Dict[str, torch.Tensor], ep: Endpoint) -> None:
+def tz_save(url: str, state: Dict[str, torch.Tensor], sw: SeaweedFS) -> None:
     from tensorizer import TensorSerializer, stream_io
 
-    ser = TensorSerializer(stream_io.open_stream(url, "wb", **tz_creds(ep)))
+    ser = TensorSerializer(stream_io.open_stream(url, "wb", **tz_creds(sw)))
     ser.write_state_dict(state)
     ser.close()  # closes the temp file, which uploads it (boto3 upload_file) and deletes it
 
 
-def tz_load(url: str, ep: Endpoint) -> Dict[str, torch.Tensor]:
+def tz_load(url: str, sw: SeaweedFS) -> Dict[str, torch.Tensor]:
     from tensorizer import TensorDeserializer, stream_io
 
-    stream = stream_io.open_stream(url, "rb", **tz_creds(ep))
+    stream = stream_io.open_stream(url, "rb", **tz_creds(sw))
     with TensorDeserializer(stream, device="cpu", lazy_load=False, verify_hash=False) as d:
         out = {k: d[k] for k in d.keys()}
     stream.close()
     return out
 
 
-# ---------------------------------------------------------------------------------------------- raw floor
+# ---------------------------------------------------------------------------------------------- floor
 
 
-def raw_put_1stream(store: ObjectStore, key: str, views: List[memoryview], size: int) -> None:
-    url = store.boto3_client().generate_presigned_url("put_object", Params={"Bucket": store.bucket, "Key": key},
-                                                      ExpiresIn=3600)
+def _connect(url: str) -> Tuple[http.client.HTTPConnection, str]:
     u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=300), f"{u.path}?{u.query}"
+
+
+def _put(url: str, view: memoryview) -> str:
+    conn, target = _connect(url)
     try:
-        conn.putrequest("PUT", f"{u.path}?{u.query}", skip_accept_encoding=True)
-        conn.putheader("Content-Length", str(size))
+        conn.putrequest("PUT", target, skip_accept_encoding=True)
+        conn.putheader("Content-Length", str(len(view)))
         conn.endheaders()
-        for v in views:
-            conn.send(v)
+        conn.send(view)
         resp = conn.getresponse()
         body = resp.read()
         if resp.status != 200:
-            raise RuntimeError(f"raw PUT {key}: HTTP {resp.status} {body[:300]!r}")
+            raise RuntimeError(f"floor PUT: HTTP {resp.status} {body[:300]!r}")
+        return resp.getheader("ETag") or ""
     finally:
         conn.close()
 
 
-def raw_get_1stream(store: ObjectStore, key: str, dest: memoryview) -> None:
+def floor_put(store: ObjectStore, key: str, flat: memoryview, streams: int) -> None:
+    """The bytes as one PUT (1 stream) or a multipart upload of ``streams`` equal parts on as many connections."""
+    c = store.boto3_client()
+    sign = c.generate_presigned_url
+    if streams == 1:
+        _put(sign("put_object", Params={"Bucket": store.bucket, "Key": key}, ExpiresIn=3600), flat)
+        return
+    n = len(flat)
+    part = max(5 * MiB, -(-n // streams))
+    nparts = -(-n // part)
+    upload_id = c.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
+
+    def send(i: int) -> str:
+        url = sign("upload_part", Params={"Bucket": store.bucket, "Key": key, "UploadId": upload_id,
+                                          "PartNumber": i + 1}, ExpiresIn=3600)
+        return _put(url, flat[i * part:min(n, (i + 1) * part)])
+
+    with ThreadPoolExecutor(nparts) as ex:
+        etags = list(ex.map(send, range(nparts)))
+    c.complete_multipart_upload(Bucket=store.bucket, Key=key, UploadId=upload_id, MultipartUpload={
+        "Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]})
+
+
+def floor_get(store: ObjectStore, key: str, dest: memoryview, streams: int) -> None:
+    """The object as ``streams`` equal ranged GETs on as many connections, read into ``dest``."""
     url = store.boto3_client().generate_presigned_url("get_object", Params={"Bucket": store.bucket, "Key": key},
                                                       ExpiresIn=3600)
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
-    try:
-        conn.request("GET", f"{u.path}?{u.query}")
-        resp = conn.getresponse()
-        if resp.status != 200 or int(resp.getheader("Content-Length", "-1")) != len(dest):
-            raise RuntimeError(f"raw GET {key}: HTTP {resp.status} length {resp.getheader('Content-Length')}")
-        got = 0
-        while got < len(dest):
-            n = resp.readinto(dest[got:])
-            if not n:
-                raise RuntimeError(f"raw GET {key}: body ended at {got} of {len(dest)} bytes")
-            got += n
-    finally:
-        conn.close()
+    n = len(dest)
+    step = -(-n // streams)
+
+    def get(a: int) -> None:
+        b = min(n, a + step)
+        conn, target = _connect(url)
+        try:
+            conn.putrequest("GET", target, skip_accept_encoding=True)
+            conn.putheader("Range", f"bytes={a}-{b - 1}")
+            conn.endheaders()
+            resp = conn.getresponse()
+            if resp.status != 206 or int(resp.getheader("Content-Length", "-1")) != b - a:
+                raise RuntimeError(f"floor GET {key}: HTTP {resp.status} length {resp.getheader('Content-Length')}")
+            got = a
+            while got < b:
+                r = resp.readinto(dest[got:b])
+                if not r:
+                    raise RuntimeError(f"floor GET {key}: body ended at {got} of {b}")
+                got += r
+        finally:
+            conn.close()
+
+    with ThreadPoolExecutor(streams) as ex:
+        list(ex.map(get, range(0, n, step)))
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -354,36 +338,31 @@ def _rank_loads(rank: int, world: int, url: str, shapes: Dict[str, Tuple[Tuple[i
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=int, default=256, help="state size in MiB (default 256)")
+    ap.add_argument("--mib", type=int, default=512, help="state size in MiB (default 512)")
     ap.add_argument("--reps", type=int, default=3, help="timed rounds per group (default 3; plus one warm-up)")
+    ap.add_argument("--streams", default="1,2,4,8,16,32", help="connection counts of the floor cases")
     ap.add_argument("--skip-ranks", action="store_true", help="skip the 2-rank own/scatter group")
     args = ap.parse_args(argv)
-    if args.reps < 1 or args.mib < 4:
-        ap.error("--reps >= 1 and --mib >= 4")
+    args.streams = [int(x) for x in str(args.streams).split(",") if x.strip()]
+    if args.reps < 1 or args.mib < 4 or not args.streams or min(args.streams) < 1:
+        ap.error("--reps >= 1, --mib >= 4, --streams positive integers")
     t_start = time.perf_counter()
-    ep = Endpoint()
-    log(f"endpoint {ep.url} (pid {ep.proc.pid})")
-    try:
-        return _run(args, ep, t_start)
-    finally:
-        ep.stop()
-        log("endpoint stopped")
+    with tempfile.TemporaryDirectory(prefix="bench-s3-") as root, seaweedfs(Path(root)) as sw:
+        log(f"SeaweedFS {sw.endpoint} (pid {sw.pid}), data in {root}")
+        return _run(args, sw, t_start)
 
 
-def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, Any]:
-    set_aws_env(ep.url)
+def _run(args: argparse.Namespace, sw: SeaweedFS, t_start: float) -> Dict[str, Any]:
+    set_aws_env(sw)
     bucket = f"bench-{uuid.uuid4().hex[:12]}"
-    ep.request("PUT", f"/{bucket}")
     base = f"s3://{bucket}"
     store, _ = ObjectStore.for_url(f"{base}/x")
+    store.boto3_client().create_bucket(Bucket=bucket)
 
     state = make_state(args.mib)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    views = [byte_view(t) for t in state.values()]
-    segments, off = [], 0
-    for v in views:
-        segments.append((off, v))
-        off += len(v)
+    flat_t = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
+    flat = byte_view(flat_t)
     log(f"state: {len(state)} tensors, {nbytes / MiB:.1f} MiB: "
         + ", ".join(f"{k} {tuple(v.shape)} {str(v.dtype)[6:]}" for k, v in state.items()))
 
@@ -392,13 +371,7 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         megashard.save(sharded(state), f"{base}/ms-save-{rnd}/iter_0000001")
 
     def tz_save_case(rnd: int) -> None:
-        tz_save(f"{base}/tz-save-{rnd}.tensors", state, ep)
-
-    def raw_put(rnd: int) -> None:
-        store.upload(f"raw-put-{rnd}", nbytes, segments, if_none_match=False)
-
-    def raw_put1(rnd: int) -> None:
-        raw_put_1stream(store, f"raw-put1-{rnd}", views, nbytes)
+        tz_save(f"{base}/tz-save-{rnd}.tensors", state, sw)
 
     def drop(prefix: Callable[[int], str], keep_round0: bool = True) -> Callable[[int, Any], None]:
         def after(rnd: int, _: Any) -> None:
@@ -407,17 +380,17 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         return after
 
     writes = [Case("megashard_save", ms_save, drop(lambda r: f"ms-save-{r}/"), store),
-              Case("tensorizer_save", tz_save_case, drop(lambda r: f"tz-save-{r}.tensors")),
-              Case("raw_put_client", raw_put, drop(lambda r: f"raw-put-{r}"), store),
-              Case("raw_put_1stream", raw_put1, drop(lambda r: f"raw-put1-{r}", keep_round0=False), store)]
+              Case("tensorizer_save", tz_save_case, drop(lambda r: f"tz-save-{r}.tensors"))]
+    for n in args.streams:
+        writes.append(Case(f"floor_put_{n}", lambda rnd, n=n: floor_put(store, f"floor-put-{n}-{rnd}", flat, n),
+                           drop(lambda r, n=n: f"floor-put-{n}-{r}", keep_round0=False)))
     log(f"write group ({args.reps} rounds + warm-up)")
-    interleave(writes, args.reps, ep, nbytes)
+    interleave(writes, args.reps, sw, nbytes)
 
-    # ---- read group (sources: the warm-up round's objects)
+    # ---- read group (sources: the warm-up round's objects; the floor's: one upload, untimed)
     ms_url = f"{base}/ms-save-0/iter_0000001"
     tz_url = f"{base}/tz-save-0.tensors"
-    raw_info = store.head("raw-put-0")
-    assert raw_info is not None and raw_info.size == nbytes
+    floor_put(store, "floor-src", flat, 8)
     holder: Dict[str, Any] = {}
 
     def ms_load(rnd: int) -> Any:
@@ -436,34 +409,28 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
             bad = [k for k in state if not torch.equal(got[k].view(torch.uint8), state[k].view(torch.uint8))]
             assert not bad and len(got) == len(state), f"tensorizer load: {bad} differ"
 
-    def raw_get(rnd: int) -> Any:
-        buf = holder.pop("buf")
-        store.read_into("raw-put-0", [(0, byte_view(buf))], size=nbytes, etag=raw_info.etag)
-        return buf
+    def floor_get_case(n: int) -> Callable[[int], Any]:
+        def run(rnd: int) -> Any:
+            buf = holder.pop(f"buf{n}")
+            floor_get(store, "floor-src", byte_view(buf), n)
+            return buf
+        return run
 
-    def raw_get1(rnd: int) -> Any:
-        buf = holder.pop("buf1")
-        raw_get_1stream(store, "raw-put-0", byte_view(buf))
-        return buf
-
-    def raw_check(name: str) -> Callable[[int, Any], None]:
+    def floor_check(n: int) -> Callable[[int, Any], None]:
         def after(rnd: int, buf: Any) -> None:
             if rnd == 1:
-                bad = [k for k, (o, v) in zip(state, segments)
-                       if not torch.equal(buf[o:o + len(v)], state[k].reshape(-1).view(torch.uint8))]
-                assert not bad, f"{name}: bytes of {bad} differ"
-            holder[name] = torch.empty(nbytes, dtype=torch.uint8)
+                assert torch.equal(buf, flat_t), f"floor_get_{n}: bytes differ"
+            holder[f"buf{n}"] = torch.empty(nbytes, dtype=torch.uint8)
         return after
 
     holder["tmpl"] = template_like(state)
-    holder["buf"] = torch.empty(nbytes, dtype=torch.uint8)
-    holder["buf1"] = torch.empty(nbytes, dtype=torch.uint8)
     reads = [Case("megashard_load_own", ms_load, ms_check, store),
-             Case("tensorizer_load", lambda rnd: tz_load(tz_url, ep), tz_check),
-             Case("raw_get_client", raw_get, raw_check("buf"), store),
-             Case("raw_get_1stream", raw_get1, raw_check("buf1"), store)]
+             Case("tensorizer_load", lambda rnd: tz_load(tz_url, sw), tz_check)]
+    for n in args.streams:
+        holder[f"buf{n}"] = torch.empty(nbytes, dtype=torch.uint8)
+        reads.append(Case(f"floor_get_{n}", floor_get_case(n), floor_check(n)))
     log(f"read group ({args.reps} rounds + warm-up)")
-    interleave(reads, args.reps, ep, nbytes)
+    interleave(reads, args.reps, sw, nbytes)
     holder.clear()
     gc.collect()
 
@@ -474,15 +441,14 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         log("ranks group: 2 gloo ranks, one node, own vs scatter (spawning)")
         shapes = {k: (tuple(v.shape), str(v.dtype)[6:]) for k, v in state.items()}
         digests = half_digests(state, 2)
-        ep.reset_log()
-        e0 = ep.cpu_s()
+        e0 = server_cpu_s(sw)
         c0 = cpu_now()[1]
         t0 = time.perf_counter()
         per_rank = all_ok(run_ranks(_rank_loads, 2, ms_url, shapes, args.reps, digests, timeout=600,
                                     env={"MEGASHARD_NODE_ID": "bench-node0"}))
         wall = time.perf_counter() - t0
         children_cpu = cpu_now()[1] - c0
-        endpoint_cpu = ep.cpu_s() - e0
+        server_cpu = server_cpu_s(sw) - e0
         for mode in ("own", "scatter"):
             rounds = list(zip(*(r[mode] for r in per_rank)))  # per round: (rank0 sample, rank1 sample)
             secs = [max(s["seconds"] for s in rs) for rs in rounds]
@@ -500,12 +466,29 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         results["ranks_group_processes"] = {
             "wall_s": round(wall, 2), "children_cpu_s": round(children_cpu, 2),
             "rank_process_cpu_s": [round(r["process_cpu_s"], 2) for r in per_rank],
-            "endpoint_all_rounds": ep.counts(), "endpoint_cpu_s_all_rounds": round(endpoint_cpu, 2),
+            "server_cpu_s_all_rounds": round(server_cpu, 2),
             "note": "children_cpu_s (RUSAGE_CHILDREN) covers the whole spawned processes incl. torch import; "
                     "the per-mode cpu figures are each rank's RUSAGE_SELF around its load call"}
 
     from megashard.objstore import client as oc
     import tensorizer
+
+    def best(prefix: str) -> Tuple[str, Dict[str, Any]]:
+        return min(((k, v) for k, v in results.items() if k.startswith(prefix)), key=lambda kv: kv[1]["seconds"])
+
+    summary: Dict[str, Any] = {}
+    for direction, ms, tz, floor in (("save", "megashard_save", "tensorizer_save", "floor_put_"),
+                                     ("load", "megashard_load_own", "tensorizer_load", "floor_get_")):
+        fname, f = best(floor)
+        m, t = results[ms], results[tz]
+        summary[direction] = {"megashard_GBps": m["GBps"], "tensorizer_GBps": t["GBps"], "floor": fname,
+                              "floor_GBps": f["GBps"], "vs_floor": round(m["GBps"] / f["GBps"], 3),
+                              "vs_tensorizer": round(m["GBps"] / t["GBps"], 3),
+                              "megashard_cpu_s_per_GiB": m["cpu_s_per_GiB"]}
+    if "megashard_load_2ranks_own" in results:
+        summary["scatter_vs_own_seconds"] = round(results["megashard_load_2ranks_scatter"]["seconds"]
+                                                  / results["megashard_load_2ranks_own"]["seconds"], 3)
+    log(f"summary: {json.dumps(summary)}")
 
     return {
         "bench": "s3", "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -517,13 +500,23 @@ def _run(args: argparse.Namespace, ep: Endpoint, t_start: float) -> Dict[str, An
         "host": {"python": platform.python_version(), "torch": torch.__version__,
                  "tensorizer": tensorizer.__version__, "cpus": os.cpu_count(),
                  "loadavg_end": os.getloadavg()},
-        "endpoint": "moto (tests/scripts/s3_server.py) on 127.0.0.1, one process",
-        "results": results, "total_wall_s": round(time.perf_counter() - t_start, 1),
+        "server": f"SeaweedFS {weed_version()} (weed server -s3 -filer, tests/seaweedfs.py) on 127.0.0.1, same machine",
+        "summary": summary, "results": results, "total_wall_s": round(time.perf_counter() - t_start, 1),
     }
 
 
 def argv_or_default(args: argparse.Namespace) -> List[str]:
-    return [f"--mib {args.mib}", f"--reps {args.reps}"] + (["--skip-ranks"] if args.skip_ranks else [])
+    return ([f"--mib {args.mib}", f"--reps {args.reps}", f"--streams {','.join(map(str, args.streams))}"]
+            + (["--skip-ranks"] if args.skip_ranks else []))
+
+
+def weed_version() -> str:
+    import subprocess
+
+    from seaweedfs import weed_binary
+
+    out = subprocess.run([weed_binary(), "version"], capture_output=True, text=True, timeout=30).stdout
+    return out.split("\n")[0].replace("version ", "").strip()
 
 
 if __name__ == "__main__":

@@ -468,6 +468,30 @@ def test_bulk_connection_is_per_thread_and_reconnects(s3) -> None:
     assert bytes(buf) == b"6789" and next(iter(objclient._LOCAL.conns.values())) is conn
 
 
+def test_a_connection_idle_past_the_servers_keepalive_is_replaced_not_retried(s3, monkeypatch) -> None:
+    """A server closes idle keep-alive connections (SeaweedFS within 150 s): a save minutes after the
+    last one must not spend a failed attempt and a retry per connection on them."""
+    import socket
+    import time
+
+    store = _store(s3)
+    data = _data(64 * 1024)
+    etag = store.put_bytes("idle/x", data)
+    buf = bytearray(len(data))
+    store.read_into("idle/x", [(0, memoryview(buf))], size=len(data), etag=etag, threads=1)
+    conn = next(iter(objclient._LOCAL.conns.values()))
+    if conn.sock is None:  # the test endpoint closes after each answer; a kept-alive socket, as S3 keeps it
+        conn.connect()
+    conn.sock.shutdown(socket.SHUT_RDWR)  # what the server's idle timeout leaves behind
+    later = time.monotonic() + 3600
+    monkeypatch.setattr(objclient, "_clock", lambda: later, raising=False)
+    store.retries.clear()
+    buf[:] = bytes(len(buf))
+    store.read_into("idle/x", [(0, memoryview(buf))], size=len(data), etag=etag, threads=1)
+    assert bytes(buf) == data and dict(store.retries) == {}
+    assert next(iter(objclient._LOCAL.conns.values())) is not conn
+
+
 # ----------------------------------------------------------------------------------------------- lost answers
 
 def test_lost_answer_of_conditional_put_is_not_a_conflict(s3, monkeypatch) -> None:

@@ -1,6 +1,6 @@
 """Loads read through the files object's ``read_into``; descriptors only where it passes them.
 
-An object store's files object has ``read_into`` but no descriptors
+An object store's files object has ``read_into`` (and ``read_files``) but no descriptors
 (``passes_descriptors = False``). Here a wrapper around :class:`CheckpointFiles` with
 exactly that surface is patched in for the loads: own and scatter loads (every transport)
 must be bit-exact through it, scatter must not pass descriptors, and every byte a rank
@@ -42,6 +42,10 @@ class NoDescriptorFiles:
         if reqs:
             self.reads.append((name, len(reqs), n))
         return n
+
+    def read_files(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], Optional[int]]], *,
+                   threads: int) -> int:
+        return sum(self.read_into(name, reqs, size=size, threads=threads) for name, reqs, size in jobs)
 
     def close(self) -> None:
         self._inner.close()

@@ -172,14 +172,15 @@ def test_row_runs_load_bit_exact_in_ranged_gets(s3, monkeypatch):
     megashard.save({k: ShardedTensor.from_rank_offsets("w", full[:, r * 256:(r + 1) * 256].contiguous(), (1, r, 2))
                     for r, k in enumerate("ab")}, url)
     seen = []
-    real = objck.ObjectCheckpointFiles.read_into
+    real = objck.ObjectCheckpointFiles.read_files
 
-    def spy(self, name, reqs, **kw):
-        if isinstance(reqs, Requests):
-            seen.append([len(views) for _, _, views in reqs.runs])
-        return real(self, name, reqs, **kw)
+    def spy(self, jobs, **kw):
+        for _, reqs, _ in jobs:
+            if isinstance(reqs, Requests):
+                seen.append([len(views) for _, _, views in reqs.runs])
+        return real(self, jobs, **kw)
 
-    monkeypatch.setattr(objck.ObjectCheckpointFiles, "read_into", spy)
+    monkeypatch.setattr(objck.ObjectCheckpointFiles, "read_files", spy)
     store, _ = ObjectStore.for_url(url)
     store.stats.clear()
     dest = torch.zeros(rows, cols)
@@ -536,3 +537,111 @@ def test_a_failed_async_s3_save_ends_the_process_with_its_own_error_status(s3, m
         assert "terminate called" not in p.stderr and "error: Distributed" in p.stderr, p.stderr[-3000:]
         assert "threads at exit: []" in p.stderr, p.stderr[-3000:]
         assert storage.locate(url) is None
+
+
+def _gets_meet_in_pairs(monkeypatch) -> list:
+    """Every ranged GET waits (up to 20 s) until another one is in flight too: a load that sends its
+    GETs one at a time fails (BrokenBarrierError) instead of finishing."""
+    import threading
+
+    from megashard.objstore import client as objclient
+
+    barrier = threading.Barrier(2, timeout=20)
+    keys: list = []
+    real = objclient.ObjectStore._get_range
+
+    def get_range(self, key, *a, **kw):
+        keys.append(key)
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            raise AssertionError(f"ranged GET of {key} was alone in flight") from None
+        return real(self, key, *a, **kw)
+
+    monkeypatch.setattr(objclient.ObjectStore, "_get_range", get_range)
+    return keys
+
+
+def test_a_load_keeps_the_stores_connections_busy_not_the_cpu_count(s3, monkeypatch):
+    """``threads=1`` (a CPU count of 1) still reads with the store's connections: the two GETs of
+    the big tensor are in flight at once."""
+    want = state(big=True)
+    url = s3.url("run/iter_0000011")
+    megashard.save(want, url)
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(7 * MiB))  # the ~12 MiB tensor: two GETs
+    monkeypatch.setenv("MEGASHARD_S3_CONNECTIONS", "4")
+    keys = _gets_meet_in_pairs(monkeypatch)
+    got = megashard.load(template(want), url, threads=1)
+    check_loaded(got, want)
+    assert len(keys) == 2
+
+
+def test_files_of_one_load_are_read_at_once(s3, monkeypatch):
+    """Two objects' GETs share one queue: the second file's GET is in flight with the first's."""
+    store, _ = ObjectStore.for_url(s3.url())
+    a, b = os.urandom(3 * MiB), os.urandom(2 * MiB)
+    ea, eb = store.put_bytes("x/a", a), store.put_bytes("x/b", b)
+    keys = _gets_meet_in_pairs(monkeypatch)
+    got_a, got_b = bytearray(len(a)), bytearray(len(b))
+    n = store.read_many([("x/a", [(0, memoryview(got_a))], len(a), ea), ("x/b", [(0, memoryview(got_b))], len(b), eb)],
+                        threads=2)
+    assert (n, bytes(got_a), bytes(got_b)) == (len(a) + len(b), a, b)
+    assert sorted(keys) == ["x/a", "x/b"]
+
+
+def test_a_save_sends_parts_while_the_tensors_are_still_hashed(s3, monkeypatch):
+    """No tensor is hashed until a part has gone out (a save that hashed first would fail after 20 s),
+    and the load with ``verify=True`` checks every tensor's CRC32 and SHA-256 (byte identity with a
+    file-system save: test_save_load_bit_exact_and_objects_identical_to_a_posix_save)."""
+    import threading
+
+    from megashard.format import writer
+    from megashard.objstore import client as objclient
+
+    sent = threading.Event()
+    real_hash, real_put = writer._hash_item, objclient.ObjectStore._put_views
+
+    def hash_item(it):
+        if not sent.wait(20):
+            raise AssertionError(f"tensor {it.name} was to be hashed before any part was sent")
+        real_hash(it)
+
+    def put_views(self, kind, *a, **kw):
+        out = real_put(self, kind, *a, **kw)
+        if kind == "MPU_PART":
+            sent.set()
+        return out
+
+    monkeypatch.setattr(writer, "_hash_item", hash_item)
+    monkeypatch.setattr(objclient.ObjectStore, "_put_views", put_views)
+    want = state(big=True)
+    url = s3.url("run/iter_0000012")
+    megashard.save(want, url)
+    monkeypatch.setattr(writer, "_hash_item", real_hash)
+    got = megashard.load(template(want), url, verify=True)  # every tensor's hashes checked
+    check_loaded(got, want)
+
+
+def _load_replicated_scatter(rank, world, url, n):
+    from megashard.objstore.client import ObjectStore
+
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
+    dest = {"w": torch.empty(n)}
+    _, stats = megashard.load(dest, url, mode="scatter", scatter_chunk_bytes=MiB, scatter_transport="shm",
+                              return_stats=True)
+    want = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    return {"ok": bool(torch.equal(dest["w"], want)), "stats": dict(store.stats), "transport": stats.transport}
+
+
+def test_scatter_ring_extents_are_read_in_coalesced_gets(s3):
+    """Both ranks need the whole 4 MiB tensor: it crosses the node's ring in four 1 MiB extents, which
+    the reader fetches in one ranged GET (not one per extent); bit-exact on both ranks."""
+    n = MiB  # fp32: 4 MiB
+    url = s3.url("ring/iter_0000001")
+    megashard.save({"w": torch.randn(n, generator=torch.Generator().manual_seed(5))}, url)
+    out = all_ok(run_ranks(_load_replicated_scatter, 2, url, n, env={"MEGASHARD_NODE_ID": "node0"}))
+    assert [o["ok"] for o in out] == [True, True]
+    assert out[0]["transport"] == "shm"
+    assert out[0]["stats"].get("GET_RANGE", 0) == 1, out[0]["stats"]
+    assert sum(out[1]["stats"].values()) == 0

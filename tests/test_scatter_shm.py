@@ -355,10 +355,10 @@ def _direct_read_fails_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     for victim in (1, 0):  # the non-reader's reads through passed descriptors, then the reader's own
         real = fastio.read_requests  # (the reader's go through its files object's read_into)
 
-        def broken(fd: int, reqs: Any, where: str, threads: int, **kw: Any) -> None:
+        def broken(fd: int, reqs: Any, where: str, threads: int, **kw: Any) -> Any:
             if threading.current_thread().name == "megashard-scatter-direct":
                 raise OSError(5, "Input/output error (injected)")
-            real(fd, reqs, where, threads, **kw)
+            return real(fd, reqs, where, threads, **kw)
 
         if rank == victim:
             scatter.read_requests = fastio.read_requests = broken

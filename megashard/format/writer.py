@@ -37,7 +37,6 @@ import threading
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, List, Mapping, Tuple
 
 import numpy
@@ -47,7 +46,7 @@ from isal import isal_zlib
 from ..errors import FormatError, UnsupportedFormatError
 from . import layout as L
 from .dtypes import DtypeCodec, encode_dtype
-from .fastio import default_threads, io_pool, io_role, pwrite_all, run_parallel, take_io_role, tensor_memoryview
+from .fastio import default_threads, io_pool, io_role, pwrite_all, take_io_role, tensor_memoryview
 
 log = logging.getLogger(__name__)
 
@@ -576,9 +575,91 @@ def file_segments(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, thr
     hashed here (tensors spread over ``threads``); the views share the tensors' memory, so
     the tensors must not change until the segments have been sent. ``infos`` are
     :func:`write_file`'s. Same layout code as :func:`write_file`, so the bytes are equal.
+    (:func:`file_segments_deferred` returns before the hashes are done.)
     """
+    size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads)
+    return size, segments, hashes.finish()
+
+
+class DeferredHashes:
+    """The hashing of :func:`file_segments_deferred`: tensors hashed in file order on
+    background threads while their data may already be sent.
+
+    Only the tensor headers hold hashes, so only bytes inside :attr:`ranges` (each
+    tensor's header) wait: a sender calls :meth:`wait` for a byte range before sending it.
+    :meth:`finish` joins the threads (re-raising a hashing failure) and returns the infos.
+    """
+
+    def __init__(self, items: List[_Item], nthreads: int) -> None:
+        self._items = items
+        self.ranges: List[Tuple[int, int]] = []  # (start, end) of each tensor's header, in file order
+        for it in items:
+            assert it.plan is not None
+            self.ranges.append((it.header_offset, it.header_offset + len(it.plan.buf)))
+        self._done = [threading.Event() for _ in items]
+        self._lock = threading.Lock()
+        self._next = 0
+        self._stop = False
+        self._error: BaseException | None = None
+        n = max(1, min(nthreads, len(items)))
+        self._threads = [threading.Thread(target=self._work, name="megashard-hash", daemon=True) for _ in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                i = self._next
+                if self._stop or i >= len(self._items):
+                    return
+                self._next += 1
+            try:
+                _hash_item(self._items[i])
+            except BaseException as e:  # noqa: B902 - handed to whoever waits
+                with self._lock:
+                    self._error = self._error or e
+                    self._stop = True
+                for ev in self._done:
+                    ev.set()
+                return
+            self._done[i].set()
+
+    def wait(self, a: int, b: int) -> None:
+        """Block until every header overlapping bytes ``[a, b)`` holds its hashes."""
+        for i, (s, e) in enumerate(self.ranges):
+            if s < b and a < e:
+                self._done[i].wait()
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        """Hash no further tensor (the upload failed); :meth:`finish` still joins the threads."""
+        with self._lock:
+            self._stop = True
+
+    def finish_quietly(self) -> None:
+        """Join the threads without raising (the caller is already failing)."""
+        for t in self._threads:
+            t.join()
+
+    def finish(self) -> List[L.TensorInfo]:
+        """Join the hashing threads; the infos (:func:`write_file`'s) once every tensor is hashed."""
+        for t in self._threads:
+            t.join()
+        if self._error is not None:
+            raise self._error
+        if not all(ev.is_set() for ev in self._done):
+            raise FormatError("hashing was cancelled before every tensor was hashed")
+        return _infos(self._items)
+
+
+def file_segments_deferred(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, threads: int | None = None
+                           ) -> Tuple[int, List[Tuple[int, memoryview]], DeferredHashes]:
+    """:func:`file_segments` without waiting for the hashes: the segments at once (the
+    tensors' headers are filled in as each tensor is hashed) and the :class:`DeferredHashes`
+    that says when a byte range is final and, at the end, gives the infos. Lets an upload
+    send data while the file's tensors are still being hashed."""
     items, version, flags, metadata_len, file_size, nthreads = _planned(tensors, align, threads)
-    run_parallel([partial(_hash_item, it) for it in sorted(items, key=lambda i: -i.nbytes)], nthreads)
     segments: List[Tuple[int, memoryview]] = [
         (0, memoryview(_prologue(items, version, flags, metadata_len))),
         (L.PROLOGUE_SIZE, memoryview(_metadata(items, flags, metadata_len)))]
@@ -589,7 +670,7 @@ def file_segments(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, thr
             assert it.src is not None
             segments.append((it.data_offset, tensor_memoryview(it.src).toreadonly()))
     segments.append((items[-1].end, memoryview(L.TERMINATOR)))
-    return file_size, segments, _infos(items)
+    return file_size, segments, DeferredHashes(items, nthreads)
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,

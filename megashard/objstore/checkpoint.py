@@ -140,13 +140,20 @@ class ObjectSave:
     def write_file(tensors: Mapping[str, Any], url: str, align: int, fsync: bool, threads: Optional[int],
                    direct: bool = False) -> Tuple[List[Any], int, Dict[str, Any]]:
         """Upload one ``.tensors`` file straight from the tensors (the bytes ``write_file``
-        would write; multipart above one part). Durable once the PUT returns."""
-        from ..format.writer import file_segments
+        would write; multipart above one part), hashing its tensors (``threads`` hashing
+        threads) while the parts clear of their headers are already sent; connections are
+        the store's (``MEGASHARD_S3_CONNECTIONS``). Durable once the PUT returns."""
+        from ..format.writer import file_segments_deferred
 
-        size, segments, infos = file_segments(tensors, align=align)
-        store, key = ObjectStore.for_url(url)
-        etag = store.upload(key, size, segments, if_none_match=True, threads=threads)
-        return infos, size, {"etag": etag}
+        size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads)
+        try:
+            store, key = ObjectStore.for_url(url)
+            etag = store.upload(key, size, segments, if_none_match=True, pending=hashes)
+        except BaseException:
+            hashes.cancel()
+            hashes.finish_quietly()
+            raise
+        return hashes.finish(), size, {"etag": etag}
 
     def commit(self, token: str, files: Mapping[int, Mapping[str, Mapping[str, Any]]],
                where: Mapping[int, Any], head: bytes, sections: bytes) -> None:
@@ -323,6 +330,8 @@ class ObjectCheckpointFiles:
     ranged GET pinned to the ETag the committed index recorded."""
 
     passes_descriptors = False
+    #: scatter's ring reader reads every free slot's extent in one call (coalesced, parallel GETs)
+    batch_reads = True
 
     def __init__(self, url: str, index: Any = None) -> None:
         self.store, self.key, self.base = _location(url)
@@ -418,25 +427,41 @@ class ObjectCheckpointFiles:
 
     def read_into(self, name: str, reqs: Sequence[Tuple[int, memoryview]], *, size: Optional[int] = None,
                   threads: Optional[int] = None) -> int:
-        if not reqs:
-            return 0  # every GET checks the object's size (Content-Range) and ETag (If-Match) itself
-        if name == INDEX_NAME:  # sections are small and many: the whole index in one GET, once
-            if self._index_bytes is None:
-                self._index_bytes = self.read_bytes(INDEX_NAME, _max_head())
-                if size is not None and len(self._index_bytes) != size:
-                    raise CheckpointError(f"{self.path(INDEX_NAME)}: {len(self._index_bytes)} bytes, the manifest "
-                                          f"says {size}; the checkpoint is damaged")
-            data, n = self._index_bytes, 0
-            for off, mv in reqs:
-                if off < 0 or off + len(mv) > len(data):
-                    raise CheckpointError(f"{self.path(INDEX_NAME)}: byte range {off}+{len(mv)} past its end")
-                mv[:] = data[off:off + len(mv)]
-                n += len(mv)
-            return n
-        if size is None:
-            size = self.open(name).size
-        return self.store.read_into(self.object_key(name), reqs, size=size, etag=self._etag(name), threads=threads)
+        """Fill ``(offset, view)`` requests from member ``name``; ``threads`` (the CPU count's
+        reader threads) does not apply: the store's connections (``MEGASHARD_S3_CONNECTIONS``) do."""
+        return self.read_files([(name, reqs, size)])
 
+    def read_files(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], Optional[int]]], *,
+                   threads: Optional[int] = None) -> int:
+        """:meth:`read_into` of several members ``(name, reqs, size)`` at once: every GET of every
+        object in one queue on the store's connections, none idle while bytes remain."""
+        n = 0
+        jobs_s3 = []
+        for name, reqs, size in jobs:
+            if name == INDEX_NAME:
+                n += self._read_index(reqs, size)
+            elif reqs:  # none: nothing to check here, every GET checks size (Content-Range) and ETag itself
+                if size is None:
+                    size = self.open(name).size
+                jobs_s3.append((self.object_key(name), reqs, size, self._etag(name)))
+        return n + self.store.read_many(jobs_s3)
+
+    def _read_index(self, reqs: Sequence[Tuple[int, memoryview]], size: Optional[int]) -> int:
+        """The index's sections are small and many: the whole index in one GET, once."""
+        if not reqs:
+            return 0
+        if self._index_bytes is None:
+            self._index_bytes = self.read_bytes(INDEX_NAME, _max_head())
+            if size is not None and len(self._index_bytes) != size:
+                raise CheckpointError(f"{self.path(INDEX_NAME)}: {len(self._index_bytes)} bytes, the manifest "
+                                      f"says {size}; the checkpoint is damaged")
+        data, n = self._index_bytes, 0
+        for off, mv in reqs:
+            if off < 0 or off + len(mv) > len(data):
+                raise CheckpointError(f"{self.path(INDEX_NAME)}: byte range {off}+{len(mv)} past its end")
+            mv[:] = data[off:off + len(mv)]
+            n += len(mv)
+        return n
 
     def tensor_reader(self, name: str) -> Any:
         """A :class:`~megashard.format.TensorFileReader` of a copy of the whole object in an

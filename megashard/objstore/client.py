@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 _GAP_BYTES = MiB  # requests at most this far apart are read by one GET (the gap into a scratch buffer)
 _MIN_PART = 5 * MiB  # S3's smallest multipart part (all but the last)
+_MIN_DEFAULT_PART = 8 * MiB  # smaller parts only add requests
 _MAX_PART = 5 * 1024 * MiB
 _MAX_PARTS = 10000
 _PRESIGN_SECONDS = 3600
@@ -45,6 +46,10 @@ _RETRY_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "Servic
                           "ThrottlingException", "RequestTimeTooSkewed"})
 _ERROR_BODY_LIMIT = 64 * 1024
 _PAGE = 1000  # LIST page and DeleteObjects batch (S3's maximum for both)
+# a bulk connection unused this long is replaced, not reused: servers close idle keep-alive connections
+# (SeaweedFS within 150 s, AWS sooner), and the first request on a closed one fails (a retry, a resent part)
+_IDLE_REUSE_S = 15.0
+_clock = time.monotonic
 KINDS = ("HEAD", "GET", "GET_RANGE", "PUT", "LIST", "DELETE", "MPU_CREATE", "MPU_PART", "MPU_COMPLETE", "MPU_ABORT",
          "MPU_LIST")
 
@@ -84,9 +89,16 @@ def get_bytes_limit() -> int:
     return _env_int("MEGASHARD_S3_GET_BYTES", 16 * MiB, 1)
 
 
+def single_put_bytes() -> int:
+    """Objects up to this size go up in one PUT (``MEGASHARD_S3_PART_BYTES``, default 64 MiB)."""
+    return max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", 64 * MiB, 1))
+
+
 def part_bytes(size: int) -> int:
-    """Multipart part size for an object of ``size`` bytes (``MEGASHARD_S3_PART_BYTES``, default 64 MiB)."""
-    part = max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", 64 * MiB, 1))
+    """Multipart part size for an object of ``size`` bytes: ``MEGASHARD_S3_PART_BYTES`` when set, else
+    enough parts to keep every connection busy (size / connections, whole MiB) between 8 and 64 MiB."""
+    default = min(64 * MiB, max(_MIN_DEFAULT_PART, -(-(-(-size // connections())) // MiB) * MiB))
+    part = max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", default, 1))
     if -(-size // part) > _MAX_PARTS:  # S3 allows 10000 parts: grow the part, in whole MiB
         part = -(-(-(-size // _MAX_PARTS)) // MiB) * MiB
     return min(part, _MAX_PART)
@@ -554,8 +566,14 @@ class ObjectStore:
         conns = getattr(_LOCAL, "conns", None)
         if conns is None:
             conns = _LOCAL.conns = {}
+            _LOCAL.used = {}
         ident = (parts.scheme, parts.hostname, parts.port)
         conn = conns.get(ident)
+        now = _clock()
+        if conn is not None and now - _LOCAL.used.get(ident, now) > _IDLE_REUSE_S:
+            conn.close()  # idle long enough for the server to have closed it
+            conn = None
+        _LOCAL.used[ident] = now
         if conn is None:
             timeout = _env_int("MEGASHARD_S3_TIMEOUT", 120, 1)
             if parts.scheme == "https":
@@ -598,11 +616,22 @@ class ObjectStore:
         ``MEGASHARD_S3_GET_BYTES`` and run on up to ``MEGASHARD_S3_CONNECTIONS`` threads. Each GET is pinned
         to ``etag`` with If-Match and checked against ``size``; a changed object raises ObjectChangedError.
         """
-        gets = self._plan_gets(key, reqs, size)
-        if not gets:
+        return self.read_many([(key, reqs, size, etag)], threads=threads)
+
+    def read_many(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], int, Optional[str]]], *,
+                  threads: Optional[int] = None) -> int:
+        """:meth:`read_into` of several objects ``(key, reqs, size, etag)`` at once: their GETs form one
+        queue on up to ``threads`` (``MEGASHARD_S3_CONNECTIONS``) connections, so no connection idles at
+        the end of an object while another's bytes remain. Returns the bytes fetched."""
+        tasks: List[Callable[[], int]] = []
+        for key, reqs, size, etag in jobs:
+            gets = self._plan_gets(key, reqs, size)
+            if gets:
+                url = self._presign("get_object", key)
+                tasks += [lambda key=key, url=url, g=g, size=size, etag=etag:
+                          self._get_range(key, url, g[0], g[1], g[2], size, etag) for g in gets]
+        if not tasks:
             return 0
-        url = self._presign("get_object", key)
-        tasks = [lambda g=g: self._get_range(key, url, g[0], g[1], g[2], size, etag) for g in gets]
         return sum(_run_parallel(tasks, threads or connections()))
 
     def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int
@@ -750,12 +779,15 @@ class ObjectStore:
                                   f"mangles range requests")
 
     def upload(self, key: str, size: int, segments: Sequence[Tuple[int, memoryview]], *, if_none_match: bool = True,
-               threads: Optional[int] = None) -> str:
+               threads: Optional[int] = None, pending: Any = None) -> str:
         """Write an object from ``segments`` ((offset, view) tiling [0, size) in order) without copying them.
 
-        One PUT up to one part (``MEGASHARD_S3_PART_BYTES``), else a multipart upload with parts sent in
+        One PUT up to :func:`single_put_bytes`, else a multipart upload (parts of :func:`part_bytes`) with parts sent in
         parallel (a part may span segments), aborted on any failure. With ``if_none_match`` the object must
-        not exist yet (CommitConflictError otherwise). Returns the ETag.
+        not exist yet (CommitConflictError otherwise). ``pending`` (a
+        :class:`~megashard.format.writer.DeferredHashes`): bytes still being written (``ranges``);
+        parts clear of them go first, a part holding some is sent after ``pending.wait(a, b)``.
+        Returns the ETag.
         """
         views = []
         pos = 0
@@ -769,12 +801,13 @@ class ObjectStore:
             pos += mv.nbytes
         if pos != size:
             raise CheckpointError(f"{self.url(key)}: upload segments hold {pos} bytes, not {size}")
-        part = part_bytes(size)
-        if size <= part:
+        if size <= single_put_bytes():
+            if pending is not None:
+                pending.wait(0, size)
             headers = {"If-None-Match": "*"} if if_none_match else {}
             url = self._presign("put_object", key)
             return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers)
-        return self._multipart(key, size, part, views, if_none_match, threads or connections())
+        return self._multipart(key, size, part_bytes(size), views, if_none_match, threads or connections(), pending)
 
     @staticmethod
     def _slice(views: List[Tuple[int, memoryview]], starts: List[int], a: int, b: int) -> List[memoryview]:
@@ -791,7 +824,7 @@ class ObjectStore:
         return out
 
     def _multipart(self, key: str, size: int, part: int, views: List[Tuple[int, memoryview]], if_none_match: bool,
-                   threads: int) -> str:
+                   threads: int, pending: Any = None) -> str:
         upload_id = self._call("MPU_CREATE", key, "create_multipart_upload", Key=key)["UploadId"]
         try:
             starts = [o for o, _ in views]
@@ -799,10 +832,24 @@ class ObjectStore:
 
             def send(i: int) -> str:
                 a, b = i * part, min(size, (i + 1) * part)
+                if pending is not None:
+                    pending.wait(a, b)
                 url = self._presign("upload_part", key, UploadId=upload_id, PartNumber=i + 1)
                 return self._put_views("MPU_PART", key, url, self._slice(views, starts, a, b), b - a, {})
 
-            etags = _run_parallel([lambda i=i: send(i) for i in range(nparts)], threads)
+            order = list(range(nparts))
+            if pending is not None:  # parts whose bytes are final first: they go while the rest is hashed
+                ranges = pending.ranges
+
+                def waits(i: int) -> bool:
+                    a, b = i * part, min(size, (i + 1) * part)
+                    return any(s < b and a < e for s, e in ranges)
+
+                order.sort(key=lambda i: (waits(i), i))
+            sent = _run_parallel([lambda i=i: send(i) for i in order], threads)
+            etags = [""] * nparts
+            for i, etag in zip(order, sent):
+                etags[i] = etag
             return self._complete(key, upload_id, etags, if_none_match)
         except BaseException:
             self._abort_quietly(key, upload_id)
@@ -834,11 +881,11 @@ class ObjectStore:
         """Write an object of ``size`` bytes from ``chunks`` produced while it is sent (a copy streamed
         with bounded memory): consecutive views from offset 0, each a whole number of parts
         (:func:`part_bytes` of ``size``) but the last. A chunk's parts are sent (in parallel) before the
-        next chunk is asked for, so the producer may refill one buffer. One PUT when ``size`` fits one
-        part, else a multipart upload, aborted on any failure. ``if_none_match`` as in :meth:`upload`.
+        next chunk is asked for, so the producer may refill one buffer. One PUT up to
+        :func:`single_put_bytes`, else a multipart upload, aborted on any failure. ``if_none_match`` as in :meth:`upload`.
         Returns the ETag."""
         part = part_bytes(size)
-        if size <= part:
+        if size <= single_put_bytes():
             whole = bytearray()
             for chunk in chunks:
                 mv = _byte_view(chunk)
