@@ -1,0 +1,53 @@
+"""megashard.localtier: which iteration a restarted job takes from the local tier, and what a save
+leaves there (versions kept, modes, leftovers of a killed save)."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import torch
+
+from megashard import api, localtier, storage
+from megashard.transport import SOLO
+
+
+def test_choose_takes_newest_complete_on_every_rank_newer_than_persistent():
+    assert localtier.choose([[5, 6], [5, 6]], 4) == (6, "")
+    # rank 1 was killed before committing 6: never 6 for one rank and 5 for the other
+    assert localtier.choose([[5, 6], [5]], 4) == (5, "")
+    assert localtier.choose([[5, 6], [5]], 5) == (None, "the newest local checkpoint complete on every rank "
+                                                       "(iteration 5) is not newer than the persistent one "
+                                                       "(iteration 5)")
+    assert localtier.choose([[5, 6], []], -1) == (None, "no complete local checkpoint on rank 1")
+    assert localtier.choose([[], []], -1) == (None, "no complete local checkpoint on any rank")
+    assert localtier.choose([[6], [5]], -1) == (None, "no iteration complete on every rank "
+                                                      "(newest per rank: rank 0: 6, rank 1: 5)")
+
+
+def test_save_keeps_two_versions_mode_0600_and_clears_a_killed_save(tmp_path):
+    root, name = str(tmp_path / "local"), localtier.layout_name(2, {"tp": 2, "pp": 1, "ep": 1, "vp": 1})
+    assert name == "w2-tp2-pp1-ep1-vp1"
+    d = localtier.prepare(root, name, 1)
+    assert d == str(tmp_path / "local" / "megashard-w2-tp2-pp1-ep1-vp1" / "rank00001")
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    for it in (1, 2, 3):
+        sd = {"w": torch.full((4,), float(it)), "iteration": it}
+        api.save(sd, localtier.version_dir(root, name, 1, it), process_group=SOLO, fsync=False)
+        localtier.after_commit(root, name, 1, it)
+    assert sorted(os.listdir(d)) == ["iter_0000002", "iter_0000003"]  # 1 removed by the save of 3
+    v3 = localtier.version_dir(root, name, 1, 3)
+    assert {stat.S_IMODE(os.stat(os.path.join(v3, f)).st_mode) for f in os.listdir(v3)} == {0o600}
+    # a save killed mid-write: only a temporary, never a version; the next prepare() removes it
+    tmp = storage.make_temp_dir(localtier.version_dir(root, name, 1, 4), "deadbeef")
+    owner = os.path.join(tmp, storage.OWNER_NAME)
+    record = json.loads(open(owner).read()) | {"pid": 2**22 + 1}  # a process of this machine that is gone
+    with open(owner, "w") as f:
+        json.dump(record, f)
+    assert localtier.complete_iterations(root, name, 1) == [2, 3]
+    localtier.prepare(root, name, 1)
+    assert sorted(os.listdir(d)) == ["iter_0000002", "iter_0000003"]
+    out = {"w": torch.empty(4), "iteration": None}
+    api.load(out, v3, process_group=SOLO)
+    assert torch.equal(out["w"], torch.full((4,), 3.0))
+    assert localtier.complete_iterations(root, name, 0) == []  # another rank's directory: nothing
