@@ -51,6 +51,8 @@ class Comm:
             self.backend = str(dist.get_backend(group)).lower()
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
+        #: the rank that log lines name: the job's rank also in a SOLO world
+        self.label_rank = dist.get_rank() if solo and dist.is_available() and dist.is_initialized() else self.rank
         self.device = torch.device("cpu")
         if "nccl" in self.backend:
             self.device = torch.device("cuda", torch.cuda.current_device())

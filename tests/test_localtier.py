@@ -51,3 +51,29 @@ def test_save_keeps_two_versions_mode_0600_and_clears_a_killed_save(tmp_path):
     api.load(out, v3, process_group=SOLO)
     assert torch.equal(out["w"], torch.full((4,), 3.0))
     assert localtier.complete_iterations(root, name, 0) == []  # another rank's directory: nothing
+
+
+def test_megatron_flags_are_taken_before_megatrons_validation():
+    """``--non-persistent-ckpt-type local`` with ``--save-format tensors``: megashard takes the flags, so
+    Megatron's validate_args (which requires nvidia-resiliency-ext for ``local``) never sees ``local``."""
+    import types
+
+    import pytest
+
+    from megashard.errors import CheckpointError
+    from megashard.megatron.args import take_local_checkpointing
+
+    def ns(**kw):
+        return types.SimpleNamespace(**({"save_format": "tensors", "non_persistent_ckpt_type": "local",
+                                         "non_persistent_local_ckpt_dir": "/dev/shm/ckpt", "replication": True,
+                                         "replication_jump": 8, "replication_factor": 2} | kw))
+
+    args = ns()
+    assert take_local_checkpointing(args)
+    assert (args.megashard_local_ckpt_dir, args.megashard_replication) == ("/dev/shm/ckpt", [8, 2])
+    assert (args.non_persistent_ckpt_type, args.replication, args.replication_jump) == (None, False, None)
+    untouched = ns(save_format="torch_dist")
+    assert not take_local_checkpointing(untouched) and untouched.non_persistent_ckpt_type == "local"
+    with pytest.raises(CheckpointError, match="--non-persistent-ckpt-type local needs "
+                                              "--non-persistent-local-ckpt-dir DIR"):
+        take_local_checkpointing(ns(non_persistent_local_ckpt_dir=None))

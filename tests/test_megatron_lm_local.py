@@ -1,9 +1,9 @@
 """The local checkpoint tier inside Megatron-LM's own ``pretrain_gpt.py`` (2 ranks, CPU):
 ``--non-persistent-ckpt-type local`` with ``--save-format tensors``, without nvidia-resiliency-ext.
 
-One uninterrupted run gives the reference losses; a run SIGKILLed in step 7 (persistent save at 4,
-local saves every step) resumes from the local tier at 6, bit-exact; with the local directory
-emptied it falls back to the persistent checkpoint at 4, bit-exact too.
+A run SIGKILLed in step 7 (persistent save at 4, local saves every step) resumes from the local tier
+at 6; with the local directory emptied, the same killed run falls back to the persistent checkpoint
+at 4; both reach the same state at step 8, bit for bit.
 """
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import os
 import re
 import shutil
 import stat
-
-import pytest
 
 from megatron_helpers.runner import compare_checkpoints, torchrun
 from test_megatron_lm_install import ARGS, SCRIPT, mlm, mlm_tree  # noqa: F401 - mlm_tree is a fixture
@@ -36,23 +34,15 @@ def versions(local):
     return out
 
 
-def assert_same_final_state(a, b):
-    cmp = compare_checkpoints(str(a / "iter_0000008"), str(b / "iter_0000008"))
-    assert cmp["differ"] == {} and not cmp["only_a"] and not cmp["only_b"], cmp
-    assert any(k.startswith("optimizer.state.exp_avg.") for k in cmp["compared"])
-
-
 def test_resume_from_local_tier_after_sigkill_then_fallback(mlm_tree, tmp_path):  # noqa: F811
     assert importlib.util.find_spec("nvidia_resiliency_ext") is None  # the point: not needed
-    base, base_losses = mlm(mlm_tree, local_args(tmp_path / "base", tmp_path / "base-local"))
-    assert sorted(base_losses) == list(range(1, 9))
-    assert "to its local tier in" in base.output
-
     save, local = tmp_path / "a", tmp_path / "local"
     env = {"MEGATRON_LM_DIR": mlm_tree.path, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "MEGASHARD_TEST_KILL_AT": "6"}
     killed = torchrun(SCRIPT, [*ARGS, *local_args(save, local)], env=env, timeout=300)
     assert killed.returncode != 0, killed.output[-3000:]
+    assert "to its local tier in" in killed.output
     assert "saved local checkpoint at iteration 6" in killed.output, killed.output[-3000:]
+    assert "iteration        7/" not in killed.output  # killed in step 7
     assert open(save / "latest_checkpointed_iteration.txt").read().strip() == "4"
     # each rank: only the last two versions (1, 2, 3, 5 removed by the saves that replaced them),
     # its directory 0700, its files 0600, megashard's files only
@@ -69,17 +59,21 @@ def test_resume_from_local_tier_after_sigkill_then_fallback(mlm_tree, tmp_path):
     resumed, losses = mlm(mlm_tree, local_args(tmp_path / "b", local, load=save))
     assert re.search(r"loaded local checkpoint \S+rank0000\d/iter_0000006 at iteration 6 "
                      r"\(optimizer loaded, rng loaded\)", resumed.output), resumed.output[-3000:]
-    # the first step after the resume logs the uninterrupted run's loss; the state after the last step
-    # (model and optimizer, every tensor) is the uninterrupted run's, bit for bit (later steps' logged
-    # losses are not a reliable check on this CPU shim: they differ between two runs whose states do not)
-    assert sorted(losses) == [7, 8] and losses[7] == base_losses[7], (losses, base_losses)
-    assert_same_final_state(tmp_path / "base", tmp_path / "b")
+    assert sorted(losses) == [7, 8]
 
     for rank_dir in versions(local):  # the node's local copies lost
         for v in os.listdir(local / rank_dir):
             shutil.rmtree(local / rank_dir / v)
-    fallback, losses = mlm(mlm_tree, local_args(tmp_path / "c", local, load=save))
+    fallback, fb_losses = mlm(mlm_tree, local_args(tmp_path / "c", local, load=save))
     assert "no complete local checkpoint on any rank; loading --load" in fallback.output, fallback.output[-3000:]
     assert "loaded checkpoint" in fallback.output and "at iteration 4 (optimizer loaded, rng loaded)" in fallback.output
-    assert sorted(losses) == [5, 6, 7, 8] and losses[5] == base_losses[5], (losses, base_losses)
-    assert_same_final_state(tmp_path / "base", tmp_path / "c")
+    assert sorted(fb_losses) == [5, 6, 7, 8]
+    # the resume from the persistent checkpoint is bit-exact with an uninterrupted run
+    # (tests/test_megatron_lm_install.py); the resume from the local tier matches it: the step after the
+    # resume logs its loss, and the state after the last step (model and optimizer, every tensor) is its
+    # state, bit for bit (the logged loss of the second step after any resume is not a reliable check on
+    # this CPU shim: it differs from the uninterrupted run's although every later state is the same)
+    assert losses[7] == fb_losses[7], (losses, fb_losses)
+    cmp = compare_checkpoints(str(tmp_path / "b" / "iter_0000008"), str(tmp_path / "c" / "iter_0000008"))
+    assert cmp["differ"] == {} and not cmp["only_a"] and not cmp["only_b"], cmp
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in cmp["compared"])
