@@ -77,3 +77,17 @@ def test_megatron_flags_are_taken_before_megatrons_validation():
     with pytest.raises(CheckpointError, match="--non-persistent-ckpt-type local needs "
                                               "--non-persistent-local-ckpt-dir DIR"):
         take_local_checkpointing(ns(non_persistent_local_ckpt_dir=None))
+
+
+def test_solo_sync_save_leaves_the_async_save_in_flight(tmp_path):
+    """A local-tier save (synchronous, SOLO) does not finalize the job's async save: training does
+    not wait for the persistent write; the async save commits when it is finalized."""
+    from megashard import async_save
+
+    handle = api.save({"w": torch.arange(8.0)}, tmp_path / "persistent", async_save=True)
+    api.save({"w": torch.ones(4)}, tmp_path / "local", process_group=SOLO, fsync=False)
+    assert async_save.in_flight() is handle and storage.is_checkpoint(tmp_path / "local")
+    handle.result()
+    out = {"w": torch.empty(8)}
+    api.load(out, tmp_path / "persistent")
+    assert async_save.in_flight() is None and torch.equal(out["w"], torch.arange(8.0))

@@ -10,6 +10,12 @@ miss those call sites, so both modules' names are replaced. The wrappers send
   ``AsyncRequest`` is handed to Megatron's ``schedule_async_save``, so Megatron's
   ``maybe_finalize_async_save`` commits it and writes the tracker), every other save to Megatron's original (with ``--save-format torch|torch_dist``
   mapped onto ``--ckpt-format``);
+* non-persistent saves with ``--non-persistent-ckpt-type local`` and ``--save-format tensors``
+  (whose flags megashard takes before Megatron's ``validate_args``, which would require
+  nvidia-resiliency-ext) to :func:`megashard.megatron.checkpointing.save_local_checkpoint`;
+* loads, first, from the local tier when the whole job holds a newer iteration there
+  (:func:`megashard.megatron.checkpointing.resolve_local`), falling back to ``--load`` on
+  every rank when that load fails and ``--load`` holds a megashard checkpoint;
 * loads whose ``--load`` (or ``--pretrained-checkpoint``) directory holds a megashard
   checkpoint (as any rank sees it, an interrupted re-save's ``.old-*`` copy included:
   the ranks decide together, see :func:`megashard.megatron.checkpointing.resolve_load`)
@@ -100,6 +106,8 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
                     skip_load_to_model_and_opt=bool(kwargs.get("skip_load_to_model_and_opt", False)), args=margs,
                     target=target, local=local)
             except MegashardError as e:  # agreed: every rank falls back together
+                if target.checkpoint is None:  # nothing would overwrite what the failed load changed
+                    raise
                 log.warning("local checkpoint of iteration %d could not be loaded (%s); loading --load %s",
                             local[1], str(e)[:2000], target.root)
             else:
