@@ -6,7 +6,7 @@ import logging
 from .transport import Comm
 
 def rank_prefix(comm: Comm) -> str:
-    return f"[rank {comm.rank}] "
+    return f"[rank {getattr(comm, 'label_rank', comm.rank)}] "
 
 
 def human_size(nbytes: float) -> str:

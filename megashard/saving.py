@@ -46,7 +46,7 @@ from .logs import log_summary, rank_prefix
 from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
                       looks_like_sharded_tensor, object_unique_key, reject_unapplied)
-from .transport import Comm
+from .transport import SOLO, Comm
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +419,8 @@ def save(
     ``checkpoint_dir``: a directory (created; it must not exist, or hold a megashard
     checkpoint or nothing: anything else is refused) or an ``s3://`` URL. It appears
     atomically once every rank's files are durable.
-    ``process_group``: the ranks that save together (default: the world; none: one process).
+    ``process_group``: the ranks that save together (default: the world; none: one process;
+    ``megashard.transport.SOLO``: this process alone inside a job).
     ``file_stems``: ``{top-level key: file stem}``, which ``.tensors`` file each top-level
     entry's tensors go to (each rank writes its own ``STEM-rNNNNN.tensors``); default: entries
     named ``model`` or ``modelN`` each their own stem, everything else ``state``.
@@ -434,7 +435,8 @@ def save(
     every rank holds a snapshot of its tensors (the caller may change them at once); files
     are written in the background and the checkpoint is committed by the collective
     ``handle.result()``. A save started while another is in flight first finalizes that one,
-    raising its error if it failed (see :mod:`megashard.async_save`).
+    raising its error if it failed (see :mod:`megashard.async_save`); a synchronous
+    ``process_group=SOLO`` save does not (it leaves the job's async save running).
     ``direct_io``: write the bulk of every large tensor with ``O_DIRECT``: its bytes bypass
     the page cache, which keeps a save from allocating and dirtying as much page cache as
     the checkpoint is large, but leaves nothing cached for a load on the same node
@@ -450,9 +452,11 @@ def save(
     handle). Raises on every rank if any rank fails (``DistributedError``); the previous
     content of ``checkpoint_dir`` then stays.
     """
-    previous = async_save_mod.in_flight()
+    # at most one save in flight (collective, like this save); a synchronous save of this process alone
+    # (the local checkpoint tier) uses no staging memory and leaves the job's async save running
+    previous = None if process_group is SOLO and not async_save else async_save_mod.in_flight()
     if previous is not None:
-        previous.result()  # at most one save in flight (collective, like this save)
+        previous.result()
     comm = Comm(process_group, timeout)
     target = storage.save_target(checkpoint_dir, new_only)  # checks nothing yet: a bad location is refused in prepare (agreed)
     final_dir = os.fspath(checkpoint_dir) if storage.is_url(checkpoint_dir) else os.path.abspath(checkpoint_dir)

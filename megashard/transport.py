@@ -29,21 +29,30 @@ def _dist():
     return dist
 
 
+#: ``process_group=SOLO``: this process alone, also inside a job whose process group is initialised
+#: (the local checkpoint tier: every rank saves and loads its own bytes, no collective).
+SOLO: Any = type("Solo", (), {"__repr__": lambda self: "SOLO"})()
+
+
 class Comm:
     """A process group plus the handful of operations checkpointing needs."""
 
     def __init__(self, group: Any = None, timeout: Optional[float] = None) -> None:
-        """``timeout`` (seconds) bounds every collective and wait; default: the process group's."""
+        """``timeout`` (seconds) bounds every collective and wait; default: the process group's.
+        ``group=SOLO``: a world of one (no collective), whatever the process group."""
         dist = _dist()
-        self.group = group
-        self.timeout = _timeout(group, timeout)
-        self.is_dist = dist.is_available() and dist.is_initialized()
+        solo = group is SOLO
+        self.group = None if solo else group
+        self.timeout = _timeout(self.group, timeout)
+        self.is_dist = not solo and dist.is_available() and dist.is_initialized()
         if self.is_dist:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.backend = str(dist.get_backend(group)).lower()
         else:
             self.rank, self.world_size, self.backend = 0, 1, "none"
+        #: the rank that log lines name: the job's rank also in a SOLO world
+        self.label_rank = dist.get_rank() if solo and dist.is_available() and dist.is_initialized() else self.rank
         self.device = torch.device("cpu")
         if "nccl" in self.backend:
             self.device = torch.device("cuda", torch.cuda.current_device())

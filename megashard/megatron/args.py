@@ -103,3 +103,27 @@ def megatron_save_format(args: Any) -> Optional[str]:
     """The Megatron ``--ckpt-format`` a non-megashard ``--save-format`` maps to (or None)."""
     fmt = getattr(args, "save_format", None)
     return fmt if fmt in ("torch_dist", "torch") else None
+
+
+def take_local_checkpointing(args: Any) -> bool:
+    """With ``--save-format tensors`` and ``--non-persistent-ckpt-type local``: megashard saves
+    the non-persistent checkpoints to its local tier, so Megatron's validation (which requires
+    nvidia-resiliency-ext for ``local``) and its ``LocalCheckpointManager`` are kept out: the
+    directory moves to ``args.megashard_local_ckpt_dir`` (the replication flags, if any, to
+    ``args.megashard_replication``) and Megatron sees no non-persistent type. Call it before
+    Megatron's ``validate_args``. True when it took them."""
+    from megashard.errors import CheckpointError
+
+    if not uses_megashard_save(args) or getattr(args, "non_persistent_ckpt_type", None) != "local":
+        return False
+    where = getattr(args, "non_persistent_local_ckpt_dir", None)
+    if not where:
+        raise CheckpointError("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR "
+                              "(a directory on each node, e.g. /dev/shm/ckpt or local NVMe)")
+    args.megashard_local_ckpt_dir = str(where)
+    args.megashard_replication = ([getattr(args, "replication_jump", None), getattr(args, "replication_factor", 2)]
+                                  if getattr(args, "replication", False) else None)
+    args.non_persistent_ckpt_type = None
+    args.replication, args.replication_jump = False, None
+    return True
+

@@ -318,27 +318,11 @@ def save_checkpoint(
     if not root:
         raise StateDictError("save_checkpoint: no save directory (--save)")
     t0 = time.perf_counter()
-    chunks = [st.unwrap_model(m) for m in st.as_chunk_list(model)]
-    layout = _layout()
     ckpt = checkpoint_dir(root, iteration, release)
     log.info("saving checkpoint at iteration %d to %s in megashard (.tensors) format",
              iteration, ckpt)
-
-    request = st.StateRequest(
-        optimizer=not _flag(args, "no_save_optim"),
-        scheduler=not _flag(args, "no_save_optim"),
-        rng=not _flag(args, "no_save_rng"),
-        data_parallel_random_init=_flag(args, "data_parallel_random_init"),
-        metadata=st.sharded_sd_metadata(_flag(args, "use_distributed_optimizer")),
-    )
-    sd = st.build_state_dict(
-        args, chunks, optimizer, opt_param_scheduler, request,
-        iteration=iteration,
-        num_floating_point_operations_so_far=num_floating_point_operations_so_far,
-    )
-    sd = st.prepare_for_save(sd)
-    stems = file_stems(chunks, layout)
-    save_layout = {k: layout[k] for k in ("tp", "pp", "dp", "ep")} | {"vp": len(chunks)}
+    sd, stems, save_layout = _saved_state(args, model, optimizer, opt_param_scheduler, iteration,
+                                          num_floating_point_operations_so_far)
     direct_io = bool(_flag(args, "megashard_direct_io"))
     if bool(_flag(args, "async_save")) if async_save is None else async_save:
         handle = _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, async_save=True,
@@ -352,6 +336,118 @@ def save_checkpoint(
     log.info("saved checkpoint at iteration %d to %s in %.2f s", iteration, ckpt,
              time.perf_counter() - t0)
     return ckpt
+
+
+def _saved_state(args: Any, model: Any, optimizer: Any, opt_param_scheduler: Any, iteration: int,
+                 num_floating_point_operations_so_far: float) -> Tuple[Dict[str, Any], Dict[str, str], Dict[str, int]]:
+    """(state dict ready for megashard.save, file stems, layout) of a save at ``iteration``."""
+    chunks = [st.unwrap_model(m) for m in st.as_chunk_list(model)]
+    layout = _layout()
+    request = st.StateRequest(
+        optimizer=not _flag(args, "no_save_optim"),
+        scheduler=not _flag(args, "no_save_optim"),
+        rng=not _flag(args, "no_save_rng"),
+        data_parallel_random_init=_flag(args, "data_parallel_random_init"),
+        metadata=st.sharded_sd_metadata(_flag(args, "use_distributed_optimizer")),
+    )
+    sd = st.build_state_dict(
+        args, chunks, optimizer, opt_param_scheduler, request,
+        iteration=iteration,
+        num_floating_point_operations_so_far=num_floating_point_operations_so_far,
+    )
+    sd = st.prepare_for_save(sd)
+    save_layout = {k: layout[k] for k in ("tp", "pp", "dp", "ep")} | {"vp": len(chunks)}
+    return sd, file_stems(chunks, layout), save_layout
+
+
+# --------------------------------------------------------------------------------------
+# the local checkpoint tier (--non-persistent-ckpt-type local, see megashard.localtier)
+# --------------------------------------------------------------------------------------
+def local_ckpt_dir(args: Any) -> Optional[str]:
+    """The local tier's directory when megashard handles ``--non-persistent-ckpt-type local``."""
+    return getattr(args, "megashard_local_ckpt_dir", None) or None
+
+
+def _own_bytes(tree: Any) -> Any:
+    """``tree`` with every ShardedTensor replaced by this rank's tensor: a version of the local
+    tier holds exactly the bytes its rank holds, saved and loaded back by that rank alone."""
+    if looks_like_sharded_tensor(tree):
+        return tree.data
+    if isinstance(tree, dict):
+        return {k: _own_bytes(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_own_bytes(v) for v in tree)
+    return tree
+
+
+def _local_layout_name(world: int, layout: Dict[str, int], n_chunks: int) -> str:
+    from megashard import localtier
+
+    return localtier.layout_name(world, {"tp": layout["tp"], "pp": layout["pp"], "ep": layout["ep"],
+                                         "vp": n_chunks})
+
+
+def save_local_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                          num_floating_point_operations_so_far: float = 0, *, args: Any = None) -> str:
+    """A non-persistent save to the local tier: every rank writes its own bytes to its version
+    directory under ``--non-persistent-local-ckpt-dir`` (no fsync: it outlives the processes,
+    not the node), then every rank learns whether all succeeded. Collective (one agreement).
+    Returns this rank's version directory."""
+    from megashard import localtier
+    from megashard.transport import SOLO, Comm
+
+    args = _get_args(args)
+    root = local_ckpt_dir(args)
+    if not root:
+        raise StateDictError("save_local_checkpoint: no local checkpoint directory "
+                             "(--non-persistent-local-ckpt-dir)")
+    t0 = time.perf_counter()
+    comm = Comm()
+    sd, stems, save_layout = _saved_state(args, model, optimizer, opt_param_scheduler, iteration,
+                                          num_floating_point_operations_so_far)
+    name = _local_layout_name(comm.world_size, save_layout, save_layout["vp"])
+    path = localtier.version_dir(root, name, comm.rank, iteration)
+
+    def write() -> None:
+        localtier.prepare(root, name, comm.rank)
+        _call(_api().save, _own_bytes(sd), path, process_group=SOLO, file_stems=stems,
+              layout=save_layout | {"rank": comm.rank, "world": comm.world_size}, fsync=False)
+        localtier.after_commit(root, name, comm.rank, iteration)
+
+    _, err = comm.run("save/local", write)
+    comm.agree(err, "save (local checkpoint)")
+    log.info("saved local checkpoint at iteration %d to %s in %.3f s", iteration, path,
+             time.perf_counter() - t0)
+    return path
+
+
+def resolve_local(args: Any, ddp_model: Any, persistent: LoadTarget) -> Optional[Tuple[str, int]]:
+    """(this rank's version directory, iteration) of the local tier's checkpoint to resume from,
+    or None. Collective: each rank lists its complete versions, rank 0 applies
+    :func:`megashard.localtier.choose` (newest complete on every rank, newer than ``persistent``)
+    and every rank gets the same answer. Not used with ``--ckpt-step``, ``--finetune`` or a
+    ``--pretrained-checkpoint`` fall-back (a persistent checkpoint is asked for)."""
+    from megashard import localtier
+    from megashard.transport import Comm
+
+    root = local_ckpt_dir(args)
+    if not root or getattr(args, "ckpt_step", None) or _flag(args, "finetune") or persistent.pretrained:
+        return None
+    comm = Comm()
+    name = _local_layout_name(comm.world_size, _layout(), len(st.as_chunk_list(ddp_model)))
+    held, err = comm.run("load/local", lambda: localtier.complete_iterations(root, name, comm.rank))
+    before = persistent.iteration if persistent.checkpoint and not persistent.release else -1
+
+    def decide(helds: List[List[int]]) -> List[List[Any]]:
+        return [list(localtier.choose(helds, before))] * comm.world_size
+
+    iteration, why = comm.coordinate("load (local checkpoint lookup)", err, held, decide)
+    if iteration is None:
+        if comm.rank == 0:
+            log.info("local checkpoint tier %s: %s; loading --load %s", os.path.join(root, localtier.PREFIX + name),
+                     why, persistent.root)
+        return None
+    return localtier.version_dir(root, name, comm.rank, iteration), int(iteration)
 
 
 def _commit_tracker(root: str, iteration: int, release: bool) -> None:
@@ -428,6 +524,7 @@ def load_checkpoint(
     *,
     args: Any = None,
     target: Optional[LoadTarget] = None,
+    local: Optional[Tuple[str, int]] = None,
     **_ignored: Any,
 ) -> Tuple[int, float]:
     """Load a megashard checkpoint into model, optimizer, scheduler and RNG, like Megatron-LM.
@@ -444,13 +541,19 @@ def load_checkpoint(
     :func:`resolve_load_target` when not given), preparing the template, reading, and
     restoring args/model/optimizer/scheduler/RNG. A failure on any rank raises one
     DistributedError on every rank, so no rank is left waiting for the others.
+
+    ``local``: (this rank's version directory, iteration) from :func:`resolve_local`: every rank
+    reads its own version of the local tier alone (same layout as saved, no collective read).
     """
-    from megashard.transport import Comm
+    from megashard.transport import SOLO, Comm
 
     args = _get_args(args)
     check_save_writable(args)  # a resume is at start-up: a read-only --save is reported now
     comm = Comm()
-    target = target or resolve_load_target(args, load_arg)
+    target = target or (LoadTarget(None) if local else resolve_load_target(args, load_arg))
+    if local is not None:
+        target = LoadTarget(target.root or local[0], local[1], checkpoint=local[0], seen_by=comm.world_size)
+    group = SOLO if local is not None else None
     if target.pretrained:
         log.warning("no checkpoint in %s; fine-tuning from %s", getattr(args, load_arg, None), target.root)
         args.finetune = True
@@ -471,7 +574,8 @@ def load_checkpoint(
             f"{'--ckpt-step' if getattr(args, 'ckpt_step', None) else tracker_path(target.root)}): {target.why}")
     iteration, release = target.iteration, target.release
     t0 = time.perf_counter()
-    common = load_common(ckpt, ["args", "iteration", "num_floating_point_operations_so_far", "checkpoint_version", "content_metadata"])
+    common = _call(_api().load_common, ckpt, ["args", "iteration", "num_floating_point_operations_so_far",
+                                              "checkpoint_version", "content_metadata"], process_group=group)
     ckpt_args = common.get("args") or types.SimpleNamespace()
     content_md = common.get("content_metadata") or {}
     finetune = bool(_flag(args, "finetune")) or release
@@ -547,13 +651,14 @@ def load_checkpoint(
         prepared, err = comm.run("load/prepare", prepare)
         comm.agree(err, "load (prepare)")
         # no_grad: template ShardedTensors wrap live nn.Parameters, which are filled in place
+        request = prepared.request if local is None else _own_bytes(prepared.request)
         with torch.no_grad():
-            loaded = _call(_api().load, prepared.request, ckpt,
-                           mode=_flag(args, "megashard_load_mode", "auto") or "auto",
+            loaded = _call(_api().load, request, ckpt,
+                           mode="own" if local is not None else _flag(args, "megashard_load_mode", "auto") or "auto",
                            strict=strict_load, verify=bool(_flag(args, "megashard_verify_on_load")),
-                           check_crc=bool(_flag(args, "megashard_crc_on_load", True)))
+                           check_crc=bool(_flag(args, "megashard_crc_on_load", True)), process_group=group)
             if not strict_load:
-                loaded = _keep_unloaded(loaded, prepared.request)
+                loaded = _keep_unloaded(loaded, request)
         out, err = comm.run("load/restore", lambda: restore(loaded))
         comm.agree(err, "load (restore)")
     except BaseException:
@@ -564,8 +669,8 @@ def load_checkpoint(
         checkpointing_context["megashard_loaded"] = {"checkpoint": ckpt, "iteration": iteration,
                                                      "optimizer": plan["optim"], "rng": plan["rng"],
                                                      "finetune": finetune}
-    log.info("loaded checkpoint %s at iteration %d (optimizer %s, rng %s%s) in %.2f s",
-             ckpt, iteration, "loaded" if plan["optim"] else "not loaded",
+    log.info("loaded %scheckpoint %s at iteration %d (optimizer %s, rng %s%s) in %.2f s",
+             "local " if local is not None else "", ckpt, iteration, "loaded" if plan["optim"] else "not loaded",
              "loaded" if plan["rng"] else "not loaded", ", finetune" if finetune else "",
              time.perf_counter() - t0)
     return iteration, num_flops

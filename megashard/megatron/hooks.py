@@ -10,6 +10,12 @@ miss those call sites, so both modules' names are replaced. The wrappers send
   ``AsyncRequest`` is handed to Megatron's ``schedule_async_save``, so Megatron's
   ``maybe_finalize_async_save`` commits it and writes the tracker), every other save to Megatron's original (with ``--save-format torch|torch_dist``
   mapped onto ``--ckpt-format``);
+* non-persistent saves with ``--non-persistent-ckpt-type local`` and ``--save-format tensors``
+  (whose flags megashard takes before Megatron's ``validate_args``, which would require
+  nvidia-resiliency-ext) to :func:`megashard.megatron.checkpointing.save_local_checkpoint`;
+* loads, first, from the local tier when the whole job holds a newer iteration there
+  (:func:`megashard.megatron.checkpointing.resolve_local`), falling back to ``--load`` on
+  every rank when that load fails and ``--load`` holds a megashard checkpoint;
 * loads whose ``--load`` (or ``--pretrained-checkpoint``) directory holds a megashard
   checkpoint (as any rank sees it, an interrupted re-save's ``.old-*`` copy included:
   the ranks decide together, see :func:`megashard.megatron.checkpointing.resolve_load`)
@@ -22,10 +28,10 @@ import functools
 from typing import Any, Callable, Dict, List, Tuple
 
 from megashard import storage
-from megashard.errors import CheckpointError
+from megashard.errors import CheckpointError, MegashardError
 
 from . import checkpointing as ms_ckpt
-from .args import megatron_save_format, uses_megashard_save
+from .args import megatron_save_format, take_local_checkpointing, uses_megashard_save
 from .state import get_logger
 
 log = get_logger(__name__)
@@ -51,6 +57,10 @@ def make_save_wrapper(original: Callable) -> Callable:
                         num_floating_point_operations_so_far: float, checkpointing_context: Any = None,
                         *args: Any, **kwargs: Any) -> Any:
         margs = _megatron_args()
+        if kwargs.get("non_persistent_ckpt", False) and ms_ckpt.local_ckpt_dir(margs):
+            ms_ckpt.save_local_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                                          num_floating_point_operations_so_far, args=margs)
+            return None
         if uses_megashard_save(margs) and not kwargs.get("non_persistent_ckpt", False):
             is_async = bool(getattr(margs, "async_save", False))
             ms_ckpt.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
@@ -88,6 +98,21 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
         target = ms_ckpt.resolve_load_target(margs, load_arg)
         if target.foreign:  # no tracker: Megatron's loader would start from random init
             raise CheckpointError(ms_ckpt.foreign_load_error(target, load_arg))
+        local = ms_ckpt.resolve_local(margs, ddp_model, target) if load_arg == "load" else None
+        if local is not None:
+            try:
+                result = ms_ckpt.load_checkpoint(
+                    ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
+                    skip_load_to_model_and_opt=bool(kwargs.get("skip_load_to_model_and_opt", False)), args=margs,
+                    target=target, local=local)
+            except MegashardError as e:  # agreed: every rank falls back together
+                if target.checkpoint is None:  # nothing would overwrite what the failed load changed
+                    raise
+                log.warning("local checkpoint of iteration %d could not be loaded (%s); loading --load %s",
+                            local[1], str(e)[:2000], target.root)
+            else:
+                _bookkeeping(ckpt_module, result)
+                return result
         if target.checkpoint is None:
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *args, **kwargs)
         log.info("--%s %s holds a megashard checkpoint: loading with megashard",
@@ -96,16 +121,22 @@ def make_load_wrapper(original: Callable, ckpt_module: Any = None) -> Callable:
             ddp_model, optimizer, opt_param_scheduler, load_arg, strict,
             skip_load_to_model_and_opt=bool(kwargs.get("skip_load_to_model_and_opt", False)), args=margs,
             target=target)
-        if ckpt_module is not None:  # keep Megatron's bookkeeping consistent
-            if hasattr(ckpt_module, "set_loaded_iteration"):
-                ckpt_module.set_loaded_iteration(result[0])
-            if hasattr(ckpt_module, "set_checkpoint_version") and \
-                    getattr(ckpt_module, "get_checkpoint_version", lambda: None)() is None:
-                ckpt_module.set_checkpoint_version(3.0)
+        _bookkeeping(ckpt_module, result)
         return result
 
     load_checkpoint.__megashard_wrapped__ = original  # type: ignore[attr-defined]
     return load_checkpoint
+
+
+def _bookkeeping(ckpt_module: Any, result: Tuple[int, float]) -> None:
+    """Keep Megatron's own record of the loaded checkpoint consistent."""
+    if ckpt_module is None:
+        return
+    if hasattr(ckpt_module, "set_loaded_iteration"):
+        ckpt_module.set_loaded_iteration(result[0])
+    if hasattr(ckpt_module, "set_checkpoint_version") and \
+            getattr(ckpt_module, "get_checkpoint_version", lambda: None)() is None:
+        ckpt_module.set_checkpoint_version(3.0)
 
 
 def install() -> Dict[str, bool]:
@@ -122,6 +153,7 @@ def install() -> Dict[str, bool]:
     load_w = make_load_wrapper(original_load, ckpt_module)
     done: Dict[str, bool] = {}
     _wrap_setup()
+    _wrap_validate_args()
     for name in _MODULES:
         try:
             mod = importlib.import_module(name)
@@ -161,6 +193,37 @@ def _wrap_setup() -> None:
     setup_model_and_optimizer.__megashard_wrapped__ = current  # type: ignore[attr-defined]
     _PATCHED.append((mod, "setup_model_and_optimizer", current))
     mod.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def _wrap_validate_args() -> None:
+    """Megatron's ``validate_args`` requires nvidia-resiliency-ext for ``--non-persistent-ckpt-type
+    local``: with ``--save-format tensors`` megashard takes those flags first
+    (:func:`megashard.megatron.args.take_local_checkpointing`). Patched where it is called from:
+    ``arguments`` (0.19's ``parse_and_validate_args``) and ``initialize`` (0.16 imports it by name)."""
+    import importlib
+
+    for name in ("megatron.training.arguments", "megatron.training.initialize"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        current = getattr(mod, "validate_args", None)
+        if current is None or hasattr(current, "__megashard_wrapped__"):
+            continue
+
+        def make(original: Callable) -> Callable:
+            @functools.wraps(original)
+            def validate_args(args: Any, *a: Any, **kw: Any) -> Any:
+                if take_local_checkpointing(args):
+                    log.info("megashard saves the non-persistent checkpoints (--non-persistent-ckpt-type local) "
+                             "to its local tier in %s", args.megashard_local_ckpt_dir)
+                return original(args, *a, **kw)
+
+            validate_args.__megashard_wrapped__ = original  # type: ignore[attr-defined]
+            return validate_args
+
+        _PATCHED.append((mod, "validate_args", current))
+        mod.validate_args = make(current)
 
 
 def uninstall() -> None:

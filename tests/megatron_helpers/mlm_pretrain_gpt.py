@@ -56,7 +56,9 @@ def _test_hooks() -> "callable":
     ``MEGASHARD_TEST_RANK_CWD=D``: rank R runs in ``D/rank<R>`` (a relative ``--load`` then
     names a different directory on each rank); ``MEGASHARD_TEST_FAIL=<name>@<R>``:
     ``megashard.megatron.state.<name>`` raises on rank R; ``MEGASHARD_TEST_OUTCOME=D``: each
-    rank writes how ``pretrain()`` ended to ``D/rank<R>.json`` (the returned function).
+    rank writes how ``pretrain()`` ended to ``D/rank<R>.json`` (the returned function);
+    ``MEGASHARD_TEST_KILL_AT=N`` (in ``__main__``): every rank SIGKILLs itself during the step after
+    iteration N.
     """
     import json
     import time
@@ -147,6 +149,20 @@ if __name__ == "__main__":
     import pretrain_gpt as P  # Megatron-LM's script, imported (its __main__ does not run)
 
     cpu_compat.cover(P)  # its get_batch calls .cuda(): the CPU stand-ins (no-op with CUDA)
+    if os.environ.get("MEGASHARD_TEST_KILL_AT"):
+        # test-only: every rank SIGKILLs itself in the forward pass of the step after iteration N
+        _forward_step, _kill_at = P.forward_step, int(os.environ["MEGASHARD_TEST_KILL_AT"])
+
+        def forward_step(*a, **k):
+            from megatron.training import get_args
+
+            if get_args().curr_iteration == _kill_at:
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _forward_step(*a, **k)
+
+        P.forward_step = forward_step
 
     if os.environ.get("RANK", "0") == "0":  # the test checks where each part came from
         print(f"megatron.core from {os.path.dirname(megatron.core.__file__)} | "
