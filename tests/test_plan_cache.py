@@ -91,7 +91,7 @@ def _plan_id(world: int, rank: int):
 
 def _records(path: str) -> dict:
     m = megashard.read_manifest(path)
-    return {k: sorted((s.offset, s.shape, s.flat, s.file, s.name, s.nbytes, s.data_offset) for s in t.shards)
+    return {k: sorted((s.offset, s.shape, s.flat, s.file, s.name, s.nbytes, s.data_offset, s.crc32) for s in t.shards)
             for k, t in m.tensors.items()}
 
 
@@ -109,8 +109,10 @@ def _steps(rank, world, base):
         _check(rank, world, path, _state(step, rank, world, **kw), kw)
     # a reused plan writes what a fresh plan of the same state writes
     kw = STEPS[-1][2]
+    steady = saving._PLAN_CACHE[(world, rank)].steady_commits
     megashard.save(_state(10, rank, world, **kw), os.path.join(base, "reused"))
-    reused.append(_plan_id(world, rank) == after)
+    # ... and commits by sending only its CRC32s into rank 0's index skeleton
+    reused.append((_plan_id(world, rank) == after, saving._PLAN_CACHE[(world, rank)].steady_commits == steady + 1))
     saving._PLAN_CACHE.clear()
     megashard.save(_state(10, rank, world, **kw), os.path.join(base, "fresh"))
     # another world size in the same job: a group of 2 plans afresh, and the 4-rank plan survives it
@@ -153,10 +155,14 @@ def _new_job(rank, world, base):
 def test_plan_cache_reuses_only_an_unchanged_layout_and_every_checkpoint_is_exact(tmp_path):
     base = str(tmp_path)
     res = all_ok(run_ranks(_steps, 4, base, timeout=400))
-    expected = [r for *_, r in STEPS] + [True, True, ((True, True), True)]
+    expected = [r for *_, r in STEPS] + [(True, True), True, ((True, True), True)]
     for rank, got in enumerate(res):
         assert got == expected, f"rank {rank}: reused {got}, expected {expected}"
     assert _records(os.path.join(base, "reused")) == _records(os.path.join(base, "fresh"))
+    # the skeleton patched with this save's CRC32s is byte for byte the index a fresh plan builds
+    with open(os.path.join(base, "reused", "manifest.index"), "rb") as f, \
+            open(os.path.join(base, "fresh", "manifest.index"), "rb") as g:
+        assert f.read() == g.read()
     # nothing cached on disk: every directory here is a checkpoint this test saved
     with open(os.path.join(base, "refused"), "rb") as f:
         assert f.read() == b"precious"
