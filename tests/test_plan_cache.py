@@ -255,7 +255,7 @@ def test_index_skeleton_takes_new_crcs_and_equals_a_fresh_build():
     new = _results(lambda r, i: crcs[2 * r + i])
     assert [saving.records_digest(r["records"]) for r in new] == [saving.records_digest(r["records"]) for r in first]
     steady = [saving.steady_commit(r) for r in new]
-    assert [m["crcs"] for m in steady] == [[0, 0xFFFFFFFF, 0], [5, 123456789, 0], [1000000000, 9, 0]]
+    assert saving._steady_crcs(steady).tolist() == [0, 0xFFFFFFFF, 0, 5, 123456789, 0, 1000000000, 9, 0]
     head2, sections2, skel2 = saving.build_index(steady, tensors, 3, None, skel)
     head3, sections3, _ = saving.build_index(new, tensors, 3, None)
     assert skel2 is skel and sections2 == sections3 and sections2 != sections
@@ -269,4 +269,6 @@ def test_index_skeleton_takes_new_crcs_and_equals_a_fresh_build():
     moved[1]["records"][0][4] = moved[1]["records"][0][4].replace("8192", "8196")
     assert saving.records_digest(moved[1]["records"]) != saving.records_digest(first[1]["records"])
     with pytest.raises(ValueError, match="holds 9 records, got 8 CRC32s"):
-        saving.build_index([dict(steady[0], crcs=[1, 2])] + steady[1:], tensors, 3, None, skel)
+        saving.build_index([dict(steady[0], crcs="AQAAAAIAAAA=")] + steady[1:], tensors, 3, None, skel)
+    with pytest.raises(ValueError, match="rank 1 sent a malformed CRC32 list"):
+        saving.build_index([steady[0], dict(steady[1], crcs="AQAA")] + steady[2:], tensors, 3, None, skel)
