@@ -9,7 +9,9 @@ Collectives per save, whatever the world size (none per tensor):
   2. every rank writes its files into a shared temporary directory and fsyncs them;
   3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 checks that
      every reported file is in the directory with its size, writes the index
-     (:mod:`megashard.index`) and commits by rename; every rank learns the outcome.
+     (:mod:`megashard.index`) and commits by rename; every rank learns the outcome. After a
+     reused plan whose records changed only in their CRC32s, ranks send those CRC32s and rank 0
+     writes them into the previous index's skeleton (see :func:`_finish_save`).
 A rank receives O(its own metadata); only rank 0 receives everybody's. A failure
 anywhere raises on every rank.
 
