@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from .errors import CheckpointError
@@ -344,10 +345,13 @@ class _Sections:
         self.size = 0
         self.seen: Dict[bytes, List[int]] = {}
 
-    def add(self, data: bytes) -> List[int]:
-        got = self.seen.get(data)
+    def add(self, data: bytes, unique: bool = False) -> List[int]:
+        """``[start, length, crc32]`` of ``data`` (``unique``: never shared with another section)."""
+        got = None if unique else self.seen.get(data)
         if got is None:
-            got = self.seen[data] = [self.size, len(data), zlib.crc32(data)]
+            got = [self.size, len(data), zlib.crc32(data)]
+            if not unique:
+                self.seen[data] = got
             self.parts.append(data)
             self.size += len(data)
         return got
@@ -358,7 +362,9 @@ def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], sh
                 nbytes: int, crc32: int) -> str:
     """One shard's record as a chunk section stores it: ``[flat, file, name, header offset,
     data offset, bytes, crc32]`` (name ``null`` when :func:`shard_name` derives it). Writing
-    ranks build their own records' texts, so the coordinator only groups and joins them."""
+    ranks build their own records' texts, so the coordinator only groups and joins them. The
+    CRC32 is padded with spaces to :data:`CRC_WIDTH` characters, so that a later save of the same
+    layout can write its CRC32s into the same bytes (:class:`IndexSkeleton`)."""
     if flat is not None and len(flat) != 2:
         raise ValueError("flat range must have two ends")
     fl = None if flat is None else (_int(flat[0]), _int(flat[1]))
@@ -369,7 +375,26 @@ def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], sh
     flat_text = "null" if fl is None else f"[{fl[0]},{fl[1]}]"
     file_text = "null" if file is None else _dumps(file)
     return (f"[{flat_text},{file_text},{name_text},{_int(header_offset)},{_int(data_offset)},{_int(nbytes)},"
-            f"{_int(crc32)}]")
+            f"{_crc(crc32):<{CRC_WIDTH}d}]")
+
+
+CRC_WIDTH = 10  # decimal digits of the largest CRC32
+
+
+def record_crc(text: str) -> int:
+    """The CRC32 of a :func:`record_text`."""
+    return int(text[-1 - CRC_WIDTH:-1])
+
+
+def record_layout(text: str) -> str:
+    """A :func:`record_text` without its CRC32: what a later save of the same layout repeats."""
+    return text[:-1 - CRC_WIDTH]
+
+
+def _crc(v: Any) -> int:
+    if not 0 <= _int(v) <= 0xFFFFFFFF:
+        raise ValueError(f"{v!r} is not a CRC32")
+    return v
 
 
 def _int(v: Any) -> int:
@@ -381,36 +406,62 @@ def _int(v: Any) -> int:
 class IndexBuilder:
     """Lays out a version-2 index (head + sections) from pre-encoded JSON texts: chunk
     records (:func:`record_text`), object values and state-tree parts. ``finish`` returns
-    ``(manifest.json bytes, manifest.index bytes)``. Does not validate: the reader does."""
+    ``(manifest.json bytes, manifest.index bytes)``. Does not validate: the reader does.
+
+    The chunk sections come first in the index file, each record's CRC32 at a byte position
+    that ``skeleton`` (after ``finish``) remembers for records given a ``slot``; a later save
+    of the same layout starts from it (:meth:`resume`) instead of grouping and sorting every
+    record again."""
 
     def __init__(self) -> None:
         self.sec = _Sections()
         self.tensors: Dict[str, Any] = {}
-        self._chunks: Dict[str, Dict[Any, List[Tuple[Any, str]]]] = {}
-        self.objects: Dict[str, List[int]] = {}
-        self.trees: Dict[str, Any] = {}
+        self._chunks: Dict[str, Dict[Any, List[Tuple[Any, str, int]]]] = {}
+        self._objects: List[Tuple[str, str]] = []
+        self._trees: List[Tuple[str, Sequence[Tuple[str, str]]]] = []
+        self.slots = 0
+        self.skeleton: Optional[IndexSkeleton] = None
+        self._resumed = False
+
+    @classmethod
+    def resume(cls, skeleton: "IndexSkeleton", crcs: Sequence[int]) -> "IndexBuilder":
+        """A builder whose chunk sections are ``skeleton``'s with these CRC32s (one per slot,
+        in slot order); objects, trees and files are added as usual."""
+        b = cls()
+        block, b.tensors = skeleton.patch(crcs)
+        b.sec.parts.append(bytes(block))
+        b.sec.size = len(block)
+        b.skeleton, b._resumed = skeleton, True
+        return b
 
     def tensor(self, key: str, dtype: Any, shape: Any) -> None:
         self.tensors[key] = {"dtype": dtype, "shape": shape, "chunks": None}
         self._chunks[key] = {}
 
-    def record(self, key: str, chunk: Any, order: Any, text: str) -> None:
+    def record(self, key: str, chunk: Any, order: Any, text: str, slot: int = -1) -> None:
         """Shard record ``text`` of chunk ``chunk`` (``(offset, shape)`` tuples) of ``key``;
-        records of a chunk are stored sorted by ``order`` (the flat range's start)."""
+        records of a chunk are stored sorted by ``order`` (the flat range's start). ``slot``
+        (0, 1, 2, ... in the order later saves send their CRC32s): where the skeleton keeps it."""
         got = self._chunks[key].get(chunk)
         if got is None:
             got = self._chunks[key][chunk] = []
-        got.append((order, text))
+        got.append((order, text, slot))
+        if slot >= self.slots:
+            self.slots = slot + 1
 
     def object(self, ukey: str, text: str) -> None:
-        self.objects[ukey] = self.sec.add(text.encode())
+        self._objects.append((ukey, text))
 
     def tree(self, tid: str, parts: Sequence[Tuple[str, str]]) -> None:
         """A state tree as (top-level key or TREE_WHOLE, JSON text) parts."""
-        self.trees[tid] = [[k] + self.sec.add(text.encode()) for k, text in parts]
+        self._trees.append((tid, parts))
 
-    def finish(self, head: Dict[str, Any], files: Any) -> Tuple[bytes, bytes]:
+    def _chunk_sections(self) -> None:
+        """Every chunk's records as one section (never shared, so each record's CRC32 has
+        its own bytes), and the skeleton that finds them again."""
         sec = self.sec
+        pos = np.full(self.slots, -1, dtype=np.int64)
+        refs: List[Tuple[str, int, int, int]] = []
         for key, groups in self._chunks.items():
             chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
             try:
@@ -424,14 +475,72 @@ class IndexBuilder:
                 off, shp = json.loads(chunk) if isinstance(chunk, str) else chunk
                 chunks += (list(off) if isinstance(off, (list, tuple)) else [off])
                 chunks += (list(shp) if isinstance(shp, (list, tuple)) else [shp])
-                chunks += sec.add(("[" + ",".join(t for _, t in recs) + "]").encode())
+                text = "[" + ",".join(t for _, t, _ in recs) + "]"
+                at = sec.size + 1
+                for _, t, slot in recs:
+                    n = len(t) if t.isascii() else len(t.encode())
+                    if slot >= 0:
+                        pos[slot] = at + n - 1 - CRC_WIDTH
+                    at += n + 1
+                ref = sec.add(text.encode(), unique=True)
+                refs.append((key, len(chunks), ref[0], ref[1]))
+                chunks += ref
             self.tensors[key]["chunks"] = chunks
+        if self.slots and (pos < 0).any():
+            return  # slots not numbered 0..n-1: no skeleton
+        self.skeleton = IndexSkeleton(b"".join(sec.parts), pos, refs,
+                                      {k: dict(v, chunks=list(v["chunks"])) for k, v in self.tensors.items()})
+
+    def finish(self, head: Dict[str, Any], files: Any) -> Tuple[bytes, bytes]:
+        sec = self.sec
+        if not self._resumed:
+            self._chunk_sections()
+        objects = {u: sec.add(text.encode()) for u, text in self._objects}
+        trees = {tid: [[k] + sec.add(text.encode()) for k, text in parts] for tid, parts in self._trees}
         head = dict(head)
         head.update(version=MANIFEST_VERSION, tensors=_buckets(sec, self.tensors, TENSOR_BUCKET),
-                    objects=_buckets(sec, self.objects, OBJECT_BUCKET), files=_buckets(sec, files, FILE_BUCKET),
-                    trees=_buckets(sec, self.trees, TREE_BUCKET))
+                    objects=_buckets(sec, objects, OBJECT_BUCKET), files=_buckets(sec, files, FILE_BUCKET),
+                    trees=_buckets(sec, trees, TREE_BUCKET))
         head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
         return _dumps(head).encode(), b"".join(sec.parts)
+
+
+@dataclass
+class IndexSkeleton:
+    """The chunk sections of an index (they come first in its file) with the byte position of
+    each record's CRC32 (padded to :data:`CRC_WIDTH`), and the tensor table pointing at them.
+    A save whose every record equals the previous save's but for its CRC32 (the plan cache's
+    steady state) writes its CRC32s into a copy and recomputes the chunk sections' CRC32s: no
+    record is encoded, grouped or sorted again."""
+
+    block: bytes
+    pos: Any  # numpy int64: slot -> byte position of its CRC32 in block
+    refs: List[Tuple[str, int, int, int]]  # (key, index of the section's CRC32 in its chunks list, start, length)
+    tensors: Dict[str, Any]
+
+    def patch(self, crcs: Sequence[int]) -> Tuple[bytearray, Dict[str, Any]]:
+        """A copy of the block with these CRC32s, and the tensor table that matches it."""
+        c = np.asarray(crcs, dtype=np.int64)
+        if c.shape != self.pos.shape:
+            raise ValueError(f"the index skeleton holds {len(self.pos)} records, got {c.size} CRC32s")
+        if c.size and (c.min() < 0 or c.max() > 0xFFFFFFFF):
+            raise ValueError("a CRC32 lies outside 0..2**32-1")
+        buf = bytearray(self.block)
+        out = np.frombuffer(buf, dtype=np.uint8)
+        powers = 10 ** np.arange(CRC_WIDTH - 1, -1, -1, dtype=np.int64)
+        cols = np.arange(CRC_WIDTH)
+        for a in range(0, c.size, 1 << 18):  # bounded temporaries
+            v = c[a:a + (1 << 18), None]
+            digits = (v // powers) % 10  # zero-padded
+            lead = CRC_WIDTH - np.maximum(1, (v >= powers).sum(axis=1))  # leading zeros to drop
+            src = cols + lead[:, None]
+            chars = np.where(src < CRC_WIDTH, np.take_along_axis(digits, np.minimum(src, CRC_WIDTH - 1), 1) + 48, 32)
+            out[self.pos[a:a + (1 << 18), None] + cols] = chars.astype(np.uint8)
+        tensors = {k: dict(v, chunks=list(v["chunks"])) for k, v in self.tensors.items()}
+        view = memoryview(buf)
+        for key, i, start, length in self.refs:
+            tensors[key]["chunks"][i + 2] = zlib.crc32(view[start:start + length])
+        return buf, tensors
 
 
 def _first(pair: Tuple[Any, str]) -> Any:

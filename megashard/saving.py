@@ -9,7 +9,9 @@ Collectives per save, whatever the world size (none per tensor):
   2. every rank writes its files into a shared temporary directory and fsyncs them;
   3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 checks that
      every reported file is in the directory with its size, writes the index
-     (:mod:`megashard.index`) and commits by rename; every rank learns the outcome.
+     (:mod:`megashard.index`) and commits by rename; every rank learns the outcome. After a
+     reused plan whose records changed only in their CRC32s, ranks send those CRC32s and rank 0
+     writes them into the previous index's skeleton (see :func:`_finish_save`).
 A rank receives O(its own metadata); only rank 0 receives everybody's. A failure
 anywhere raises on every rank.
 
@@ -23,6 +25,7 @@ removes its temporary directory; a commit removes the abandoned ones of dead sav
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import errno
 import gc
@@ -37,13 +40,15 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from . import async_save as async_save_mod, jsonstate, plan, storage
 from .errors import DistributedError, NoSpaceError, StateDictError, distributed_error, no_space_error
 from .format import write_file
 from .logs import log_summary, rank_prefix
-from .manifest import MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, dtype_name, itemsize, record_text, shard_name
+from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, IndexSkeleton, dtype_name, itemsize,
+                       record_crc, record_layout, record_text, shard_name)
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
                       looks_like_sharded_tensor, object_unique_key, reject_unapplied)
 from .transport import SOLO, Comm
@@ -259,6 +264,9 @@ class PlanEntry:
     owners: List[int]  # uploader rank of each of this rank's state-tree blob entries
     lead: List[Tuple[int, int]]  # (entry, entries sharing it on all ranks) of the blobs this rank uploads
     tensors: Dict[str, Tuple[str, Tuple[int, ...]]]  # rank 0: the index's tensor table; else empty
+    records: Optional[str] = None  # records_digest of this rank's last committed write records
+    skeleton: Optional[IndexSkeleton] = None  # rank 0: the last committed index's skeleton
+    steady_commits: int = 0  # commits that reused the skeleton (ranks sent CRC32s only)
 
 
 _PLAN_CACHE: Dict[Tuple[int, int], PlanEntry] = {}  # (world size, rank) -> the last plan
@@ -357,13 +365,29 @@ def _reuse_plan(comm: Comm, msg: Any, err: Optional[str], keep: _Coordinator, ta
 
 def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordinator, target: Any, token: str,
                  final_dir: str, layout: Optional[Mapping[str, Any]], t0: float, fsync: bool,
-                 is_async: bool = False) -> None:
+                 is_async: bool = False, entry: Optional[PlanEntry] = None, reused: bool = False) -> None:
     """Gather every rank's records on rank 0, which checks them against the storage,
-    writes the index and commits; every rank learns the outcome."""
+    writes the index and commits; every rank learns the outcome.
+
+    A save that reused its plan first votes (one all-reduce): when every rank's records equal
+    its previous commit's but for their CRC32s, and rank 0 holds that commit's index skeleton,
+    ranks send their CRC32s instead of their records, and rank 0 writes them into the skeleton
+    (:class:`~megashard.manifest.IndexSkeleton`) instead of building the index afresh."""
+    digest = records_digest(result["records"]) if err is None and result is not None else None
+    steady = False
+    if reused and entry is not None:
+        same = digest is not None and digest == entry.records and (comm.rank != 0 or entry.skeleton is not None)
+        try:
+            steady = comm.all_reduce([0 if same else 1], "max")[0] == 0
+        except DistributedError as e:
+            raise comm._with_own(e, err, "save") from None
+    built: List[Optional[IndexSkeleton]] = [None]
+
     def commit(results: List[Dict[str, Any]]) -> List[Any]:
+        head, sections, built[0] = build_index(results, keep.tensors, comm.world_size, layout,
+                                               entry.skeleton if steady and entry is not None else None)
         target.commit(token, {r: res["files"] for r, res in enumerate(results)},
-                      {r: res.get("where") for r, res in enumerate(results)},
-                      *build_index(results, keep.tensors, comm.world_size, layout))
+                      {r: res.get("where") for r, res in enumerate(results)}, head, sections)
         keep.temp_dir = None  # committed: it is the checkpoint now
         try:
             target.after_commit()
@@ -372,8 +396,15 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
         total = sum(f["bytes"] for r in results for f in r["files"].values())
         return [total] * len(results)
 
+    payload = steady_commit(result) if steady else result
+    if entry is not None:
+        entry.records = None  # set again once this commit succeeds
     with _discard_on_failure(keep):
-        total = comm.coordinate("save", err, result, commit)
+        total = comm.coordinate("save", err, payload, commit)
+    if entry is not None:
+        entry.records = digest
+        entry.skeleton = built[0]
+        entry.steady_commits += steady
     log_summary(log, comm, "saved", final_dir, total, time.perf_counter() - t0,
                 f"{'async, ' if is_async else ''}{comm.world_size} rank(s), fsync={fsync}")
 
@@ -482,13 +513,15 @@ def save(
         return replies
 
     reply = _reuse_plan(comm, msg, err, keep, target, token)  # collective 1: the plan cache's vote
+    reused = reply is not None
     if reply is None:
         with _discard_on_failure(keep):
             reply = comm.coordinate("save", err, msg, plan_save)  # collective 1': the full plan
         _PLAN_CACHE[(comm.world_size, comm.rank)] = remember_plan(msg, reply, keep.tensors)
+    entry = _PLAN_CACHE[(comm.world_size, comm.rank)]
     temp_dir = target.temp_location(reply["token"])
     finish = partial(_finish_save, keep=keep, target=target, token=reply["token"], final_dir=final_dir, layout=layout,
-                     t0=t0, fsync=fsync, is_async=async_save)
+                     t0=t0, fsync=fsync, is_async=async_save, entry=entry, reused=reused)
     write = partial(target.write_file or _write_tensors, direct=direct_io)
     if not async_save:
         result, err = comm.run("save/write", lambda: _write_into(_select(st, reply), target, reply["token"],
@@ -521,19 +554,32 @@ def save(
 
 
 def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
-                layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes]:
+                layout: Optional[Mapping[str, Any]],
+                skeleton: Optional[IndexSkeleton] = None) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
     """Rank 0: the index (``manifest.json``, ``manifest.index`` bytes) from every rank's
-    write records. Ranks send their records, objects and tree parts as JSON texts
-    (:func:`_write_job`), so this groups and joins; it encodes almost nothing itself."""
+    write records, and its skeleton for the next save of the same layout. Ranks send their
+    records, objects and tree parts as JSON texts (:func:`_write_job`), so this groups and
+    joins; it encodes almost nothing itself. With ``skeleton`` (a steady-state commit, see
+    :func:`_finish_save`), ranks send only their records' CRC32s (``crcs``), which go into
+    the skeleton's bytes."""
     with _gc_paused():
-        return _build_index(results, tensors, world, layout)
+        return _build_index(results, tensors, world, layout, skeleton)
 
 
 def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
-                 layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes]:
-    b = IndexBuilder()
-    for k, (dt, gs) in sorted(tensors.items()):
-        b.tensor(k, dt, list(gs))
+                 layout: Optional[Mapping[str, Any]],
+                 skeleton: Optional[IndexSkeleton]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+    if skeleton is not None:
+        b = IndexBuilder.resume(skeleton, _steady_crcs(results))
+    else:
+        b = IndexBuilder()
+        for k, (dt, gs) in sorted(tensors.items()):
+            b.tensor(k, dt, list(gs))
+        slot = 0
+        for r in results:
+            for key, off, shp, order, text in r["records"]:
+                b.record(key, (tuple(off), tuple(shp)), order, text, slot)
+                slot += 1
     files: Dict[str, Dict[str, Any]] = {}
     parts: Dict[str, str] = {}
     for r in results:
@@ -541,8 +587,6 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         parts.update(r["parts"])
         for u, text in r["objects"].items():
             b.object(u, text)
-        for key, off, shp, order, text in r["records"]:
-            b.record(key, (tuple(off), tuple(shp)), order, text)
     rank_trees: List[str] = []
     seen = set()
     for r in results:
@@ -554,7 +598,35 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         rank_trees.append(tid)
     head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
             "layout": dict(layout or {}), "rank_trees": rank_trees, "extra": {}}
-    return b.finish(head, files)
+    head_bytes, sections = b.finish(head, files)
+    return head_bytes, sections, b.skeleton
+
+
+def records_digest(records: Sequence[Sequence[Any]]) -> str:
+    """This rank's write records without their CRC32s: equal to the previous save's when the
+    index skeleton may take this save's CRC32s (:func:`_finish_save`)."""
+    return hashlib.sha256(_dumps([[k, o, s, n, record_layout(t)] for k, o, s, n, t in records]).encode()).hexdigest()
+
+
+def steady_commit(result: Mapping[str, Any]) -> Dict[str, Any]:
+    """A rank's commit message when the index skeleton is reused: its records' CRC32s
+    instead of the records."""
+    out = {k: v for k, v in result.items() if k != "records"}
+    crcs = np.array([record_crc(rec[4]) for rec in result["records"]], dtype="<u4")
+    out["crcs"] = base64.b64encode(crcs.tobytes()).decode()  # 5.3 characters a CRC32, not ~11 of JSON
+    return out
+
+
+def _steady_crcs(results: Sequence[Mapping[str, Any]]) -> Any:
+    """Every rank's CRC32s (:func:`steady_commit`), in rank order, as one array."""
+    parts = []
+    for r, res in enumerate(results):
+        text = res.get("crcs")
+        raw = base64.b64decode(text, validate=True) if isinstance(text, str) else b"\0"
+        if len(raw) % 4:
+            raise ValueError(f"rank {r} sent a malformed CRC32 list")
+        parts.append(np.frombuffer(raw, dtype="<u4"))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype="<u4")
 
 
 @dataclass

@@ -14,13 +14,17 @@ data). The functions are the ones ``megashard.save`` / ``megashard.load`` run:
   of its state tree, ``loading.plan_shard`` for every ShardedTensor of its template (own mode)
   and ``index.object`` for every ShardedObject.
 
-A second, steady-state save of the same state follows: every rank votes with the plan it
-cached (``saving.remember_plan`` / ``plan_vote`` / ``cached_reply``, the plan cache ``save``
-uses), the summed votes must agree and give every rank its first reply, and rank 0 decodes
-the commit and builds the index again. ``rank0_s`` is everything rank 0 does in the first
+A second, steady-state save of the same layout with other data (other CRC32s) follows: every
+rank votes with the plan it cached (``saving.remember_plan`` / ``plan_vote`` / ``cached_reply``,
+the plan cache ``save`` uses), the summed votes must agree and give every rank its first reply;
+every rank's records must equal its first save's but for their CRC32s (``saving.records_digest``),
+each sends ``saving.steady_commit`` (its CRC32s, files, objects and tree parts, not its records),
+and rank 0 writes the CRC32s into the first index's skeleton (``saving.build_index(...,
+skeleton)``), which must give the bytes a full build of those records gives
+(``steady_plan_reused``). ``rank0_s`` is everything rank 0 does in the first
 save (its own announcement, decoding the plan gather, planning, encoding the replies,
 decoding the commit gather, the index); ``rank0_steady_s`` the same for the steady-state save
-(its vote, decoding the commit, the index); ``max_rank_recv_bytes`` what rank 0 receives in the
+(its vote, decoding the steady commit, patching the skeleton); ``max_rank_recv_bytes`` what rank 0 receives in the
 first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
 collective.
 
@@ -90,6 +94,15 @@ def _fake_write(tensors: Dict[str, Any], path: str, align: int, fsync: bool,
     return infos, pos + 8, {}
 
 
+def _fake_write_steady(tensors: Dict[str, Any], path: str, align: int, fsync: bool,
+                       threads: Optional[int]) -> Tuple[List[Any], int, Dict[str, Any]]:
+    """``_fake_write`` of other data: the same offsets, other CRC32s."""
+    infos, size, extra = _fake_write(tensors, path, align, fsync, threads)
+    for i in infos:
+        i.crc32 = (i.crc32 * 40503 + 12345) & 0xFFFFFFFF
+    return infos, size, extra
+
+
 def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool) -> saving._SaveState:
     sd = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
     st = saving._SaveState(rank)
@@ -139,11 +152,13 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     t0 = time.perf_counter()
     total = [0, 0, 0]
     steady_replies_ok = True
+    steady_replies: List[Dict[str, Any]] = []
     for r in range(world):
         t1 = time.perf_counter()
         entry = saving.remember_plan(messages[r], replies[r], keep.tensors if r == 0 else None)
         vote = saving.plan_vote(entry, messages[r], r, world)
         reuse = saving.cached_reply(entry, messages[r])
+        steady_replies.append(reuse)
         if r == 0:
             t_rank0_own += time.perf_counter() - t1
             t_vote0 = time.perf_counter() - t1
@@ -154,8 +169,9 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     del messages
 
     t0 = time.perf_counter()
-    t_decode_commit = 0.0
-    results, commit_send = [], []
+    t_decode_commit = t_decode_steady = 0.0
+    results, steady_results, commit_send, steady_send = [], [], [], []
+    digests_same = True
     for r in range(world):
         st = _save_state(model, layout, r, quirk)
         saving.announce(st, r)  # sets the shard order the reply indexes
@@ -166,32 +182,52 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
         t1 = time.perf_counter()
         results.append(json.loads(text)["payload"])
         t_decode_commit += time.perf_counter() - t1
+        # the steady-state save: the same layout, other data (other CRC32s); the rank sends its CRC32s only
+        st = _save_state(model, layout, r, quirk)
+        saving.announce(st, r)
+        job = saving._select(st, steady_replies[r])
+        res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
+        digests_same &= saving.records_digest(res2["records"]) == saving.records_digest(res["records"])
+        steady_results.append(res2)
+        msg2 = saving.steady_commit(res2)
+        steady_send.append(_wire({"error": None, "payload": msg2}))
+        text = json.dumps({"error": None, "payload": msg2})
+        t1 = time.perf_counter()
+        json.loads(text)
+        t_decode_steady += time.perf_counter() - t1
     t_write = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
-    head, sections = saving.build_index(results, keep.tensors, world, layout_doc)
+    head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc)
     t_index = time.perf_counter() - t0
     peak_after = _status_kib("VmHWM") * 1024
-    t0 = time.perf_counter()  # the steady-state save's commit: the same records, the index again
-    head2, sections2 = saving.build_index(results, keep.tensors, world, layout_doc)
+    del results
+    steady_msgs = [saving.steady_commit(r) for r in steady_results]
+    t0 = time.perf_counter()  # the steady-state save's commit: the CRC32s into the skeleton
+    head2, sections2, _ = saving.build_index(steady_msgs, keep.tensors, world, layout_doc, skeleton)
     t_index_steady = time.perf_counter() - t0
-    same_index = sections2 == sections
-    del results, head2, sections2
+    del steady_msgs
+    # the same index as a full build of the steady-state save's records (not timed)
+    head3, sections3, _ = saving.build_index(steady_results, keep.tensors, world, layout_doc)
+    same_index = sections2 == sections3 and sections2 != sections and digests_same
+    del steady_results, head2, sections2, head3, sections3
     plan_recv = sum(send) + SIZE_EXCHANGE * (world - 1)
     commit_recv = sum(commit_send) + SIZE_EXCHANGE * (world - 1)
     rank0 = t_rank0_own + t_decode + t_plan + t_encode + t_decode_commit + t_index
-    rank0_steady = t_vote0 + t_decode_commit + t_index_steady
+    steady_recv = sum(steady_send) + SIZE_EXCHANGE * (world - 1)
+    rank0_steady = t_vote0 + t_decode_steady + t_index_steady
     return {
         "world": world,
         # the issue's figures (seconds and bytes of rank 0 / of the busiest rank)
         "rank0_s": round(rank0, 3),
         "rank0_steady_s": round(rank0_steady, 3),
         "max_rank_recv_bytes": plan_recv + commit_recv,  # rank 0, first save
-        "max_rank_recv_bytes_steady": commit_recv + 8 * 3,  # rank 0: the commit and the vote
+        "max_rank_recv_bytes_steady": steady_recv + 8 * 4,  # rank 0: the steady commit and the two votes
         "rank0_parts_s": {"own": round(t_rank0_own, 3), "decode_plan": round(t_decode, 3), "plan": round(t_plan, 3),
                           "encode_replies": round(t_encode, 3), "decode_commit": round(t_decode_commit, 3),
                           "index": round(t_index, 3), "steady_vote": round(t_vote0, 6),
+                          "steady_decode_commit": round(t_decode_steady, 3),
                           "steady_index": round(t_index_steady, 3)},
         "steady_plan_reused": bool(agreed and steady_replies_ok and same_index),
         "steady_votes_s_all_ranks": round(t_votes, 2),
@@ -202,7 +238,8 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
         "coordinator_decode_s": round(t_decode + t_decode_commit, 3),
         "coordinator_peak_mb": round(max(0, peak_after - rss_before) / 2**20, 1) if peak_ok else None,
         "coordinator_recv_bytes": sum(send) + sum(commit_send),
-        "max_rank_send_bytes": {"save/plan": max(send) + SIZE_EXCHANGE, "save/commit": max(commit_send) + SIZE_EXCHANGE},
+        "max_rank_send_bytes": {"save/plan": max(send) + SIZE_EXCHANGE, "save/commit": max(commit_send) + SIZE_EXCHANGE,
+                                "save/commit steady": max(steady_send) + SIZE_EXCHANGE},
         "max_other_rank_recv_bytes": {"save/plan": max(recv[1:] or recv) + SIZE_EXCHANGE,
                                       "save/commit": 16 + SIZE_EXCHANGE, "save/plan steady": 8 * 3 + 32},
         "write_records_s_all_ranks": round(t_write, 2),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import megashard
@@ -91,7 +92,7 @@ def _plan_id(world: int, rank: int):
 
 def _records(path: str) -> dict:
     m = megashard.read_manifest(path)
-    return {k: sorted((s.offset, s.shape, s.flat, s.file, s.name, s.nbytes, s.data_offset) for s in t.shards)
+    return {k: sorted((s.offset, s.shape, s.flat, s.file, s.name, s.nbytes, s.data_offset, s.crc32) for s in t.shards)
             for k, t in m.tensors.items()}
 
 
@@ -109,8 +110,10 @@ def _steps(rank, world, base):
         _check(rank, world, path, _state(step, rank, world, **kw), kw)
     # a reused plan writes what a fresh plan of the same state writes
     kw = STEPS[-1][2]
+    steady = saving._PLAN_CACHE[(world, rank)].steady_commits
     megashard.save(_state(10, rank, world, **kw), os.path.join(base, "reused"))
-    reused.append(_plan_id(world, rank) == after)
+    # ... and commits by sending only its CRC32s into rank 0's index skeleton
+    reused.append((_plan_id(world, rank) == after, saving._PLAN_CACHE[(world, rank)].steady_commits == steady + 1))
     saving._PLAN_CACHE.clear()
     megashard.save(_state(10, rank, world, **kw), os.path.join(base, "fresh"))
     # another world size in the same job: a group of 2 plans afresh, and the 4-rank plan survives it
@@ -153,10 +156,14 @@ def _new_job(rank, world, base):
 def test_plan_cache_reuses_only_an_unchanged_layout_and_every_checkpoint_is_exact(tmp_path):
     base = str(tmp_path)
     res = all_ok(run_ranks(_steps, 4, base, timeout=400))
-    expected = [r for *_, r in STEPS] + [True, True, ((True, True), True)]
+    expected = [r for *_, r in STEPS] + [(True, True), True, ((True, True), True)]
     for rank, got in enumerate(res):
         assert got == expected, f"rank {rank}: reused {got}, expected {expected}"
     assert _records(os.path.join(base, "reused")) == _records(os.path.join(base, "fresh"))
+    # the skeleton patched with this save's CRC32s is byte for byte the index a fresh plan builds
+    with open(os.path.join(base, "reused", "manifest.index"), "rb") as f, \
+            open(os.path.join(base, "fresh", "manifest.index"), "rb") as g:
+        assert f.read() == g.read()
     # nothing cached on disk: every directory here is a checkpoint this test saved
     with open(os.path.join(base, "refused"), "rb") as f:
         assert f.read() == b"precious"
@@ -212,3 +219,56 @@ def test_vote_agrees_only_when_every_rank_holds_the_same_plan_and_grouping():
     assert other[3].plan_id != entries[3].plan_id
     assert not _agreed(entries[:3] + other[3:], msgs)
     assert _agreed(other, msgs)
+
+
+# -- the index skeleton alone (plain data, no processes) ---------------------------------------
+
+def _results(crc_of, world: int = 3):
+    """Write records of ``world`` ranks: key ``w`` cut in rows by rank, each rank's piece in two
+    flat ranges (records of one chunk from one rank), and an empty shard (file null)."""
+    from megashard.manifest import record_text
+
+    out = []
+    for r in range(world):
+        recs = []
+        for i, (a, b) in enumerate(((0, 6), (6, 12))):
+            text = record_text("w", (world * 2, 6), (2 * r, 0), (2, 6), (a, b), f"model-r{r:05d}.tensors", "n",
+                               4096 * (i + 1), 8192 * (i + 1), 24, crc_of(r, i))
+            recs.append(["w", [2 * r, 0], [2, 6], a, text])
+        recs.append(["e", [0], [0], 0, record_text("e", (0,), (0,), (0,), None, None, "", 0, 0, 0, 0)])
+        out.append({"files": {f"model-r{r:05d}.tensors": {"rank": r, "bytes": 1 << 20, "tensors": 2}}, "records": recs,
+                    "objects": {}, "tree": [["step", "p"]], "parts": {"p": "7"}})
+    return out
+
+
+def test_index_skeleton_takes_new_crcs_and_equals_a_fresh_build():
+    import zlib
+
+    from megashard import manifest as mf
+    from megashard.plan import Box
+
+    tensors = {"w": ("float32", (6, 6)), "e": ("float32", (0,))}
+    first = _results(lambda r, i: r * 10 + i)
+    head, sections, skel = saving.build_index(first, tensors, 3, None)
+    # 0, the largest CRC32 and every width between: the same bytes as a full build of those records
+    crcs = [0, 0xFFFFFFFF, 5, 123456789, 1000000000, 9]
+    new = _results(lambda r, i: crcs[2 * r + i])
+    assert [saving.records_digest(r["records"]) for r in new] == [saving.records_digest(r["records"]) for r in first]
+    steady = [saving.steady_commit(r) for r in new]
+    assert saving._steady_crcs(steady).tolist() == [0, 0xFFFFFFFF, 0, 5, 123456789, 0, 1000000000, 9, 0]
+    head2, sections2, skel2 = saving.build_index(steady, tensors, 3, None, skel)
+    head3, sections3, _ = saving.build_index(new, tensors, 3, None)
+    assert skel2 is skel and sections2 == sections3 and sections2 != sections
+    doc = mf.parse_head(head2, "t")
+    index = mf.LazyIndex(doc, lambda s, n: sections2[s:s + n], "t", len(head2))
+    got = sorted((s.offset, s.flat, s.crc32) for s in index.pieces("w", Box((0, 0), (6, 6))))
+    assert got == sorted(((2 * r, 0), ab, crcs[2 * r + i]) for r in range(3) for i, ab in enumerate(((0, 6), (6, 12))))
+    assert zlib.crc32(sections2) != zlib.crc32(sections)
+    # a record that changed other than its CRC32 changes the digest; a wrong count is refused
+    moved = _results(lambda r, i: 0)
+    moved[1]["records"][0][4] = moved[1]["records"][0][4].replace("8192", "8196")
+    assert saving.records_digest(moved[1]["records"]) != saving.records_digest(first[1]["records"])
+    with pytest.raises(ValueError, match="holds 9 records, got 8 CRC32s"):
+        saving.build_index([dict(steady[0], crcs="AQAAAAIAAAA=")] + steady[1:], tensors, 3, None, skel)
+    with pytest.raises(ValueError, match="rank 1 sent a malformed CRC32 list"):
+        saving.build_index([steady[0], dict(steady[1], crcs="AQAA")] + steady[2:], tensors, 3, None, skel)
