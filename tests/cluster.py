@@ -206,8 +206,9 @@ class Cluster:
     """``with Cluster(nodes=2) as c:`` builds the cluster (see the module doc); always torn down."""
 
     def __init__(self, nodes: int = 2, storage_mbit: int = 400, node_mbit: int = 1600,
-                 shm_mb: int = 256, local_mb: int = 256) -> None:
+                 shm_mb: int = 256, local_mb: int = 256, mount_args: Sequence[str] = ()) -> None:
         self.nodes = nodes
+        self.mount_args = list(mount_args)  # extra ``weed mount`` flags
         self.storage_mbit, self.node_mbit = storage_mbit, node_mbit
         self.shm_mb, self.local_mb = shm_mb, local_mb
         self.tag = f"{os.getpid()}-{secrets.token_hex(2)}"
@@ -428,7 +429,7 @@ class Cluster:
         log = open(self.logs / f"weed-mount-node{i}.log", "ab")
         cmd = [seaweedfs.weed_binary(), f"-logdir={self.logs}", "mount", f"-filer={self.filer}", "-filer.path=/shared",
                f"-dir={self.shared}",
-               f"-cacheDir={cache}", f"-localSocket={cache / 'mount.sock'}", "-allowOthers=false"]
+               f"-cacheDir={cache}", f"-localSocket={cache / 'mount.sock'}", "-allowOthers=false", *self.mount_args]
         with log:
             self._procs.append(subprocess.Popen(self.node_cmd(i, cmd), stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
