@@ -2,6 +2,7 @@
 
     sudo python scripts/bench_cluster.py [--mib 64] [--storage-mbit 40] [--node-mbit 160] [--rounds 1] \
         [--modes own,scatter,readonce,auto] [--json out.json]
+    sudo python scripts/bench_cluster.py --probe-fuse    # what weed mount fetches for partial reads
 
 Builds ``tests/cluster.py``'s cluster (2 nodes x 2 ranks, SeaweedFS on a storage host whose link is
 rate-limited with ``tc``, node links ``--node-mbit``), starts one torchrun job on it (this file with
@@ -32,6 +33,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -85,7 +87,7 @@ def _worker(a: argparse.Namespace) -> int:
     import megashard
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     tp = int(os.environ["LOCAL_WORLD_SIZE"])
     rows = _rows(a.mib, tp)
     want = _state(rank, tp, rows, False)
@@ -179,8 +181,6 @@ def _host(a: argparse.Namespace) -> int:
                "MEGASHARD_HUGEPAGES": "0", **c.s3_env()}
         args = ["--worker", "--mib", str(a.mib), "--rounds", str(a.rounds), "--modes", ",".join(a.modes),
                 "--shared", str(c.shared), "--s3", "s3://megashard-bench/ckpt", "--results", out]
-        import threading
-
         codes: List[Any] = []
         job = threading.Thread(target=lambda: codes.append(
             c.torchrun(str(Path(__file__).resolve()), args, nproc=nproc, env=env, name="bench", timeout=3000)))
@@ -252,6 +252,38 @@ def _host(a: argparse.Namespace) -> int:
     return 0
 
 
+def _probe_fuse(a: argparse.Namespace) -> int:
+    """``--probe-fuse``: bytes that leave storage when nodes read parts of one 32 MiB file through
+    ``weed mount`` (written there from /dev/urandom; both mounts remounted before each case), to
+    tell the FUSE client's fetching apart from what megashard reads."""
+    import cluster
+
+    mib = 2**20
+    cases = [("whole file, one node", [(0, 0, 32)]), ("first 8 MiB, one node", [(0, 0, 8)]),
+             ("8 MiB extents alternating over 2 nodes", [(0, 0, 8), (1, 8, 8), (0, 16, 8), (1, 24, 8)]),
+             ("halves: node0 0-16 MiB, node1 16-32 MiB", [(0, 0, 16), (1, 16, 16)])]
+    out = []
+    with cluster.Cluster(nodes=2, storage_mbit=a.storage_mbit, node_mbit=a.node_mbit, local_mb=16) as c:
+        path = f"{c.shared}/probe.bin"
+        c.run_in_node(0, ["sh", "-c", f"head -c {32 * mib} /dev/urandom > {path} && sync"], timeout=300)
+        for name, reads in cases:
+            for i in range(2):
+                c.remount_shared(i)
+            before = c.storage_link_bytes()["tx"]
+            for node, off, n in reads:
+                c.run_in_node(node, ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"skip={off}", f"count={n}",
+                                     "status=none"], timeout=300)
+            time.sleep(1)  # fetches the client started after the read returned
+            tx = c.storage_link_bytes()["tx"] - before
+            read = sum(n for _, _, n in reads) * mib
+            out.append({"case": name, "read": read, "from_storage": tx})
+            print(f"{name:42s} read {read / mib:5.1f} MiB, storage sent {tx / mib:6.1f} MiB ({tx / read:.3f}x)",
+                  flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"storage_mbit": a.storage_mbit, "cases": out}, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=float, default=64)
@@ -260,6 +292,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--probe-fuse", action="store_true", help=_probe_fuse.__doc__.split("\n\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shared", help=argparse.SUPPRESS)
     ap.add_argument("--s3", help=argparse.SUPPRESS)
@@ -269,7 +302,9 @@ def main() -> int:
     bad = [m for m in a.modes if m not in MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
-    return _worker(a) if a.worker else _host(a)
+    if a.worker:
+        return _worker(a)
+    return _probe_fuse(a) if a.probe_fuse else _host(a)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megashard  # noqa: E402
