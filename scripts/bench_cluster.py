@@ -292,7 +292,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", default=None)
-    ap.add_argument("--probe-fuse", action="store_true", help=_probe_fuse.__doc__.split("\n\n")[0])
+    ap.add_argument("--probe-fuse", action="store_true", help="instead: what weed mount fetches from storage for partial reads of one file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shared", help=argparse.SUPPRESS)
     ap.add_argument("--s3", help=argparse.SUPPRESS)

@@ -199,7 +199,8 @@ def test_node_killed_mid_save_leaves_previous_checkpoint_loadable(the_cluster: c
     assert c.kill_node(victim), f"nothing to kill on node {victim}"
     survivor = 1 - victim
     deadline = time.monotonic() + KILL_TIMEOUT_S + 120
-    while len(list(tmp_path.glob("survivor-rank*.json"))) < NPROC and time.monotonic() < deadline:
+    while (len(list(tmp_path.glob("survivor-rank*.json"))) < NPROC and any(a.poll() is None for a in agents)
+           and time.monotonic() < deadline):
         time.sleep(0.1)
     for a in agents:  # the survivor's agent may wait for its lost peer: ours to stop
         try:

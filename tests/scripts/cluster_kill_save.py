@@ -78,7 +78,9 @@ def main(argv: List[str] | None = None) -> int:
     with open(os.path.join(a.out, f".survivor-rank{rank}.json"), "w") as f:
         json.dump(res, f)
     os.rename(os.path.join(a.out, f".survivor-rank{rank}.json"), os.path.join(a.out, f"survivor-rank{rank}.json"))
-    os._exit(1)  # no teardown of a process group that lost a node; its agent need not wait for the lost one
+    # no teardown of a process group that lost a node; exit 0: on a failure torchrun would SIGTERM the
+    # other survivor before it has written its result
+    os._exit(0)
 
 
 if __name__ == "__main__":
