@@ -206,8 +206,9 @@ class Cluster:
     """``with Cluster(nodes=2) as c:`` builds the cluster (see the module doc); always torn down."""
 
     def __init__(self, nodes: int = 2, storage_mbit: int = 400, node_mbit: int = 1600,
-                 shm_mb: int = 256, local_mb: int = 256) -> None:
+                 shm_mb: int = 256, local_mb: int = 256, mount_args: Sequence[str] = ()) -> None:
         self.nodes = nodes
+        self.mount_args = list(mount_args)  # extra ``weed mount`` flags
         self.storage_mbit, self.node_mbit = storage_mbit, node_mbit
         self.shm_mb, self.local_mb = shm_mb, local_mb
         self.tag = f"{os.getpid()}-{secrets.token_hex(2)}"
@@ -225,6 +226,7 @@ class Cluster:
         self._reaper: Optional[subprocess.Popen] = None
         self._launcher: Optional[subprocess.Popen] = None
         self.weed: Optional[Dict] = None  # tests/seaweedfs.py's JSON: endpoint, filer, ports, credentials
+        self._mounts: Dict[int, subprocess.Popen] = {}  # node -> its weed mount process
 
     # ---- addresses
     @property
@@ -397,16 +399,41 @@ class Cluster:
     def run_in_node(self, i: int, argv: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess:
         return _run(self.node_cmd(i, argv), timeout=timeout)
 
+    def storage_link_bytes(self) -> Dict[str, int]:
+        """Counters of the storage host's ``eth0`` (``tx``: bytes that left storage, ``rx``: that reached
+        it; frames as the kernel counts them, headers included), read in the storage namespace."""
+        link = json.loads(_run(["ip", "-j", "-s", "-n", self.storage, "link", "show", "dev", "eth0"]).stdout)[0]
+        stats = link.get("stats64") or link["stats"]
+        return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"]),
+                "tx_packets": int(stats["tx"]["packets"]), "rx_packets": int(stats["rx"]["packets"])}
+
+    def remount_shared(self, i: int) -> None:
+        """Unmount node ``i``'s FUSE mount, empty its weed chunk cache and mount it again: the node's
+        next reads of the shared file system come from storage (the node's page cache of it goes with
+        the unmount). Nothing on the mount may be open."""
+        proc = self._mounts.pop(i)
+        p = subprocess.run(self.node_cmd(i, ["umount", str(self.shared)]), capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            raise ClusterError(f"umount {self.shared} on node {i}: {p.stderr.strip()}")
+        try:
+            proc.wait(30)  # weed mount exits once unmounted
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        shutil.rmtree(self.root / f"weed-cache-node{i}")
+        self._mount_shared(i)
+
     def _mount_shared(self, i: int) -> None:
         cache = self.root / f"weed-cache-node{i}"
         cache.mkdir()
-        log = open(self.logs / f"weed-mount-node{i}.log", "wb")
+        log = open(self.logs / f"weed-mount-node{i}.log", "ab")
         cmd = [seaweedfs.weed_binary(), f"-logdir={self.logs}", "mount", f"-filer={self.filer}", "-filer.path=/shared",
                f"-dir={self.shared}",
-               f"-cacheDir={cache}", f"-localSocket={cache / 'mount.sock'}", "-allowOthers=false"]
+               f"-cacheDir={cache}", f"-localSocket={cache / 'mount.sock'}", "-allowOthers=false", *self.mount_args]
         with log:
             self._procs.append(subprocess.Popen(self.node_cmd(i, cmd), stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True))
+        self._mounts[i] = self._procs[-1]
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             p = subprocess.run(self.node_cmd(i, ["sh", "-c", f"grep -q ' {self.shared} fuse' /proc/self/mounts "
@@ -426,6 +453,11 @@ class Cluster:
 
         Returns the agents' exit codes; a hang past ``timeout`` kills every agent and raises
         (with the agents' log tails). Logs: ``logs/<name>-node<i>.log``."""
+        return self.wait_torchrun(self.start_torchrun(script, args, nproc, env, name), timeout, name)
+
+    def start_torchrun(self, script: str, args: Sequence[str], nproc: int = 2,
+                       env: Optional[Dict[str, str]] = None, name: str = "job") -> List[subprocess.Popen]:
+        """:meth:`torchrun` without the wait: the agents (one per node, each in its own session)."""
         port = 29400
         base = {k: v for k, v in os.environ.items()
                 if k not in ("MEGASHARD_NODE_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK",
@@ -442,6 +474,11 @@ class Cluster:
                 procs.append(subprocess.Popen(self.node_cmd(i, cmd), stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, env=base, start_new_session=True))
         self._procs.extend(procs)
+        return procs
+
+    def wait_torchrun(self, procs: List[subprocess.Popen], timeout: float = 240, name: str = "job") -> List[int]:
+        """The agents' exit codes; past ``timeout`` every agent still running is killed (with its
+        ranks) and this raises with their log tails."""
         deadline = time.monotonic() + timeout
         hung = []
         for i, p in enumerate(procs):
@@ -457,6 +494,26 @@ class Cluster:
             raise ClusterError(f"torchrun {name}: agents on nodes {hung} hung (> {timeout}s)\n"
                                + self.job_logs(name))
         return [p.returncode for p in procs]
+
+    def kill_node(self, i: int) -> List[int]:
+        """SIGKILL every process in node ``i``'s network namespace (its ranks, its torchrun agent, its
+        weed mount, its holder): the node is gone, its mounts with it; the namespace itself stays
+        until teardown. Returns the pids killed."""
+        killed: List[int] = []
+        deadline = time.monotonic() + 20
+        while True:
+            pids = _ns_pids(self.node_ns[i])
+            if not pids:
+                return sorted(set(killed))
+            if time.monotonic() > deadline:
+                raise ClusterError(f"processes {pids} of node {i} survive SIGKILL")
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
 
     def job_logs(self, name: str) -> str:
         return "\n".join(f"--- {name} on node {i} ---\n{_tail(self.logs / f'{name}-node{i}.log', 4000)}"

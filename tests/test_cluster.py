@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Dict, Iterator, List
 
@@ -164,3 +167,54 @@ def test_s3_scatter_only_node_readers_talk_to_the_store(job: Dict[str, List[dict
         else:
             assert sum(r["requests"].values()) == 0, f"rank {r['rank']} on {r['host']} talked to S3: {r['requests']}"
             assert r["bytes_read"] == 0 and r["bytes_received"] == r["needed_bytes"], r
+
+
+KILL_JOB = HERE / "scripts" / "cluster_kill_save.py"
+KILL_TIMEOUT_S = 30  # the survivors' save(timeout=...)
+
+
+def test_node_killed_mid_save_leaves_previous_checkpoint_loadable(the_cluster: cluster.Cluster,
+                                                                 job: Dict[str, List[dict]],
+                                                                 tmp_path: Path) -> None:
+    """Last here: it kills a node of the shared cluster. Every rank re-saves ``S/ckpt`` (committed by
+    the job's ``save_shared``) with other values; the node without rank 0 stops after writing its
+    files, before the commit, and every process of it is killed (ranks, torchrun agent, weed mount).
+    The surviving ranks raise, each well within its timeout; then each loads the previous
+    checkpoint alone (``process_group=SOLO``: its group lost a node), bit-exact."""
+    c = the_cluster
+    _ok(job["save_shared"])  # the previous checkpoint exists
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "MEGASHARD_HUGEPAGES": "0"}
+    agents = c.start_torchrun(str(KILL_JOB), ["--shared-dir", str(c.shared), "--results", str(tmp_path),
+                                              "--timeout", str(KILL_TIMEOUT_S)], nproc=NPROC, env=env, name="kill")
+    blocked: List[Path] = []
+    deadline = time.monotonic() + 240
+    while len(blocked) < NPROC and all(a.poll() is None for a in agents) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        blocked = sorted(tmp_path.glob("blocked-rank*"))
+    assert len(blocked) == NPROC, f"the victim node's ranks never stopped mid-save: {blocked}\n{c.job_logs('kill')}"
+    hosts = {p.read_text() for p in blocked}
+    assert len(hosts) == 1, hosts
+    victim = int(hosts.pop().removeprefix("node"))
+    assert c.kill_node(victim), f"nothing to kill on node {victim}"
+    survivor = 1 - victim
+    deadline = time.monotonic() + KILL_TIMEOUT_S + 120
+    while (len(list(tmp_path.glob("survivor-rank*.json"))) < NPROC and any(a.poll() is None for a in agents)
+           and time.monotonic() < deadline):
+        time.sleep(0.1)
+    for a in agents:  # the survivor's agent may wait for its lost peer: ours to stop
+        try:
+            a.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("survivor-rank*.json"))]
+    assert len(results) == NPROC, f"the surviving ranks did not raise: {results}\n{c.job_logs('kill')}"
+    for r in results:
+        assert r["host"] == f"node{survivor}", r
+        assert r["raised"] == "DistributedError" and r["megashard_error"], f"rank {r['rank']}: the save did not fail: {r}"
+        assert f"megashard save failed on rank(s) {r['rank']}:" in r["message"], r["message"]
+        assert "a peer rank failed or exited" in r["message"], r["message"]
+        assert r["previous"] == [], f"rank {r['rank']}: the previous checkpoint does not load bit-exact: {r['previous']}"
+        assert r["seconds"] < KILL_TIMEOUT_S + 15, f"rank {r['rank']} raised only after {r['seconds']} s: {r}"
+

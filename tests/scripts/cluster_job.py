@@ -146,6 +146,7 @@ def main(argv: List[str] | None = None) -> int:
         dist.barrier()  # every rank's listing after every rank's save
         if case in ("save_shared", "local_save"):
             res["listing"] = sorted(os.listdir(a.shared if case == "save_shared" else a.local))
+        dist.barrier()  # and before the next case writes there (local_copy: L/copy)
         with open(os.path.join(a.out, f"{case}-rank{rank}.json"), "w") as f:
             json.dump(dict(_who(rank), case=case, seconds=round(time.monotonic() - t0, 3), **res), f)
     dist.barrier()
