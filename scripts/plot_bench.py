@@ -94,6 +94,13 @@ def megatron_charts(run_dir: str) -> Tuple[str, str]:
     return save, load
 
 
+def other_ranks_recv(run: Dict) -> Dict[str, int]:
+    """Largest message a rank other than the coordinator receives, per phase: the simulator's
+    ``max_other_rank_recv_bytes`` (since the steady-state commit; ``max_rank_recv_bytes`` is then the
+    busiest rank's total), earlier JSON kept these per phase under ``max_rank_recv_bytes``."""
+    return run.get("max_other_rank_recv_bytes", run["max_rank_recv_bytes"])
+
+
 def scale_chart(scale_dir: str) -> str:
     """Bytes a rank exchanges and reads against the number of ranks: flat is the goal."""
     runs: List[Dict] = []
@@ -106,7 +113,7 @@ def scale_chart(scale_dir: str) -> str:
     rows = [f"{d['model']} {d['layout']} ({d['world']:,} ranks)" for d in runs]
     kib = lambda n: n / 1024  # noqa: E731
     return grouped_bars("Per-rank metadata traffic vs job size (KiB, flat is the goal)", "KiB", rows, {
-        "largest message a rank receives (plan)": [kib(d["max_rank_recv_bytes"]["save/plan"]) for d in runs],
+        "largest message a rank receives (plan)": [kib(other_ranks_recv(d)["save/plan"]) for d in runs],
         "largest message a rank sends (commit)": [kib(d["max_rank_send_bytes"]["save/commit"]) for d in runs],
         "index bytes a loading rank reads": [kib(d["rank_index_read_bytes"]) for d in runs],
     }, "scripts/simulate_scale.py --distributed-optimizer --json; bytes, not seconds (independent of machine load)")

@@ -486,7 +486,7 @@ def test_split_shared_marks_bytes_of_several_ranges(ranges) -> None:
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 300), st.integers(0, 120)), max_size=25),
        st.integers(1, 90))
 def test_partition_reads_each_byte_once(ranges, chunk) -> None:
-    from megashard.scatter import partition
+    from megashard.plan import partition
 
     ranges = [(f"f{f}", a, n) for f, a, n in ranges]
     extents, pieces = partition(ranges, chunk)
