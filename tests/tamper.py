@@ -135,3 +135,12 @@ def _flat_start(fl: Any) -> tuple:
         return (0, int(fl[0]))
     except (TypeError, ValueError, IndexError, KeyError):
         return (1, _dumps(fl))
+
+
+def flip_data_byte(ckpt: str, rec: Any, at: int = 5) -> None:
+    """Flip one bit of the saved shard ``rec``'s data (its byte ``at``): a damaged shard on disk."""
+    with open(os.path.join(ckpt, rec.file), "r+b") as f:
+        f.seek(rec.data_offset + at)
+        b = f.read(1)
+        f.seek(rec.data_offset + at)
+        f.write(bytes([b[0] ^ 0x01]))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from distributed import all_ok, run_ranks
 from layouts import GLOBALS, Layout, check_state, model_state
+from tamper import flip_data_byte
 
 from megashard import plan
 
@@ -216,11 +217,7 @@ def _failures(rank: int, tmp: str) -> Dict[str, Any]:
         m = megashard.read_manifest(path)
         rec = [s for s in m.tensors["decoder.layers.self_attention.linear_qkv.weight"].shards
                if s.offset[0] == 7 and s.offset[1] > 0][0]
-        with open(os.path.join(path, rec.file), "r+b") as f:
-            f.seek(rec.data_offset + 5)
-            b = f.read(1)
-            f.seek(rec.data_offset + 5)
-            f.write(bytes([b[0] ^ 0x01]))
+        flip_data_byte(path, rec)
     dist.barrier()
     out: Dict[str, Any] = {}
 

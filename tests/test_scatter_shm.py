@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from distributed import all_ok, capture_logs, run_ranks
 from layouts import GLOBALS, Layout, check_state, model_state
+from tamper import flip_data_byte
 
 NODE_ENV = {"MEGASHARD_NODE_ID": "test-node", "MEGASHARD_HUGEPAGES": "0"}
 SHM_DIR = "/dev/shm"
@@ -210,11 +211,7 @@ def _corrupt_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     if rank == 0:  # flip a byte of a shard that only rank 1 (pipeline stage 1) loads
         m = megashard.read_manifest(path)
         rec = [s for s in m.tensors["decoder.layers.self_attention.linear_qkv.weight"].shards if s.offset[0] == 7][0]
-        with open(os.path.join(path, rec.file), "r+b") as f:
-            f.seek(rec.data_offset + 5)
-            b = f.read(1)
-            f.seek(rec.data_offset + 5)
-            f.write(bytes([b[0] ^ 0x01]))
+        flip_data_byte(path, rec)
     dist.barrier()
     out: Dict[str, Any] = {}
     for transport in ("shm", "group"):
