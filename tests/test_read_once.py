@@ -8,7 +8,6 @@ node) to keep the suite fast.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
@@ -195,7 +194,6 @@ def _job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     dist.barrier()
     if rank in (0, 2):
         out[2] = _scenarios(rank // 2, 2, tmp, pair)
-        out["memory"] = _memory_job(rank // 2, tmp, pair)
     dist.barrier()
     return out
 
@@ -292,85 +290,6 @@ def test_read_once_loads_bit_exact_reading_each_byte_once_per_job(job, world: in
             assert job_read > _unique_bytes(distopt), where  # each DP replica reads again
         elif rows[0]["want"] == "scatter" and loaded.dp > 1 and world == 2:
             assert job_read == 2 * _unique_bytes(distopt), where  # once per node
-
-
-# -- memory ---------------------------------------------------------------------------------------
-
-MEM_TENSORS, MEM_ROWS, MEM_COLS = 16, 256, 1024  # 16 fp32 tensors of 1 MiB: a 16 MiB checkpoint
-MEM_CHUNK = 256 << 10
-
-
-def _mem_state(rank: int, split: str, empty: bool) -> Dict[str, Any]:
-    """Every tensor whole (``split="none"``, DP=2 replicas), by rows or by columns over 2 ranks."""
-    from megashard import ShardedTensor
-
-    out = {}
-    for t in range(MEM_TENSORS):
-        g = torch.arange(MEM_ROWS * MEM_COLS, dtype=torch.float32).reshape(MEM_ROWS, MEM_COLS) + t
-        if split == "rows":
-            part, off = g[rank * MEM_ROWS // 2:(rank + 1) * MEM_ROWS // 2], (rank * MEM_ROWS // 2, 0)
-        elif split == "cols":
-            part, off = g[:, rank * MEM_COLS // 2:(rank + 1) * MEM_COLS // 2], (0, rank * MEM_COLS // 2)
-        else:
-            part, off = g, (0, 0)
-        part = torch.zeros_like(part) if empty else part.contiguous()
-        out[f"w{t}"] = ShardedTensor(f"w{t}", part, (MEM_ROWS, MEM_COLS), off,
-                                     (0, 0, rank) if split == "none" else (0, 0, 0))
-    return out
-
-
-def _hwm_kib() -> Tuple[int, int]:
-    status = open("/proc/self/status").read()
-    return tuple(int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "VmHWM"))  # type: ignore
-
-
-def _memory_job(rank: int, tmp: str, group: Any, chunk: int = MEM_CHUNK) -> Dict[str, Any]:
-    import ctypes
-    import gc
-
-    import megashard
-
-    libc = ctypes.CDLL("libc.so.6")
-    # every allocation over 128 KiB its own mapping, returned when freed (no dynamic threshold that
-    # keeps freed blocks resident): the RSS then follows what the load holds, not glibc's reuse policy
-    assert libc.mallopt(-3, 128 << 10) == 1  # M_MMAP_THRESHOLD
-    out: Dict[str, Any] = {}
-    for name, saved, loaded in (("resume", "none", "none"), ("reshard", "rows", "cols")):
-        path = os.path.join(tmp, f"mem-{name}")
-        megashard.save(_mem_state(rank, saved, False), path, process_group=group)
-        megashard.load(_mem_state(rank, loaded, True), path, mode="readonce", process_group=group)  # warm: first-use allocations
-        template = _mem_state(rank, loaded, True)  # destinations exist (touched) before the load
-        gc.collect()
-        libc.malloc_trim(0)  # the warm load's freed memory leaves the RSS first
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        before, _ = _hwm_kib()
-        _, stats = megashard.load(template, path, mode="readonce", scatter_chunk_bytes=chunk, return_stats=True,
-                                  process_group=group)
-        _, peak = _hwm_kib()
-        ok = all(torch.equal(sh.data, _mem_state(rank, loaded, False)[k].data) for k, sh in template.items())
-        out[name] = {"extra": (peak - before) * 1024, "ok": ok, "peak_buffers": stats.buffer_peak,
-                     "read": stats.bytes_read, "received": stats.bytes_received}
-    return out
-
-
-def test_read_once_peak_extra_memory_is_bounded_by_the_largest_tensor_not_the_checkpoint(job) -> None:
-    """Peak host memory beyond the destinations, per rank, of a 16 MiB checkpoint (1 MiB tensors)
-    loaded by two DP replicas on two nodes in 256 KiB chunks: at most the two staging chunks plus
-    2 × the largest tensor (resharding temporaries), whatever the checkpoint's size. Production's
-    bound, max(256 MiB, 2 × largest tensor), holds the 2 × 8 MiB of default staging in its floor.
-    A load that held the half it sends (or the saved shards it reads) would need 8 MiB more."""
-    res = [r["memory"] for r in job if "memory" in r]
-    assert len(res) == 2
-    largest = MEM_ROWS * MEM_COLS * 4
-    for name in res[0]:
-        assert sum(r[name]["read"] for r in res) == MEM_TENSORS * largest, name  # the 16 MiB, once
-    for rank, r in enumerate(res):
-        for name, m in r.items():
-            assert m["ok"], (rank, name)
-            assert m["read"] + m["received"] >= MEM_TENSORS * largest // 2, (rank, name, m)  # the exchange happened
-            assert 0 < m["peak_buffers"] <= 3 * MEM_CHUNK, (rank, name, m)
-            assert m["extra"] <= 2 * MEM_CHUNK + 2 * largest, (rank, name, m["extra"] / 2**20)
 
 
 def test_read_once_failures_reach_every_rank(job) -> None:
