@@ -924,7 +924,7 @@ def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: in
     one file would both fetch most of it. Whole files are byte-balanced over the nodes (each to
     the node that needs most of it while that stays within one chunk of the nodes' mean, else to
     the least-loaded node, largest files first), then the file's extents over that node's
-    ranks as above. Without ``nodes`` (object stores: a ranged GET fetches just its range)
+    ranks (to one that needs it while it stays within the node's mean, else the least-loaded). Without ``nodes`` (object stores: a ranged GET fetches just its range)
     extents are placed on any rank."""
     world = len(requests)
     chunk = max(1, int(chunk))
@@ -1020,8 +1020,9 @@ def _read_once_by_node(extents: Sequence[Extent], needs: Sequence[Sequence[Need]
         node_file[f] = best
         node_load[best] += size
     # within each node: an extent goes to the least-loaded of the node's ranks that need it while
-    # that stays within one chunk of the node's mean, else to the node's least-loaded rank
-    node_cap = [-(-node_load[i] // len(ranks_of[i])) + chunk for i in range(len(node_ids))]
+    # that stays within the node's mean (they share one client and link: only balance matters),
+    # else to the node's least-loaded rank
+    node_cap = [-(-node_load[i] // len(ranks_of[i])) for i in range(len(node_ids))]
     for k, ns in enumerate(needs):
         i = node_file[extents[k].file]
         size = extents[k].stop - extents[k].start
