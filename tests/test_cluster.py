@@ -176,16 +176,20 @@ def test_s3_scatter_only_node_readers_talk_to_the_store(job: Dict[str, List[dict
 MLM_ITERS = ["--train-iters", "6", "--lr-decay-iters", "6", "--save-interval", "3"]
 
 
-def _pretrain(c: cluster.Cluster, name: str, args: List[str]) -> "Run":
-    """``examples/pretrain_gpt.py`` (Megatron, tiny GPT, CPU) on both nodes x 2 ranks; its output parsed
-    (losses and digests are logged by rank 0, on whichever node it landed)."""
-    from megatron_helpers.runner import EXAMPLE, FAST_EXIT, TINY, parse
+def _start_pretrain(c: cluster.Cluster, name: str, args: List[str], port: int) -> List[subprocess.Popen]:
+    """``examples/pretrain_gpt.py`` (Megatron, tiny GPT, CPU) started on both nodes x 2 ranks."""
+    from megatron_helpers.runner import EXAMPLE, FAST_EXIT, TINY
 
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(HERE), os.environ.get("PYTHONPATH")])),
            "MEGASHARD_HUGEPAGES": "0", "PYTHONWARNINGS": "ignore"}
-    import time as _t; _t0 = _t.monotonic()
-    codes = c.torchrun("-m", [FAST_EXIT, EXAMPLE, *TINY, *args], nproc=NPROC, env=env, name=name, timeout=300)
-    print("TIMING", name, _t.monotonic() - _t0, [ln for ln in (c.logs / f"{name}-node0.log").read_text().splitlines()+(c.logs / f"{name}-node1.log").read_text().splitlines() if "started from" in ln or "megashard" in ln.lower()][:8])
+    return c.start_torchrun("-m", [FAST_EXIT, EXAMPLE, *TINY, *args], nproc=NPROC, env=env, name=name, port=port)
+
+
+def _pretrain_result(c: cluster.Cluster, name: str, args: List[str], agents: List[subprocess.Popen]) -> "Run":
+    """The run's output parsed (losses and digests are logged by rank 0, on whichever node it landed)."""
+    from megatron_helpers.runner import parse
+
+    codes = c.wait_torchrun(agents, 300, name)
     out = "\n".join((c.logs / f"{name}-node{i}.log").read_text(errors="replace") for i in range(NNODES))
     assert codes == [0] * NNODES, f"{name}: agents exited {codes}\n{c.job_logs(name)}"
     return parse(args, 0, out)
@@ -193,21 +197,22 @@ def _pretrain(c: cluster.Cluster, name: str, args: List[str]) -> "Run":
 
 def test_megatron_example_on_two_nodes_resume_reshard_async(the_cluster: cluster.Cluster, tmp_path: Path) -> None:
     """The Megatron example (``examples/pretrain_gpt.py``) on 2 nodes x 2 ranks, TP=2 x DP=2 (one
-    replica per node), checkpoints on the shared FUSE mount. Three launches:
+    replica per node), checkpoints on the shared FUSE mount. Three launches (2 and 3 at once):
 
     1. 6 iterations with ``--async-save`` (saves at 3 and 6, each committed while training goes on);
     2. same layout, resumed from iteration 3 with ``--megashard-load-mode readonce`` (each file read
        on one node, exchanged over gloo between the nodes): losses 4-6 identical to run 1's and
        the loaded parameters' digest equal to what run 1 saved;
     3. resharded to TP=1 x DP=4 from iteration 3 (``auto``): the loaded model and optimizer state,
-       re-saved with ``--dump-loaded-state``, equal iteration 3's global tensors bit for bit, and losses 4-6 within 1e-5 of run 1's."""
+       re-saved with ``--dump-loaded-state``, equal iteration 3's global tensors bit for bit, and
+       losses 4-6 within 1e-5 of run 1's."""
     pytest.importorskip("megatron.core")
     from megatron_helpers.runner import compare_checkpoints
 
     c = the_cluster
     root, dump = c.shared / "mlm", c.shared / "mlm-dump"
-    base = _pretrain(c, "mlm-save", ["--tensor-model-parallel-size", "2", "--save", str(root), "--async-save",
-                                     *MLM_ITERS])
+    args = ["--tensor-model-parallel-size", "2", "--save", str(root), "--async-save", *MLM_ITERS]
+    base = _pretrain_result(c, "mlm-save", args, _start_pretrain(c, "mlm-save", args, 29430))
     assert sorted(base.losses) == [1, 2, 3, 4, 5, 6], base.output[-3000:]
     for it in (3, 6):
         assert f"saved checkpoint at iteration {it} to {root}/iter_{it:07d} (committed)" in base.output, \
@@ -217,15 +222,18 @@ def test_megatron_example_on_two_nodes_resume_reshard_async(the_cluster: cluster
     left = c.run_in_node(1, ["ls", "-A", str(root)]).stdout.split()
     assert sorted(left) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"], left
 
-    resumed = _pretrain(c, "mlm-resume", ["--tensor-model-parallel-size", "2", "--load", str(root), "--ckpt-step",
-                                          "3", "--megashard-load-mode", "readonce", *MLM_ITERS])
+    # the resume and the reshard run at once (two jobs on the same nodes: each reads iteration 3)
+    runs = {"mlm-resume": ["--tensor-model-parallel-size", "2", "--load", str(root), "--ckpt-step", "3",
+                           "--megashard-load-mode", "readonce", *MLM_ITERS],
+            "mlm-reshard": ["--tensor-model-parallel-size", "1", "--load", str(root), "--ckpt-step", "3",
+                            "--dump-loaded-state", str(dump), *MLM_ITERS]}
+    agents = {name: _start_pretrain(c, name, args, port) for (name, args), port in zip(runs.items(), (29440, 29450))}
+    resumed, resharded = (_pretrain_result(c, name, runs[name], agents[name]) for name in runs)
     assert f"{root}/iter_0000003 (iteration 3, full state" in (resumed.started or ""), resumed.output[-3000:]
     assert resumed.digests["start"] == base.digests["saved@3"]
     assert {i: resumed.losses[i] for i in (4, 5, 6)} == {i: base.losses[i] for i in (4, 5, 6)}
     assert {i: resumed.lrs[i] for i in (4, 5, 6)} == {i: base.lrs[i] for i in (4, 5, 6)}
 
-    resharded = _pretrain(c, "mlm-reshard", ["--tensor-model-parallel-size", "1", "--load", str(root),
-                                             "--ckpt-step", "3", "--dump-loaded-state", str(dump), *MLM_ITERS])
     assert "(iteration 3, full state" in (resharded.started or ""), resharded.output[-3000:]
     for i in (4, 5, 6):
         assert abs(resharded.losses[i] - base.losses[i]) < 1e-5, (i, resharded.losses, base.losses)
