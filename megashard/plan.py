@@ -921,10 +921,13 @@ def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: in
     ``nodes[r]``: rank ``r``'s node (any hashable id), given when the checkpoint is on a file
     system: then every extent of one file is read on one node, since a network file system's
     client (FUSE, CephFS, NFS) fetches whole files or large blocks and two nodes reading parts of
-    one file would both fetch most of it. Whole files are byte-balanced over the nodes (each to
-    the node that needs most of it while that stays within one chunk of the nodes' mean, else to
-    the least-loaded node, largest files first), then the file's extents over that node's
-    ranks (to one that needs it while it stays within the node's mean, else the least-loaded). Without ``nodes`` (object stores: a ranged GET fetches just its range)
+    one file would both fetch most of it. A file larger than :data:`READ_ONCE_NODE_BLOCK` and the
+    nodes' even share is cut into blocks of the larger of the two, each read on one node, so that
+    a checkpoint of fewer files than nodes still spreads its reads (and the sends to the other
+    replicas) over every node. Whole files (blocks) are byte-balanced over the nodes (each to the
+    node that needs most of it while that stays within one chunk of the nodes' mean, else to the
+    least-loaded node, largest first), then their extents over that node's ranks (to one that
+    needs it while it stays within the node's mean, else the least-loaded). Without ``nodes`` (object stores: a ranged GET fetches just its range)
     extents are placed on any rank."""
     world = len(requests)
     chunk = max(1, int(chunk))
@@ -991,27 +994,37 @@ def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: in
     return ReadOncePlan(extents, reader, needs, members, rounds)
 
 
+#: on a file system a read-once plan keeps every extent of a file on one node, or, where a file is
+#: larger than the nodes' even share, of each block of at least this many bytes of it (so that the
+#: reads and the sends of a few large files still spread over every node)
+READ_ONCE_NODE_BLOCK = 64 << 20
+
+
 def _read_once_by_node(extents: Sequence[Extent], needs: Sequence[Sequence[Need]], members: Sequence[Sequence[int]],
                        nodes: Sequence[Any], chunk: int, load: List[int], reader: List[int]) -> None:
-    """:func:`plan_read_once` on a file system: each file's extents on one node's ranks (fills
-    ``reader`` and ``load``)."""
+    """:func:`plan_read_once` on a file system: each file's extents (each block's, for a file
+    over the block size: :data:`READ_ONCE_NODE_BLOCK` or the nodes' even share, whichever is
+    larger) on one node's ranks (fills ``reader`` and ``load``)."""
     node_ids = sorted(set(nodes), key=str)
     node_of = {n: i for i, n in enumerate(node_ids)}
     ranks_of: List[List[int]] = [[] for _ in node_ids]
     for r, n in enumerate(nodes):
         ranks_of[node_of[n]].append(r)
-    file_bytes: Dict[str, int] = {}
-    wanted: Dict[str, List[int]] = {}  # file -> bytes of it each node's ranks need (each extent once per node)
+    total = sum(e.stop - e.start for e in extents)
+    block = max(READ_ONCE_NODE_BLOCK, -(-total // len(node_ids)), 1)
+    unit_of = [(e.file, e.start // block) for e in extents]  # what one node reads whole
+    file_bytes: Dict[Tuple[str, int], int] = {}
+    wanted: Dict[Tuple[str, int], List[int]] = {}  # unit -> bytes of it each node's ranks need
     for k, ns in enumerate(needs):
-        e = extents[k]
+        e, u = extents[k], unit_of[k]
         size = e.stop - e.start
-        file_bytes[e.file] = file_bytes.get(e.file, 0) + size
-        w = wanted.setdefault(e.file, [0] * len(node_ids))
-        for i in sorted({node_of[nodes[r]] for g in {x[0] for x in ns} for r in members[g]}):
+        file_bytes[u] = file_bytes.get(u, 0) + size
+        w = wanted.setdefault(u, [0] * len(node_ids))
+        for i in {node_of[nodes[r]] for g in {x[0] for x in ns} for r in members[g]}:
             w[i] += size
     node_load = [0] * len(node_ids)
     cap = -(-sum(file_bytes.values()) // len(node_ids)) + chunk
-    node_file: Dict[str, int] = {}
+    node_file: Dict[Tuple[str, int], int] = {}
     for f in sorted(file_bytes, key=lambda f: (-file_bytes[f], f)):  # largest first (LPT)
         size = file_bytes[f]
         best = max(range(len(node_ids)), key=lambda i: (wanted[f][i], -node_load[i], -i))
@@ -1024,7 +1037,7 @@ def _read_once_by_node(extents: Sequence[Extent], needs: Sequence[Sequence[Need]
     # else to the node's least-loaded rank
     node_cap = [-(-node_load[i] // len(ranks_of[i])) for i in range(len(node_ids))]
     for k, ns in enumerate(needs):
-        i = node_file[extents[k].file]
+        i = node_file[unit_of[k]]
         size = extents[k].stop - extents[k].start
         here = set(ranks_of[i])
         keen = [r for g in sorted({x[0] for x in ns}) for r in members[g] if r in here]

@@ -47,12 +47,14 @@ def _check_plan(requests: List[List[Tuple[str, int, int]]], chunk: int,
                 nodes: Sequence[int] = None) -> plan.ReadOncePlan:
     """Every byte of the union read once; every byte of every op delivered exactly once (read in
     place or received), from the right file offset; messages match on both sides. With
-    ``nodes``: every file read on one node."""
+    ``nodes``: every file (every block of a file over the block size) read on one node."""
     p = plan.plan_read_once(requests, chunk, nodes)
     if nodes is not None:
-        on: Dict[str, set] = {}
+        total = sum(e.stop - e.start for e in p.extents)
+        block = max(plan.READ_ONCE_NODE_BLOCK, -(-total // len(set(nodes))))
+        on: Dict[Tuple[str, int], set] = {}
         for k, e in enumerate(p.extents):
-            on.setdefault(e.file, set()).add(nodes[p.reader[k]])
+            on.setdefault((e.file, e.start // block), set()).add(nodes[p.reader[k]])
         assert all(len(ns) == 1 for ns in on.values()), on
     world = len(requests)
     flat = [r for ops in requests for r in ops]
@@ -163,6 +165,26 @@ def test_on_a_file_system_a_file_goes_to_the_node_that_needs_it() -> None:
     requests = [[("x", 0, 4000)], [("x", 4000, 4000)], [("y", 0, 3000)], [("y", 3000, 5000)]]
     p = _check_plan(requests, 512, [7, 7, 3, 3])
     assert all(p.reader[k] in ((0, 1) if e.file == "x" else (2, 3)) for k, e in enumerate(p.extents))
+
+
+def test_on_a_file_system_few_large_files_spread_over_every_node_in_blocks() -> None:
+    """Two 256 MiB files (TP=2), one replica per node on 8 nodes of 2 ranks: whole files would leave
+    6 nodes idle and 2 sending everything; instead each 64 MiB block (``READ_ONCE_NODE_BLOCK``) is
+    read by the ranks of one node, and every node reads one block."""
+    mib = 1 << 20
+    tp = [[(f"t{t}", 0, 256 * mib)] for t in range(2)]
+    nodes = [r // 2 for r in range(16)]
+    p = plan.plan_read_once([tp[r % 2] for r in range(16)], 8 * mib, nodes)  # (too big for _check_plan)
+    assert plan.READ_ONCE_NODE_BLOCK == 64 * mib
+    assert sorted((e.file, e.start, e.stop) for e in p.extents) == [
+        (f"t{t}", a, a + 8 * mib) for t in range(2) for a in range(0, 256 * mib, 8 * mib)]
+    on: Dict[Tuple[str, int], set] = {}
+    for k, e in enumerate(p.extents):
+        on.setdefault((e.file, e.start // (64 * mib)), set()).add(nodes[p.reader[k]])
+    assert len(on) == 8 and all(len(ns) == 1 for ns in on.values()), on
+    loads = p.read_bytes()
+    assert [loads[2 * n] + loads[2 * n + 1] for n in range(8)] == [64 * mib] * 8
+    assert sorted(set(loads)) == [32 * mib]
 
 
 @settings(max_examples=60, deadline=None)
