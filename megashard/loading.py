@@ -795,7 +795,8 @@ def load(
         elif chosen == "readonce":
             try:
                 (nread, nrecv, stats.buffer_peak), err = readers.read_once(comm, base, index, work.ops,
-                                                                           scatter_chunk_bytes, threads)
+                                                                           scatter_chunk_bytes, threads,
+                                                                           probe["reader"])
             except Exception as e:  # noqa: BLE001 - must reach the final agreement, never skip it
                 (nread, nrecv), err = (0, 0), f"{type(e).__name__}: read-once transfer failed: {e}"
             stats.bytes_read, stats.bytes_received = nread, nrecv

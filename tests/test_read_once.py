@@ -42,10 +42,19 @@ def _union(ranges: Sequence[Tuple[str, int, int]]) -> int:
     return total
 
 
-def _check_plan(requests: List[List[Tuple[str, int, int]]], chunk: int) -> plan.ReadOncePlan:
+def _check_plan(requests: List[List[Tuple[str, int, int]]], chunk: int,
+                nodes: Sequence[int] = None) -> plan.ReadOncePlan:
     """Every byte of the union read once; every byte of every op delivered exactly once (read in
-    place or received), from the right file offset; messages match on both sides."""
-    p = plan.plan_read_once(requests, chunk)
+    place or received), from the right file offset; messages match on both sides. With
+    ``nodes``: every file (every block of a file over the block size) read on one node."""
+    p = plan.plan_read_once(requests, chunk, nodes)
+    if nodes is not None:
+        total = sum(e.stop - e.start for e in p.extents)
+        block = max(plan.READ_ONCE_NODE_BLOCK, -(-total // len(set(nodes))))
+        on: Dict[Tuple[str, int], set] = {}
+        for k, e in enumerate(p.extents):
+            on.setdefault((e.file, e.start // block), set()).add(nodes[p.reader[k]])
+        assert all(len(ns) == 1 for ns in on.values()), on
     world = len(requests)
     flat = [r for ops in requests for r in ops]
     assert sum(e.stop - e.start for e in p.extents) == _union(flat)
@@ -124,6 +133,65 @@ def test_overlapping_ranges_of_one_rank_are_read_once() -> None:
                 min_size=1, max_size=5), st.integers(1, 90))
 def test_plan_reads_the_union_once_and_delivers_every_byte(requests, chunk) -> None:
     _check_plan(requests, chunk)
+
+
+def test_on_a_file_system_each_file_is_read_on_one_node_bytes_balanced() -> None:
+    """A network file system's client fetches whole files (or large blocks): two nodes reading
+    parts of one file would both fetch it. TP=2 x DP=2 over 2 nodes (one replica per node), six
+    files of unequal sizes, every rank needing a part of every file: each file is read by the
+    ranks of one node, the nodes read within the largest file of each other, and within a node
+    its ranks within two chunks of each other (each stays within a chunk of the node's mean)."""
+    sizes = {"a": 9000, "b": 7000, "c": 5000, "d": 4000, "e": 3000, "f": 2000}
+    tp = [[(f, t * n // 2, n // 2) for f, n in sizes.items()] for t in range(2)]
+    requests = [tp[0], tp[1], tp[0], tp[1]]
+    nodes = [0, 0, 1, 1]
+    p = _check_plan(requests, 256, nodes)
+    loads = p.read_bytes()
+    per_node = [loads[0] + loads[1], loads[2] + loads[3]]
+    assert sum(per_node) == sum(sizes.values())
+    assert abs(per_node[0] - per_node[1]) <= max(sizes.values()), per_node
+    assert abs(loads[0] - loads[1]) <= 2 * 256 and abs(loads[2] - loads[3]) <= 2 * 256, loads
+    # without nodes (an object store) extents of one file are spread over both nodes
+    q = _check_plan(requests, 256)
+    spread = {}
+    for k, e in enumerate(q.extents):
+        spread.setdefault(e.file, set()).add(nodes[q.reader[k]])
+    assert any(len(ns) == 2 for ns in spread.values())
+
+
+def test_on_a_file_system_a_file_goes_to_the_node_that_needs_it() -> None:
+    """Files only one node needs are read there (nothing crosses nodes for them)."""
+    requests = [[("x", 0, 4000)], [("x", 4000, 4000)], [("y", 0, 3000)], [("y", 3000, 5000)]]
+    p = _check_plan(requests, 512, [7, 7, 3, 3])
+    assert all(p.reader[k] in ((0, 1) if e.file == "x" else (2, 3)) for k, e in enumerate(p.extents))
+
+
+def test_on_a_file_system_few_large_files_spread_over_every_node_in_blocks() -> None:
+    """Two 256 MiB files (TP=2), one replica per node on 8 nodes of 2 ranks: whole files would leave
+    6 nodes idle and 2 sending everything; instead each 64 MiB block (``READ_ONCE_NODE_BLOCK``) is
+    read by the ranks of one node, and every node reads one block."""
+    mib = 1 << 20
+    tp = [[(f"t{t}", 0, 256 * mib)] for t in range(2)]
+    nodes = [r // 2 for r in range(16)]
+    p = plan.plan_read_once([tp[r % 2] for r in range(16)], 8 * mib, nodes)  # (too big for _check_plan)
+    assert plan.READ_ONCE_NODE_BLOCK == 64 * mib
+    assert sorted((e.file, e.start, e.stop) for e in p.extents) == [
+        (f"t{t}", a, a + 8 * mib) for t in range(2) for a in range(0, 256 * mib, 8 * mib)]
+    on: Dict[Tuple[str, int], set] = {}
+    for k, e in enumerate(p.extents):
+        on.setdefault((e.file, e.start // (64 * mib)), set()).add(nodes[p.reader[k]])
+    assert len(on) == 8 and all(len(ns) == 1 for ns in on.values()), on
+    loads = p.read_bytes()
+    assert [loads[2 * n] + loads[2 * n + 1] for n in range(8)] == [64 * mib] * 8
+    assert sorted(set(loads)) == [32 * mib]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 300), st.integers(0, 120)), max_size=5),
+                min_size=2, max_size=6), st.integers(1, 90), st.integers(0, 2**16))
+def test_plan_by_node_reads_each_file_on_one_node(requests, chunk, seed) -> None:
+    nodes = [(seed >> r) % 2 for r in range(len(requests))]
+    _check_plan(requests, chunk, nodes)
 
 
 # -- loads on two fake nodes ----------------------------------------------------------------------
