@@ -63,14 +63,11 @@ def replica_group(rank: int, world: int, jump: int, factor: int) -> List[int]:
 
 
 def resolve_jump(jump: Optional[int]) -> int:
-    """``--replication-jump``, or when not given the number of ranks per node (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    """``--replication-jump``: required, as Megatron requires it."""
     if jump:
         return int(jump)
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and local.isdigit() and int(local) > 0:
-        return int(local)
-    raise CheckpointError("--replication needs --replication-jump J (the number of ranks per node) when "
-                          "LOCAL_WORLD_SIZE is not set")
+    raise CheckpointError("--replication requires --replication-jump J (the spacing of a rank's replicas: "
+                          "the number of ranks per node puts them on other nodes)")
 
 
 def check_peers(comm: Comm, side: Comm, group: Sequence[int], jump: int) -> None:
