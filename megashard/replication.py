@@ -117,18 +117,16 @@ class _Incoming:
 
     def __init__(self, final: str, src: int, header: Dict[str, Any]) -> None:
         self.final, self.src, self.tmp, self.error = final, src, None, header.get("error")
-        self.files: List[Tuple[str, int]] = []
-        self.crcs: List[int] = []
+        #: the sender's file list (structure checked by _exchange_headers): it fixes the stream's
+        #: messages, so it is kept even when a name is refused (the bytes are then only consumed)
+        self.files: List[Tuple[str, int]] = [(n, s) for n, s in header.get("files") or []]
+        self.crcs = [0] * len(self.files)
         self.handles: List[Any] = []
         if self.error:
             return
         try:
-            for name, size in header["files"]:
+            for name, _ in self.files:
                 storage.check_member_name(name, f"replica of rank {src} for {final}")
-                if type(size) is not int or size < 0:
-                    raise CheckpointError(f"replica of rank {src} for {final}: bad size {size!r} of {name}")
-                self.files.append((name, size))
-            self.crcs = [0] * len(self.files)
             if os.path.isdir(os.path.dirname(final)):  # what a killed transfer left (its owner is gone)
                 storage.cleanup_stale_temps(os.path.dirname(final))
             os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
@@ -207,8 +205,7 @@ def transfer(side: Comm, sends: Sequence[Tuple[str, Sequence[int]]], recvs: Sequ
     recv_chunks = [_chunks(inc.files) for inc in incoming]
     send_crcs = [[0] * len(f) for f in out_files]
     send_ok = [True] * len(sends)
-    handles = [[open(os.path.join(d, n), "rb") if files else None for n, _ in files]
-               for (d, _), files in zip(sends, out_files)]
+    handles = [[_open_or_none(os.path.join(d, n)) for n, _ in files] for (d, _), files in zip(sends, out_files)]
     try:
         rounds = max([len(c) for c in send_chunks + recv_chunks] or [0])
         for k in range(rounds):
@@ -218,10 +215,11 @@ def transfer(side: Comm, sends: Sequence[Tuple[str, Sequence[int]]], recvs: Sequ
                     i, off, n = chunks[k]
                     buf = torch.zeros(n, dtype=torch.uint8)
                     try:
-                        got_n = handles[si][i].readinto(buf.numpy())
-                        if got_n != n:
+                        h = handles[si][i]
+                        h.seek(off)
+                        if h.readinto(buf.numpy()) != n:
                             send_ok[si] = False
-                    except OSError:
+                    except (OSError, AttributeError):  # gone since it was listed: the receivers discard it
                         send_ok[si] = False
                     send_crcs[si][i] = zlib.crc32(buf.numpy(), send_crcs[si][i])
                     outgoing += [(buf, dst) for dst in sends[si][1]]
@@ -248,6 +246,13 @@ def transfer(side: Comm, sends: Sequence[Tuple[str, Sequence[int]]], recvs: Sequ
     return [inc.finish([int(x) for x in t.tolist()][: len(inc.files)]) for inc, t in zip(incoming, tails)]
 
 
+def _open_or_none(path: str) -> Any:
+    try:
+        return open(path, "rb")
+    except OSError:
+        return None
+
+
 def _exchange_headers(side: Comm, headers: Dict[int, Dict[str, Any]], srcs: Sequence[int],
                       what: str) -> List[Dict[str, Any]]:
     """Send each destination its header, receive each source's."""
@@ -264,12 +269,14 @@ def _exchange_headers(side: Comm, headers: Dict[int, Dict[str, Any]], srcs: Sequ
     for src, b in zip(srcs, bufs):
         try:
             h = json.loads(bytes(b.numpy()))
-            if not isinstance(h, dict) or not (isinstance(h.get("files"), list) or isinstance(h.get("error"), str)):
-                raise ValueError("not a header")
-            if "files" in h and not all(isinstance(f, list) and len(f) == 2 for f in h["files"]):
-                raise ValueError("bad file list")
-        except ValueError as e:
-            h = {"error": f"rank {src} sent a malformed header ({e})"}
+        except ValueError:
+            h = None
+        ok = isinstance(h, dict) and (isinstance(h.get("error"), str) or (
+            isinstance(h.get("files"), list)
+            and all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and type(f[1]) is int
+                    and f[1] >= 0 for f in h["files"])))
+        if not ok:  # the stream that follows cannot be matched: a bug or a hostile peer, never a retry
+            raise CheckpointError(f"{what}: rank {src} sent a malformed header; the transfer stops")
         out.append(h)
     return out
 
