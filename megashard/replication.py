@@ -32,10 +32,10 @@ import stat
 import threading
 import time
 import uuid
-import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from isal import isal_zlib
 
 from . import localtier, storage
 from .errors import CheckpointError, DistributedError
@@ -145,7 +145,7 @@ class _Incoming:
             return  # keep consuming the stream, so the peer's transfer completes
         try:
             view = buf.numpy()
-            self.crcs[i] = zlib.crc32(view, self.crcs[i])
+            self.crcs[i] = isal_zlib.crc32(view, self.crcs[i])
             self.handles[i].write(view)
         except OSError as e:
             self._fail(f"writing {self.files[i][0]}: {e}")
@@ -213,7 +213,7 @@ def transfer(side: Comm, sends: Sequence[Tuple[str, Sequence[int]]], recvs: Sequ
             for si, chunks in enumerate(send_chunks):
                 if k < len(chunks):
                     i, off, n = chunks[k]
-                    buf = torch.zeros(n, dtype=torch.uint8)
+                    buf = torch.empty(n, dtype=torch.uint8)
                     try:
                         h = handles[si][i]
                         h.seek(off)
@@ -221,7 +221,7 @@ def transfer(side: Comm, sends: Sequence[Tuple[str, Sequence[int]]], recvs: Sequ
                             send_ok[si] = False
                     except (OSError, AttributeError):  # gone since it was listed: the receivers discard it
                         send_ok[si] = False
-                    send_crcs[si][i] = zlib.crc32(buf.numpy(), send_crcs[si][i])
+                    send_crcs[si][i] = isal_zlib.crc32(buf.numpy(), send_crcs[si][i])
                     outgoing += [(buf, dst) for dst in sends[si][1]]
             for ri, chunks in enumerate(recv_chunks):
                 if k < len(chunks):

@@ -118,7 +118,7 @@ def main() -> None:
                 raise SystemExit(run.output[-4000:])
             restarts[kind] += timers(run.output).get("load-checkpoint", [])
             peer_transfer += [float(x) for x in RESTORED.findall(run.output)]
-        size = sum(f.stat().st_size for f in keep.rglob("rank0000*/iter_0000004/*"))
+        size = sum(f.stat().st_size for f in keep.glob("rank*/local/megashard-*/rank0000*/iter_0000004/*"))
         rank1 = sum(f.stat().st_size for f in keep.rglob("rank1/local/*/rank00001/iter_0000004/*"))
         result = {"local_save_stall_s": t.get("save-checkpoint-non-persistent", []),
                   "async_save_stall_s": t.get("save-checkpoint", []),
