@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import threading
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
@@ -364,6 +366,33 @@ def _bounded_failures(failures: Dict[int, str]) -> Dict[int, str]:
         rest = ranks[MAX_REPORTED_FAILURES:]
         out[rest[0]] = f"... and {len(rest)} more rank(s) failed (ranks {rest[0]}..{rest[-1]})"
     return out
+
+
+def node_id() -> str:
+    """This process's node: ``MEGASHARD_NODE_ID`` (tests simulate nodes on one host with it), else
+    torchrun's ``GROUP_RANK``, else the host name."""
+    return str(os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename)
+
+
+_SIDE: Dict[str, Any] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def side_group() -> Any:
+    """A gloo process group over the whole job, created once (collective: the first call must be made
+    by every rank, from the main thread, in the same order as the job's other collectives), for
+    traffic that runs beside the job's own collectives, e.g. a background thread's transfers: a
+    separate group never interleaves with the default group's operations. None without an
+    initialised process group."""
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    with _SIDE_LOCK:
+        if _SIDE.get("world") is not world:  # a new default group (tests re-initialise): a new side group
+            _SIDE["group"] = dist.new_group(backend="gloo")
+            _SIDE["world"] = world
+        return _SIDE["group"]
 
 
 def node_readers(node_ids: Sequence[str]) -> Dict[int, int]:
