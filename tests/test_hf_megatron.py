@@ -38,6 +38,20 @@ def hf(*args: str, out=None) -> np.ndarray | None:
     return _logits(out) if out is not None else None
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(*flags)``: (checkpoint, its logits) of ``hf_llama.py --mode save *flags``, made once per
+    module for each set of flags (tests that need the same model share its launch; they only read it)."""
+    made = {}
+
+    def get(*flags: str):
+        if flags not in made:
+            d = tmp_path_factory.mktemp("saved")
+            made[flags] = (d / "ckpt", megatron("save", d / "ckpt", d / "mg.logits", *flags))
+        return made[flags]
+    return get
+
+
 def _logits(path) -> np.ndarray:
     shape = json.load(open(f"{path}.json"))
     return np.fromfile(path, dtype=np.float32).reshape(shape)
@@ -92,9 +106,9 @@ def swap_names(src, dst, a: str, b: str) -> None:
     pytest.param([], id="untied-gqa"),
     pytest.param(["--tied", "--bias", "--interleaved", "--groups", "1"], id="tied-bias-interleaved-1group"),
 ])
-def test_export_tp2_logits_equal_transformers(tmp_path, flags):
-    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2", *flags)
-    res = convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100, shard_bytes=100_000)
+def test_export_tp2_logits_equal_transformers(tmp_path, saved, flags):
+    ckpt, ref = saved("--tp", "2", *flags)
+    res = convert(str(ckpt), str(tmp_path / "hf"), to="hf", vocab_size=100, shard_bytes=100_000)
     assert res.target_format == "hf" and res.iteration == 1
     files = sorted(os.listdir(tmp_path / "hf"))
     assert "config.json" in files and "model.safetensors.index.json" in files
@@ -125,12 +139,12 @@ def test_export_pipeline_layouts_logits_equal_transformers(tmp_path, layout):
     assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
 
 
-def test_export_tensors_file_equals_safetensors_and_loads(tmp_path):
+def test_export_tensors_file_equals_safetensors_and_loads(tmp_path, saved):
     from tensorizer import TensorDeserializer
 
-    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2")
-    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
-    res = convert(str(tmp_path / "ckpt"), str(tmp_path / "hft"), to="hf", vocab_size=100, hf_tensors=True)
+    ckpt, ref = saved("--tp", "2")  # test_export_tp2_logits_equal_transformers[untied-gqa]'s model
+    convert(str(ckpt), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    res = convert(str(ckpt), str(tmp_path / "hft"), to="hf", vocab_size=100, hf_tensors=True)
     assert res.target_format == "hf (tensorizer)"
     assert sorted(os.listdir(tmp_path / "hft")) == ["config.json", "model.tensors"]
     assert open(tmp_path / "hft" / "config.json").read() == open(tmp_path / "hf" / "config.json").read()
@@ -162,15 +176,17 @@ def test_import_loads_in_megatron_tp2_and_pp2_and_round_trips(tmp_path):
     assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)
 
 
-def test_megashard_hf_megashard_same_model_tensors(tmp_path):
+def test_megashard_hf_megashard_same_model_tensors(tmp_path, saved):
     import torch
 
     import megashard
 
-    megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2", "--bias")
-    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    # test_export_tp2_logits_equal_transformers[tied-bias-interleaved-1group]'s model (biases, tied
+    # embedding, interleaved QKV)
+    ckpt, _ = saved("--tp", "2", "--tied", "--bias", "--interleaved", "--groups", "1")
+    convert(str(ckpt), str(tmp_path / "hf"), to="hf", vocab_size=100)
     convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
-    a = megashard.load_consolidated(str(tmp_path / "ckpt" / "iter_0000001"))
+    a = megashard.load_consolidated(str(ckpt / "iter_0000001"))
     b = megashard.load_consolidated(str(tmp_path / "ms" / "release"))
     assert set(a) == set(b)
     for k in a:
