@@ -146,11 +146,18 @@ def test_no_load_optim_keeps_weights_resets_optimizer(tp2):
     assert run.lrs[4] != base.lrs[4]
 
 
-def test_a_checkpoint_without_optimizer_resumes_saying_so(tmp_path):
-    """Saved with --no-save-optim: the resume loads no optimizer state and says so (not "full state")."""
-    root = tmp_path / "noopt"
+@pytest.fixture(scope="module")
+def noopt(tmp_path_factory):
+    """1 rank, 2 iterations, --load of an empty directory, saved there with --no-save-optim."""
+    root = tmp_path_factory.mktemp("noopt")
     args = ["--train-iters", "2", "--lr-decay-iters", "4", "--save-interval", "2"]
-    pretrain([*args, "--save", str(root), "--no-save-optim"], nproc=1).check()
+    run = pretrain([*args, "--load", str(root), "--save", str(root), "--no-save-optim"], nproc=1).check()
+    return root, run
+
+
+def test_a_checkpoint_without_optimizer_resumes_saying_so(noopt):
+    """Saved with --no-save-optim: the resume loads no optimizer state and says so (not "full state")."""
+    root, _ = noopt
     run = pretrain(["--train-iters", "3", "--lr-decay-iters", "4", "--load", str(root)], nproc=1).check()
     assert run.started.startswith(f"started from checkpoint {ckpt(root, 2)} (iteration 2, without optimizer "
                                   "(the checkpoint holds none: saved with --no-save-optim), "), run.started
@@ -163,8 +170,13 @@ def test_exit_on_missing_checkpoint(tmp_path):
     assert run.returncode != 0
     assert "exit-on-missing-checkpoint" in run.output
     assert not run.losses
-    run = pretrain(["--load", str(empty), "--train-iters", "1", "--lr-warmup-iters", "0"], nproc=1).check()
-    assert run.started == "started from scratch (no checkpoint)" and sorted(run.losses) == [1]
+
+
+def test_empty_load_directory_starts_from_scratch(noopt):
+    """Without --exit-on-missing-checkpoint, an empty --load directory means a fresh start (the run that
+    saved ``noopt``: one launch for both tests)."""
+    _, run = noopt
+    assert run.started == "started from scratch (no checkpoint)" and sorted(run.losses) == [1, 2]
 
 
 # --------------------------------------------------------------------------------------
