@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from test_megatron_lm_install import mlm, mlm_tree  # noqa: E402,F401 - the fixture is used by name
+from test_megatron_lm_install import mlm, mlm_torch_dist, mlm_tree  # noqa: E402,F401 - fixtures used by name
 
 import megashard  # noqa: E402
 from megashard import storage  # noqa: E402
@@ -21,10 +21,11 @@ from megashard.convert import _megatron_core, convert  # noqa: E402
 from layouts import bit_equal  # noqa: E402
 
 
-def test_megatron_lm_torch_dist_converted_and_resumed(mlm_tree, tmp_path):  # noqa: F811
-    td, ms = tmp_path / "td", tmp_path / "ms"
-    mlm(mlm_tree, ["--train-iters", "4", "--save-interval", "2", "--exit-interval", "2", "--save", str(td),
-                   "--save-format", "torch_dist"])
+def test_megatron_lm_torch_dist_converted_and_resumed(mlm_tree, mlm_torch_dist, tmp_path):  # noqa: F811
+    # Megatron-LM's torch_dist save of iteration 2, and its own resume from it (shared with
+    # test_megatron_lm_install.py's test_other_formats_still_go_to_megatron: one launch pair)
+    td, _, reference = mlm_torch_dist
+    ms = tmp_path / "ms"
     res = convert(str(td), str(ms))
     assert res.source_format == "torch_dist" and res.iteration == 2
     assert storage.read_tracker(str(ms)) == 2
@@ -44,7 +45,6 @@ def test_megatron_lm_torch_dist_converted_and_resumed(mlm_tree, tmp_path):  # no
     assert "holds a megashard checkpoint: loading with megashard" in run.output
     assert "at iteration 2 (optimizer loaded, rng loaded)" in run.output
     # ... and trains on exactly as it does after resuming from the torch_dist original
-    _, reference = mlm(mlm_tree, ["--train-iters", "4", "--load", str(td)])
     assert sorted(losses) == sorted(reference) == [3, 4]
     assert losses == reference
     assert os.path.isdir(td / "iter_0000002")  # the source is untouched

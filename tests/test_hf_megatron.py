@@ -38,6 +38,27 @@ def hf(*args: str, out=None) -> np.ndarray | None:
     return _logits(out) if out is not None else None
 
 
+def hf_each(*dirs) -> list:
+    """transformers' logits of each HF directory, in one process: ``[logits of dirs[0], ...]``."""
+    outs = [f"{d}.logits" for d in dirs]
+    hf(dirs[0], outs[0], *[a for d, o in zip(dirs[1:], outs[1:]) for a in ("--also", d, o)])
+    return [_logits(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(*flags)``: (checkpoint, its logits) of ``hf_llama.py --mode save *flags``, made once per
+    module for each set of flags (tests that need the same model share its launch; they only read it)."""
+    made = {}
+
+    def get(*flags: str):
+        if flags not in made:
+            d = tmp_path_factory.mktemp("saved")
+            made[flags] = (d / "ckpt", megatron("save", d / "ckpt", d / "mg.logits", *flags))
+        return made[flags]
+    return get
+
+
 def _logits(path) -> np.ndarray:
     shape = json.load(open(f"{path}.json"))
     return np.fromfile(path, dtype=np.float32).reshape(shape)
@@ -92,9 +113,9 @@ def swap_names(src, dst, a: str, b: str) -> None:
     pytest.param([], id="untied-gqa"),
     pytest.param(["--tied", "--bias", "--interleaved", "--groups", "1"], id="tied-bias-interleaved-1group"),
 ])
-def test_export_tp2_logits_equal_transformers(tmp_path, flags):
-    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2", *flags)
-    res = convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100, shard_bytes=100_000)
+def test_export_tp2_logits_equal_transformers(tmp_path, saved, flags):
+    ckpt, ref = saved("--tp", "2", *flags)
+    res = convert(str(ckpt), str(tmp_path / "hf"), to="hf", vocab_size=100, shard_bytes=100_000)
     assert res.target_format == "hf" and res.iteration == 1
     files = sorted(os.listdir(tmp_path / "hf"))
     assert "config.json" in files and "model.safetensors.index.json" in files
@@ -102,12 +123,11 @@ def test_export_tp2_logits_equal_transformers(tmp_path, flags):
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors", files
     cfg = json.load(open(tmp_path / "hf" / "config.json"))
     assert cfg["vocab_size"] == 100 and cfg["tie_word_embeddings"] == ("--tied" in flags)
-    got = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
-    assert ref.shape == got.shape == (2, 8, 100)
-    assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
     # the negative control: gate and up swapped must not pass the same comparison
     swap_gate_up(tmp_path / "hf", tmp_path / "swapped")
-    bad = hf(tmp_path / "swapped", tmp_path / "bad.logits", out=tmp_path / "bad.logits")
+    got, bad = hf_each(tmp_path / "hf", tmp_path / "swapped")
+    assert ref.shape == got.shape == (2, 8, 100)
+    assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
     assert np.abs(ref - bad).max() > 1e-2
 
 
@@ -125,12 +145,12 @@ def test_export_pipeline_layouts_logits_equal_transformers(tmp_path, layout):
     assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
 
 
-def test_export_tensors_file_equals_safetensors_and_loads(tmp_path):
+def test_export_tensors_file_equals_safetensors_and_loads(tmp_path, saved):
     from tensorizer import TensorDeserializer
 
-    ref = megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2")
-    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
-    res = convert(str(tmp_path / "ckpt"), str(tmp_path / "hft"), to="hf", vocab_size=100, hf_tensors=True)
+    ckpt, ref = saved("--tp", "2")  # test_export_tp2_logits_equal_transformers[untied-gqa]'s model
+    convert(str(ckpt), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    res = convert(str(ckpt), str(tmp_path / "hft"), to="hf", vocab_size=100, hf_tensors=True)
     assert res.target_format == "hf (tensorizer)"
     assert sorted(os.listdir(tmp_path / "hft")) == ["config.json", "model.tensors"]
     assert open(tmp_path / "hft" / "config.json").read() == open(tmp_path / "hf" / "config.json").read()
@@ -148,8 +168,8 @@ def test_export_tensors_file_equals_safetensors_and_loads(tmp_path):
 
 def test_import_loads_in_megatron_tp2_and_pp2_and_round_trips(tmp_path):
     # a random HF Llama (GQA, untied, vocab 100: at TP=2 Megatron pads to 256, rank 1 holds only padding)
-    hf(tmp_path / "hf", "--make", "--vocab", "100", "--layers", "2")
-    ref = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    ref = hf(tmp_path / "hf", tmp_path / "hf.logits", "--make", "--vocab", "100", "--layers", "2",
+             out=tmp_path / "hf.logits")  # made, then loaded back from the directory
     res = convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
     assert res.source_format == "hf" and res.iteration == "release"
     assert open(tmp_path / "ms" / "latest_checkpointed_iteration.txt").read().strip() == "release"
@@ -162,15 +182,17 @@ def test_import_loads_in_megatron_tp2_and_pp2_and_round_trips(tmp_path):
     assert sorted(a) == sorted(b) and all(a[k] == b[k] for k in a)
 
 
-def test_megashard_hf_megashard_same_model_tensors(tmp_path):
+def test_megashard_hf_megashard_same_model_tensors(tmp_path, saved):
     import torch
 
     import megashard
 
-    megatron("save", tmp_path / "ckpt", tmp_path / "mg.logits", "--tp", "2", "--bias")
-    convert(str(tmp_path / "ckpt"), str(tmp_path / "hf"), to="hf", vocab_size=100)
+    # not the tied/interleaved model of test_export_tp2_logits_equal_transformers: the HF import makes a
+    # non-interleaved checkpoint (the same logits, other tensors)
+    ckpt, _ = saved("--tp", "2", "--bias")
+    convert(str(ckpt), str(tmp_path / "hf"), to="hf", vocab_size=100)
     convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
-    a = megashard.load_consolidated(str(tmp_path / "ckpt" / "iter_0000001"))
+    a = megashard.load_consolidated(str(ckpt / "iter_0000001"))
     b = megashard.load_consolidated(str(tmp_path / "ms" / "release"))
     assert set(a) == set(b)
     for k in a:
@@ -193,13 +215,14 @@ def test_export_moe_ep2_logits_equal_mixtral(tmp_path):
     assert names["model.layers.1.block_sparse_moe.experts.3.w1.weight"][1] == (96, 64)
     assert names["model.layers.1.block_sparse_moe.experts.3.w2.weight"][1] == (64, 96)
     assert not any(".mlp." in n for n in names)
-    got = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    # negative controls: an expert of EP rank 0 swapped with one of rank 1; gate (w1) and up (w3) swapped
+    swaps = ((".experts.0.", ".experts.2."), (".w1.", ".w3."))
+    for a, b in swaps:
+        swap_names(tmp_path / "hf", tmp_path / f"bad{a}", a, b)
+    got, *bads = hf_each(tmp_path / "hf", *[tmp_path / f"bad{a}" for a, _ in swaps])
     assert ref.shape == got.shape == (2, 8, 100)
     assert np.abs(ref - got).max() < TOL, np.abs(ref - got).max()
-    # negative controls: an expert of EP rank 0 swapped with one of rank 1; gate (w1) and up (w3) swapped
-    for a, b in ((".experts.0.", ".experts.2."), (".w1.", ".w3.")):
-        swap_names(tmp_path / "hf", tmp_path / f"bad{a}", a, b)
-        bad = hf(tmp_path / f"bad{a}", tmp_path / "bad.logits", out=tmp_path / "bad.logits")
+    for (a, b), bad in zip(swaps, bads):
         assert np.abs(ref - bad).max() > 1e-2, (a, b)
     # megashard -> HF -> megashard: the same model tensors (the embedding and output layer without padding)
     import torch
@@ -216,8 +239,8 @@ def test_export_moe_ep2_logits_equal_mixtral(tmp_path):
 
 
 def test_import_mixtral_loads_in_megatron_ep2_and_ep1_and_round_trips(tmp_path):
-    hf(tmp_path / "hf", "--make", "--vocab", "100", *MOE)
-    ref = hf(tmp_path / "hf", tmp_path / "hf.logits", out=tmp_path / "hf.logits")
+    ref = hf(tmp_path / "hf", tmp_path / "hf.logits", "--make", "--vocab", "100", *MOE,
+             out=tmp_path / "hf.logits")  # made, then loaded back from the directory
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in tensors_of(tmp_path / "hf")  # the Hub's names
     res = convert(str(tmp_path / "hf"), str(tmp_path / "ms"))
     assert res.source_format == "hf"

@@ -22,6 +22,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Callable, Dict, TypeVar
 
 import pytest
 
@@ -33,11 +34,22 @@ from megatron_helpers.runner import REPO, TESTS, compare_checkpoints, torchrun
 INSTALLED = importlib.metadata.version("megatron-core")
 RELEASE = re.match(r"\d+\.\d+\.\d+", INSTALLED).group(0)
 
+T = TypeVar("T")
+#: what the session fixtures below made: pytest gives every module that imports a fixture its own copy
+#: of it, so a session fixture imported by several modules would run once per module
+_SESSION: Dict[str, object] = {}
+
+
+def _once(key: str, make: Callable[[], T]) -> T:
+    if key not in _SESSION:
+        _SESSION[key] = make()
+    return _SESSION[key]  # type: ignore[return-value]
+
 
 @pytest.fixture(scope="session")
 def mlm_tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
     try:
-        return find_tree(RELEASE, Path(REPO), lambda: tmp_path_factory.mktemp("megatron-lm"))
+        return _once("tree", lambda: find_tree(RELEASE, Path(REPO), lambda: tmp_path_factory.mktemp("megatron-lm")))
     except TreeMissing as e:
         pytest.fail(str(e))
 
@@ -73,6 +85,32 @@ def mlm(tree: Tree, args, env=None):
     return run, losses
 
 
+@pytest.fixture(scope="session")
+def mlm_base(mlm_tree, tmp_path_factory):
+    """The uninterrupted megashard run resumes are compared with: 6 iterations (TP=2), saved at 3 and 6.
+    (directory, run, losses); one launch for every module that uses it. Tests only read the directory."""
+    def make():
+        a = tmp_path_factory.mktemp("mlm-base") / "a"
+        run, losses = mlm(mlm_tree, ["--train-iters", "6", "--save-interval", "3", "--save", str(a),
+                                     "--save-format", "tensors"])
+        return a, run, losses
+    return _once("base", make)
+
+
+@pytest.fixture(scope="session")
+def mlm_torch_dist(mlm_tree, tmp_path_factory):
+    """Megatron-LM's own torch_dist checkpoint of iteration 2 (TP=2, stopped there), and Megatron-LM
+    resuming from it with its own loader to iteration 4: (directory, resumed run, its losses). One
+    launch pair for every module that uses it. Tests only read the directory."""
+    def make():
+        d = tmp_path_factory.mktemp("mlm-torch-dist") / "td"
+        mlm(mlm_tree, ["--train-iters", "4", "--save-interval", "2", "--exit-interval", "2", "--save", str(d),
+                       "--save-format", "torch_dist"])
+        run, losses = mlm(mlm_tree, ["--train-iters", "4", "--load", str(d)])
+        return d, run, losses
+    return _once("torch_dist", make)
+
+
 def test_version_matches_installed_megatron_core(mlm_tree):
     ver = tree_version(mlm_tree.path)
     assert ver is not None, (
@@ -88,10 +126,9 @@ def test_version_matches_installed_megatron_core(mlm_tree):
             f"{TAG_COMMITS.get(ver, 'not in TAG_COMMITS (add it)')}")
 
 
-def test_megatron_lm_saves_and_resumes_through_megashard(mlm_tree, tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
-    base, base_losses = mlm(mlm_tree, ["--train-iters", "6", "--save-interval", "3", "--save", str(a),
-                                       "--save-format", "tensors"])
+def test_megatron_lm_saves_and_resumes_through_megashard(mlm_tree, mlm_base, tmp_path):
+    a, base, base_losses = mlm_base
+    b = tmp_path / "b"
     assert "megashard installed into megatron.training.checkpointing, megatron.training.training" in base.output
     assert sorted(base_losses) == [1, 2, 3, 4, 5, 6]
     # Megatron-LM's layout, megashard's files, tracker written last
@@ -115,12 +152,9 @@ def test_megatron_lm_saves_and_resumes_through_megashard(mlm_tree, tmp_path):
     assert any(k.startswith("optimizer.state.exp_avg.") for k in cmp["compared"])
 
 
-def test_other_formats_still_go_to_megatron(mlm_tree, tmp_path):
-    d = tmp_path / "td"
-    run, _ = mlm(mlm_tree, ["--train-iters", "4", "--save-interval", "2", "--exit-interval", "2", "--save", str(d),
-                            "--save-format", "torch_dist"])
+def test_other_formats_still_go_to_megatron(mlm_torch_dist):
+    d, run, losses = mlm_torch_dist
     files = os.listdir(d / "iter_0000002")
     assert "metadata.json" in files and any(f.endswith(".distcp") for f in files), files   # Megatron's writer
-    run, losses = mlm(mlm_tree, ["--train-iters", "4", "--load", str(d)])
     assert "loading with megashard" not in run.output
     assert "successfully loaded checkpoint from" in run.output and sorted(losses) == [3, 4]

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from megatron_helpers.runner import TESTS, compare_checkpoints, torchrun
-from test_megatron_lm_install import ARGS, mlm, mlm_tree  # noqa: F401 - mlm_tree is a fixture
+from test_megatron_lm_install import ARGS, mlm_base, mlm_tree  # noqa: F401 - fixtures
 
 SCRIPT = os.path.join(TESTS, "megatron_helpers", "mlm_pretrain_gpt.py")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -25,11 +25,10 @@ PROMPT_S = 60  # "promptly": Megatron's process-group timeout is 10 minutes
 
 
 @pytest.fixture(scope="module")
-def base(mlm_tree, tmp_path_factory):  # noqa: F811
-    """6 iterations, saved at 3 and 6 (the reference for bit-exact resumes)."""
-    root = tmp_path_factory.mktemp("base") / "a"
-    mlm(mlm_tree, ["--train-iters", "6", "--save-interval", "3", "--save", str(root), "--save-format", "tensors"])
-    return root
+def base(mlm_base):  # noqa: F811
+    """6 iterations, saved at 3 and 6 (the reference for bit-exact resumes): test_megatron_lm_install.py's
+    run, shared (one launch)."""
+    return mlm_base[0]
 
 
 def job(tree, args, tmp_path, env=None):

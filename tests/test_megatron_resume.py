@@ -146,11 +146,18 @@ def test_no_load_optim_keeps_weights_resets_optimizer(tp2):
     assert run.lrs[4] != base.lrs[4]
 
 
-def test_a_checkpoint_without_optimizer_resumes_saying_so(tmp_path):
-    """Saved with --no-save-optim: the resume loads no optimizer state and says so (not "full state")."""
-    root = tmp_path / "noopt"
+@pytest.fixture(scope="module")
+def noopt(tmp_path_factory):
+    """1 rank, 2 iterations, --load of an empty directory, saved there with --no-save-optim."""
+    root = tmp_path_factory.mktemp("noopt")
     args = ["--train-iters", "2", "--lr-decay-iters", "4", "--save-interval", "2"]
-    pretrain([*args, "--save", str(root), "--no-save-optim"], nproc=1).check()
+    run = pretrain([*args, "--load", str(root), "--save", str(root), "--no-save-optim"], nproc=1).check()
+    return root, run
+
+
+def test_a_checkpoint_without_optimizer_resumes_saying_so(noopt):
+    """Saved with --no-save-optim: the resume loads no optimizer state and says so (not "full state")."""
+    root, _ = noopt
     run = pretrain(["--train-iters", "3", "--lr-decay-iters", "4", "--load", str(root)], nproc=1).check()
     assert run.started.startswith(f"started from checkpoint {ckpt(root, 2)} (iteration 2, without optimizer "
                                   "(the checkpoint holds none: saved with --no-save-optim), "), run.started
@@ -163,8 +170,13 @@ def test_exit_on_missing_checkpoint(tmp_path):
     assert run.returncode != 0
     assert "exit-on-missing-checkpoint" in run.output
     assert not run.losses
-    run = pretrain(["--load", str(empty), "--train-iters", "1", "--lr-warmup-iters", "0"], nproc=1).check()
-    assert run.started == "started from scratch (no checkpoint)" and sorted(run.losses) == [1]
+
+
+def test_empty_load_directory_starts_from_scratch(noopt):
+    """Without --exit-on-missing-checkpoint, an empty --load directory means a fresh start (the run that
+    saved ``noopt``: one launch for both tests)."""
+    _, run = noopt
+    assert run.started == "started from scratch (no checkpoint)" and sorted(run.losses) == [1, 2]
 
 
 # --------------------------------------------------------------------------------------
@@ -252,7 +264,10 @@ def test_distributed_optimizer_dp2_to_tp2_reshards_exactly(distopt, tmp_path):
 
 def test_save_to_and_resume_from_s3(tp2, s3):
     """``--save s3://…`` / ``--load s3://…`` (a local S3 endpoint): the tracker is an object, the
-    resumed run reproduces the uninterrupted run's losses exactly, in scatter mode too."""
+    resumed run reproduces the uninterrupted run's losses exactly. The resume is in scatter mode (rank 0
+    fetches, streams to rank 1; both ranks' object-store clients ran in the save): each load mode over
+    S3 is test_s3_checkpoint.py::test_two_ranks_save_and_reshard_with_exact_request_counts, each mode
+    inside Megatron a local resume above (own: test_pp2_vp2_same_layout_resume_is_bit_exact)."""
     from megashard.objstore.client import ObjectStore
 
     _, base = tp2
@@ -262,8 +277,7 @@ def test_save_to_and_resume_from_s3(tp2, s3):
     store, key = ObjectStore.for_url(root)
     data, _ = store.get_bytes(f"{key}/latest_checkpointed_iteration.txt", 100)
     assert data.strip() == b"6"
-    for mode in ("own", "scatter"):
-        resumed = pretrain(["--tensor-model-parallel-size", "2", "--load", root, "--ckpt-step", "3",
-                            "--megashard-load-mode", mode, *ITERS]).check()
-        assert resumed.digests["start"] == base.digests["saved@3"]
-        assert {i: resumed.losses[i] for i in (4, 5, 6)} == {i: base.losses[i] for i in (4, 5, 6)}
+    resumed = pretrain(["--tensor-model-parallel-size", "2", "--load", root, "--ckpt-step", "3",
+                        "--megashard-load-mode", "scatter", *ITERS]).check()
+    assert resumed.digests["start"] == base.digests["saved@3"]
+    assert {i: resumed.losses[i] for i in (4, 5, 6)} == {i: base.losses[i] for i in (4, 5, 6)}
