@@ -42,8 +42,11 @@ head, digest, the whole index, the node's bytes once), from the same load plans.
 totals are exact when every rank (node) is sampled, else the sampled mean times the ranks
 (nodes), marked ``est``.
 
+``--load-bytes`` adds the bytes leaving storage for one same-layout load per mode (``own``,
+``scatter``, ``readonce``), the job's total and the busiest node's (:func:`load_bytes_report`).
+
 Usage: ``scripts/simulate_scale.py --model llama3-70b --tp 8 --pp 8 --dp 16 --distributed-optimizer
-[--reshard-to TP,PP,DP[,EP]] [--sample 16] [--storage s3 [--ranks-per-node 8]] [--json]``.
+[--reshard-to TP,PP,DP[,EP]] [--sample 16] [--storage s3] [--load-bytes] [--ranks-per-node 8] [--json]``.
 """
 from __future__ import annotations
 
@@ -415,6 +418,71 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
     }
 
 
+def _union_bytes(ranges: Sequence[Range]) -> int:
+    """Bytes covered by ``ranges`` (file, offset, nbytes), overlaps counted once."""
+    by_file: Dict[str, List[Tuple[int, int]]] = {}
+    for f, o, n in ranges:
+        if n:
+            by_file.setdefault(f, []).append((o, o + n))
+    total = 0
+    for spans in by_file.values():
+        spans.sort()
+        lo, hi = spans[0]
+        for a, b in spans[1:]:
+            if a > hi:
+                total += hi - lo
+                lo, hi = a, b
+            else:
+                hi = max(hi, b)
+        total += hi - lo
+    return total
+
+
+def _largest_first(sizes: Sequence[int], bins: int) -> int:
+    """The fullest of ``bins`` after placing ``sizes`` largest first on the emptiest (whole files over nodes)."""
+    import heapq
+
+    heap = [0] * bins
+    for s in sorted(sizes, reverse=True):
+        heapq.heapreplace(heap, heap[0] + s)
+    return max(heap)
+
+
+def load_bytes_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sample: int,
+                      ranks_per_node: int) -> Dict[str, Any]:
+    """Bytes leaving storage for one same-layout load, per mode: the job's total and the busiest
+    node's, against the unique bytes (every saved byte: a same-layout resume needs all of them).
+    ``own``: every rank its ranges (each DP replica reads again); ``scatter``: each node the union
+    of its ranks' ranges; ``readonce``: the unique bytes once, whole files spread over the nodes
+    largest first (the file-system plan; on S3 extents are balanced, so its busiest node is at most
+    this). From the same load plans as the ranks run; sampled nodes: totals are the mean times the
+    nodes, marked ``est`` unless every node is sampled."""
+    index = mf.LazyIndex(mf.parse_head(head, "simulated"), lambda s, n: sections[s:s + n], "simulated", len(head))
+    files = [int(info.get("bytes", 0)) for info in index.files.values()]
+    unique = sum(files)
+    world = layout.world
+    nodes = -(-world // ranks_per_node)
+    own, scatter = [], []
+    for nd in _sample(nodes, sample):
+        members = range(nd * ranks_per_node, min(world, (nd + 1) * ranks_per_node))
+        own.append(sum(n for r in members
+                       for _f, _o, n in plan_rank(head, sections, model, layout, r, ranges=True)["ranges"]))
+        scatter.append(_union_bytes([x for r in members for x in
+                                     plan_rank(head, sections, model, layout, r, rows_ok=False, ranges=True)["ranges"]]))
+    exact = len(own) >= nodes
+
+    def mode(per_node: Sequence[int]) -> Dict[str, Any]:
+        total = sum(per_node) if exact else round(sum(per_node) / len(per_node) * nodes)
+        return {"total_bytes": total if exact else f"{total} (est)", "max_node_bytes": max(per_node),
+                "vs_unique": round(total / max(unique, 1), 3)}
+
+    return {"load_unique_bytes": unique, "load_nodes": nodes, "load_ranks_per_node": ranks_per_node,
+            "load_storage_bytes": {
+                "own": mode(own), "scatter": mode(scatter),
+                "readonce": {"total_bytes": unique, "max_node_bytes": _largest_first(files, nodes),
+                             "vs_unique": 1.0}}}
+
+
 def _sample(world: int, n: int) -> List[int]:
     if world <= n:
         return list(range(world))
@@ -423,7 +491,7 @@ def _sample(world: int, n: int) -> List[int]:
 
 
 def run(model: str, layout: sm.Layout, reshard: Optional[sm.Layout], sample: int, storage: str = "posix",
-        ranks_per_node: int = 8) -> Dict[str, Any]:
+        ranks_per_node: int = 8, load_bytes: bool = False) -> Dict[str, Any]:
     out = simulate_save(model, layout)
     head, sections = out.pop("_head"), out.pop("_sections")
     ranks = [plan_rank(head, sections, model, layout, r) for r in _sample(layout.world, sample)]
@@ -440,6 +508,8 @@ def run(model: str, layout: sm.Layout, reshard: Optional[sm.Layout], sample: int
         out["reshard_problems"] = [p for r in rs for p in r["problems"]][:5]
     if storage == "s3":
         out.update(s3_report(head, sections, model, layout, sample, ranks_per_node))
+    if load_bytes:
+        out.update(load_bytes_report(head, sections, model, layout, sample, ranks_per_node))
     return out
 
 
@@ -456,7 +526,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--sample", type=int, default=16, help="ranks whose load plan is measured")
     ap.add_argument("--storage", choices=("posix", "s3"), default="posix",
                     help="s3: also the object-store request counts of a save and of loads")
-    ap.add_argument("--ranks-per-node", type=int, default=8, help="scatter loads (--storage s3): one reader per node")
+    ap.add_argument("--ranks-per-node", type=int, default=8,
+                    help="ranks per node for scatter loads (--storage s3) and --load-bytes")
+    ap.add_argument("--load-bytes", action="store_true",
+                    help="bytes leaving storage per load and per node, own / scatter / readonce")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     layout = sm.Layout(tp=a.tp, pp=a.pp, dp=a.dp, ep=a.ep, vp=a.vp, distributed_optimizer=a.distributed_optimizer)
@@ -466,7 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reshard = sm.Layout(tp=v[0], pp=v[1], dp=v[2], ep=v[3] if len(v) > 3 else 1, vp=a.vp,
                             distributed_optimizer=a.distributed_optimizer)
     out = {"model": a.model, "layout": f"TP{a.tp}·PP{a.pp}·DP{a.dp}" + (f"·EP{a.ep}" if a.ep > 1 else "")}
-    out.update(run(a.model, layout, reshard, a.sample, a.storage, a.ranks_per_node))
+    out.update(run(a.model, layout, reshard, a.sample, a.storage, a.ranks_per_node, a.load_bytes))
     if a.json:
         print(json.dumps(out))
     else:

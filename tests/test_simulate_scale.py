@@ -165,6 +165,39 @@ def test_s3_report_small_config_exact():
     assert (rep["s3_load_own_gets"]["data"], rep["s3_load_scatter_gets"]["data"]) == (22, 12)  # as computed today
 
 
+def test_load_bytes_report_small_config_exact():
+    """--load-bytes on TP2·DP2 (4 ranks, 2 per node, both nodes sampled): ``own`` is every rank's
+    ranges summed, ``scatter`` each node's union, ``readonce`` every saved byte once; the two DP
+    replicas read the parameters twice in ``own`` and ``scatter`` (one per node), once in ``readonce``."""
+    layout = sm.Layout(tp=2, pp=1, dp=2)
+    out = ss.simulate_save("tiny-gpt", layout)
+    head, sections = out["_head"], out["_sections"]
+    rep = ss.load_bytes_report(head, sections, "tiny-gpt", layout, sample=16, ranks_per_node=2)
+    files = [f["bytes"] for f in _full(out).files.values()]
+    plans = [ss.plan_rank(head, sections, "tiny-gpt", layout, r, ranges=True)["ranges"] for r in range(4)]
+    own = sum(n for p in plans for _f, _o, n in p)
+    sizes = {name: f["bytes"] for name, f in _full(out).files.items()}
+
+    def covered(ranks):  # bytes the ranks read, each counted once (a mask per file)
+        masks = {name: bytearray(n) for name, n in sizes.items()}
+        for r in ranks:
+            for f, o, n in plans[r]:
+                masks[f][o:o + n] = b"\x01" * n
+        return sum(m.count(1) for m in masks.values())
+
+    covered = [covered(rs) for rs in ((0, 1), (2, 3), (0, 1, 2, 3))]
+    by = rep["load_storage_bytes"]
+    assert rep["load_unique_bytes"] == sum(files) and rep["load_nodes"] == 2
+    assert by["own"]["total_bytes"] == own and by["own"]["max_node_bytes"] == max(
+        sum(n for r in rs for _f, _o, n in plans[r]) for rs in ((0, 1), (2, 3)))
+    assert by["scatter"]["total_bytes"] == covered[0] + covered[1]
+    assert covered[0] == covered[1] == covered[2]  # each node needs every parameter byte
+    # both replicas read everything again; own also reads TP-replicated norms once per TP rank
+    assert by["own"]["total_bytes"] > by["scatter"]["total_bytes"] == 2 * covered[2]
+    assert by["readonce"]["total_bytes"] == sum(files) >= covered[2]  # files also hold headers
+    assert by["readonce"]["max_node_bytes"] <= sum(files) // 2 + max(files)
+
+
 def test_s3_option_prints_in_the_simulators_format(capsys):
     assert ss.main(["--model", "tiny-gpt", "--tp", "2", "--dp", "2", "--distributed-optimizer",
                     "--storage", "s3", "--ranks-per-node", "2"]) == 0
