@@ -36,7 +36,7 @@ from .manifest import dtype_from_name, dtype_name, itemsize
 from .plan import Box
 from .sharded import (ShardedTensor, check_data, looks_like_sharded_object, looks_like_sharded_tensor,
                       object_unique_key, reject_unapplied)
-from .transport import Comm, node_readers
+from .transport import Comm, node_id, node_readers
 
 log = logging.getLogger(__name__)
 
@@ -621,7 +621,7 @@ class LoadStats:
 
 
 def _probe(base: str) -> Dict[str, Any]:
-    node = os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename
+    node = node_id()
     if storage.is_url(base):  # no request here: in scatter mode only node readers may touch the store
         return {"sees": base, "node": str(node), "why": None}
     found = storage.locate(base)
@@ -795,7 +795,8 @@ def load(
         elif chosen == "readonce":
             try:
                 (nread, nrecv, stats.buffer_peak), err = readers.read_once(comm, base, index, work.ops,
-                                                                           scatter_chunk_bytes, threads)
+                                                                           scatter_chunk_bytes, threads,
+                                                                           probe["reader"])
             except Exception as e:  # noqa: BLE001 - must reach the final agreement, never skip it
                 (nread, nrecv), err = (0, 0), f"{type(e).__name__}: read-once transfer failed: {e}"
             stats.bytes_read, stats.bytes_received = nread, nrecv

@@ -9,6 +9,8 @@ written and committed by :func:`megashard.save` in a world of one (:data:`megash
 Layout under the directory the user names (``--non-persistent-local-ckpt-dir DIR``)::
 
     DIR/megashard-<layout>/rank00003/iter_0000120/   rank 3's complete version of iteration 120
+    DIR/megashard-<layout>/replicas/rank00011/iter_0000120/   a replica of rank 11's version, kept on
+                                                     this node for rank 11's node (--replication)
 
 ``<layout>`` names the world size and parallel layout that saved it (``w16-tp2-pp2-ep1-vp1``): a
 job restarted with another layout finds no version of its own and falls back to the persistent
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 #: versions kept per rank: the newest and the one before (a save killed mid-commit leaves the older)
 KEEP = 2
 PREFIX = "megashard-"
+#: the directory, beside the ranks', holding the replicas this node keeps of other nodes' ranks
+REPLICAS = "replicas"
 
 
 def layout_name(world: int, layout: Mapping[str, int]) -> str:
@@ -67,11 +71,31 @@ def prepare(root: str, layout: str, rank: int) -> str:
     return d
 
 
+def replica_dir(root: str, layout: str, source: int) -> str:
+    """Where a node keeps the replicas of rank ``source``'s versions (:mod:`megashard.replication`)."""
+    return os.path.join(os.path.abspath(root), PREFIX + layout, REPLICAS, f"rank{int(source):05d}")
+
+
+def replica_version_dir(root: str, layout: str, source: int, iteration: int) -> str:
+    return os.path.join(replica_dir(root, layout, source), storage.iteration_dir_name(int(iteration)))
+
+
 def complete_iterations(root: Optional[str], layout: str, rank: int) -> List[int]:
     """The iterations this rank holds a complete version of, ascending (read-only)."""
     if not root:
         return []
-    d = rank_dir(root, layout, rank)
+    return complete_in(rank_dir(root, layout, rank))
+
+
+def complete_replica_iterations(root: Optional[str], layout: str, source: int) -> List[int]:
+    """The iterations of rank ``source`` this node holds a complete replica of, ascending."""
+    if not root:
+        return []
+    return complete_in(replica_dir(root, layout, source))
+
+
+def complete_in(d: str) -> List[int]:
+    """The iterations with a committed megashard checkpoint ``iter_N`` in directory ``d``."""
     try:
         names = os.listdir(d)
     except (FileNotFoundError, NotADirectoryError):

@@ -905,7 +905,8 @@ def _runs(needs: Sequence[Need]) -> List[Tuple[int, int, List[List[int]]]]:
     return out
 
 
-def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: int) -> ReadOncePlan:
+def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: int,
+                   nodes: Optional[Sequence[Any]] = None) -> ReadOncePlan:
     """Plan a load in which every byte the job needs leaves storage once.
 
     ``requests[r]``: rank ``r``'s byte ranges ``(file, offset, nbytes)`` (its load's ops, in
@@ -915,7 +916,19 @@ def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: in
     least-loaded rank of the job (so the reads are byte-balanced over all ranks, on every
     node, and a rank reads what it keeps where balance allows). Ranks with identical requests
     (data-parallel replicas) are planned once, as a group, so the work grows with the distinct
-    requests plus the extents each rank reads and receives. Deterministic."""
+    requests plus the extents each rank reads and receives. Deterministic.
+
+    ``nodes[r]``: rank ``r``'s node (any hashable id), given when the checkpoint is on a file
+    system: then every extent of one file is read on one node, since a network file system's
+    client (FUSE, CephFS, NFS) fetches whole files or large blocks and two nodes reading parts of
+    one file would both fetch most of it. A file larger than :data:`READ_ONCE_NODE_BLOCK` and the
+    nodes' even share is cut into blocks of the larger of the two, each read on one node, so that
+    a checkpoint of fewer files than nodes still spreads its reads (and the sends to the other
+    replicas) over every node. Whole files (blocks) are byte-balanced over the nodes (each to the
+    node that needs most of it while that stays within one chunk of the nodes' mean, else to the
+    least-loaded node, largest first), then their extents over that node's ranks (to one that
+    needs it while it stays within the node's mean, else the least-loaded). Without ``nodes`` (object stores: a ranged GET fetches just its range)
+    extents are placed on any rank."""
     world = len(requests)
     chunk = max(1, int(chunk))
     by_ops: Dict[Tuple[Tuple[str, int, int], ...], List[int]] = {}
@@ -937,6 +950,12 @@ def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: in
             needs[k].append((g, i, pos, n, off))
     load = [0] * world
     reader = [-1] * len(extents)
+    if nodes is not None and len(set(nodes)) > 1:
+        _read_once_by_node(extents, needs, members, list(nodes), chunk, load, reader)
+        rounds: List[List[int]] = [[] for _ in range(world)]
+        for k in range(len(extents)):
+            rounds[reader[k]].append(k)
+        return ReadOncePlan(extents, reader, needs, members, rounds)
     shared: List[Tuple[int, Tuple[int, ...]]] = []
     for k, ns in enumerate(needs):
         gs = tuple(sorted({x[0] for x in ns}))
@@ -969,7 +988,63 @@ def plan_read_once(requests: Sequence[Sequence[Tuple[str, int, int]]], chunk: in
                 best = gbest
         reader[k] = best
         load[best] += size
-    rounds: List[List[int]] = [[] for _ in range(world)]
+    rounds = [[] for _ in range(world)]
     for k in range(len(extents)):
         rounds[reader[k]].append(k)
     return ReadOncePlan(extents, reader, needs, members, rounds)
+
+
+#: on a file system a read-once plan keeps every extent of a file on one node, or, where a file is
+#: larger than the nodes' even share, of each block of at least this many bytes of it (so that the
+#: reads and the sends of a few large files still spread over every node)
+READ_ONCE_NODE_BLOCK = 64 << 20
+
+
+def _read_once_by_node(extents: Sequence[Extent], needs: Sequence[Sequence[Need]], members: Sequence[Sequence[int]],
+                       nodes: Sequence[Any], chunk: int, load: List[int], reader: List[int]) -> None:
+    """:func:`plan_read_once` on a file system: each file's extents (each block's, for a file
+    over the block size: :data:`READ_ONCE_NODE_BLOCK` or the nodes' even share, whichever is
+    larger) on one node's ranks (fills ``reader`` and ``load``)."""
+    node_ids = sorted(set(nodes), key=str)
+    node_of = {n: i for i, n in enumerate(node_ids)}
+    ranks_of: List[List[int]] = [[] for _ in node_ids]
+    for r, n in enumerate(nodes):
+        ranks_of[node_of[n]].append(r)
+    total = sum(e.stop - e.start for e in extents)
+    block = max(READ_ONCE_NODE_BLOCK, -(-total // len(node_ids)), 1)
+    unit_of = [(e.file, e.start // block) for e in extents]  # what one node reads whole
+    file_bytes: Dict[Tuple[str, int], int] = {}
+    wanted: Dict[Tuple[str, int], List[int]] = {}  # unit -> bytes of it each node's ranks need
+    for k, ns in enumerate(needs):
+        e, u = extents[k], unit_of[k]
+        size = e.stop - e.start
+        file_bytes[u] = file_bytes.get(u, 0) + size
+        w = wanted.setdefault(u, [0] * len(node_ids))
+        for i in {node_of[nodes[r]] for g in {x[0] for x in ns} for r in members[g]}:
+            w[i] += size
+    node_load = [0] * len(node_ids)
+    cap = -(-sum(file_bytes.values()) // len(node_ids)) + chunk
+    node_file: Dict[Tuple[str, int], int] = {}
+    for f in sorted(file_bytes, key=lambda f: (-file_bytes[f], f)):  # largest first (LPT)
+        size = file_bytes[f]
+        best = max(range(len(node_ids)), key=lambda i: (wanted[f][i], -node_load[i], -i))
+        if node_load[best] + size > cap or wanted[f][best] == 0:
+            best = min(range(len(node_ids)), key=lambda i: (node_load[i], i))
+        node_file[f] = best
+        node_load[best] += size
+    # within each node: an extent goes to the least-loaded of the node's ranks that need it while
+    # that stays within the node's mean (they share one client and link: only balance matters),
+    # else to the node's least-loaded rank
+    node_cap = [-(-node_load[i] // len(ranks_of[i])) for i in range(len(node_ids))]
+    for k, ns in enumerate(needs):
+        i = node_file[unit_of[k]]
+        size = extents[k].stop - extents[k].start
+        here = set(ranks_of[i])
+        keen = [r for g in sorted({x[0] for x in ns}) for r in members[g] if r in here]
+        best = min(keen, key=lambda r: (load[r], r)) if keen else -1
+        if best < 0 or load[best] + size > node_cap[i]:
+            low = min(ranks_of[i], key=lambda r: (load[r], r))
+            if best < 0 or load[low] < load[best]:
+                best = low
+        reader[k] = best
+        load[best] += size

@@ -92,10 +92,13 @@ def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict
 
 
 def read_once(comm: Comm, base: str, index: Any, ops: Sequence[Any], chunk: int,
-              threads: Optional[int]) -> Tuple[Tuple[int, int, int], Optional[str]]:
+              threads: Optional[int], node: int) -> Tuple[Tuple[int, int, int], Optional[str]]:
     """Every byte the job needs is read once, by ranks on every node (byte-balanced), and
-    exchanged over the process group (:mod:`megashard.readonce`)."""
-    return readonce.read_once(comm, base, index, ops, chunk, threads, partial(storage.checkpoint_files, base, index))
+    exchanged over the process group (:mod:`megashard.readonce`). ``node``: this rank's node
+    reader; on a file system each file is read on one node (a network file system's client
+    fetches whole files or large blocks), on an object store anywhere."""
+    return readonce.read_once(comm, base, index, ops, chunk, threads, partial(storage.checkpoint_files, base, index),
+                              None if storage.is_url(base) else node)
 
 
 def verify_delivered(base: str, touched: Mapping[str, Mapping[str, Any]], index: Any = None) -> None:

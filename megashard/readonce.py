@@ -38,20 +38,25 @@ from .transport import Comm
 
 
 def _plan_replies(requests: List[Any], chunk: int) -> List[Dict[str, Any]]:
-    """Rank 0: every rank's part of the plan."""
-    reqs = [[(str(f), int(a), int(n)) for f, a, n in r] for r in requests]
-    return plan.plan_read_once(reqs, chunk).replies()
+    """Rank 0: every rank's part of the plan. ``requests[r]``: ``{"ops": [[file, offset,
+    nbytes], ...], "node": its node's id, or None on an object store}``."""
+    reqs = [[(str(f), int(a), int(n)) for f, a, n in r["ops"]] for r in requests]
+    nodes = [r["node"] for r in requests]
+    by_node = None if any(n is None for n in nodes) else [int(n) for n in nodes]
+    return plan.plan_read_once(reqs, chunk, by_node).replies()
 
 
 def read_once(comm: Comm, base: str, index: Any, ops: Sequence[Any], chunk: int, threads: Optional[int],
-              open_files: Callable[[], Any]) -> Tuple[Tuple[int, int, int], Optional[str]]:
+              open_files: Callable[[], Any], node: Optional[int] = None) -> Tuple[Tuple[int, int, int], Optional[str]]:
     """Deliver every op's ``file``/``offset``/``nbytes`` into ``op.target()``, then
     ``op.arrived(nbytes)`` per piece. Returns ``((bytes read from storage, bytes received,
     peak bytes of staging buffers), error or None)``; raises DistributedError (on every rank)
     when the plan fails. ``open_files()`` returns the files object
-    (:func:`~megashard.storage.checkpoint_files`)."""
+    (:func:`~megashard.storage.checkpoint_files`). ``node``: this rank's node (its node
+    reader's rank) when the checkpoint is on a file system, so that each file is read on one
+    node (see :func:`~megashard.plan.plan_read_once`); None on an object store."""
     chunk = max(1, int(chunk))
-    req = [[op.file, op.offset, op.nbytes] for op in ops]
+    req = {"ops": [[op.file, op.offset, op.nbytes] for op in ops], "node": node}
     mine = comm.coordinate("read-once load (plan)", None, req, lambda reqs: _plan_replies(reqs, chunk))
     return _Transfer(comm, base, index, ops, mine, threads, open_files).run()
 

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import threading
 import traceback
 import zlib
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
@@ -517,6 +518,31 @@ def _reply_value(reply: Mapping[str, Any], what: str) -> Any:
     if "failures" in reply:
         raise distributed_error({int(r): m for r, m in reply["failures"].items()}, what)
     return reply["ok"]
+def node_id() -> str:
+    """This process's node: ``MEGASHARD_NODE_ID`` (tests simulate nodes on one host with it), else
+    torchrun's ``GROUP_RANK``, else the host name."""
+    return str(os.environ.get("MEGASHARD_NODE_ID") or os.environ.get("GROUP_RANK") or os.uname().nodename)
+
+
+_SIDE: Dict[str, Any] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def side_group() -> Any:
+    """A gloo process group over the whole job, created once (collective: the first call must be made
+    by every rank, from the main thread, in the same order as the job's other collectives), for
+    traffic that runs beside the job's own collectives, e.g. a background thread's transfers: a
+    separate group never interleaves with the default group's operations. None without an
+    initialised process group."""
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.group.WORLD
+    with _SIDE_LOCK:
+        if _SIDE.get("world") is not world:  # a new default group (tests re-initialise): a new side group
+            _SIDE["group"] = dist.new_group(backend="gloo")
+            _SIDE["world"] = world
+        return _SIDE["group"]
 
 
 def node_readers(node_ids: Sequence[str]) -> Dict[int, int]:

@@ -448,17 +448,19 @@ class Cluster:
             time.sleep(0.3)
 
     def torchrun(self, script: str, args: Sequence[str], nproc: int = 2, timeout: float = 240,
-                 env: Optional[Dict[str, str]] = None, name: str = "job") -> List[int]:
-        """One torchrun agent per node (c10d rendezvous hosted by node 0, gloo over eth0); waits.
+                 env: Optional[Dict[str, str]] = None, name: str = "job", port: int = 29400) -> List[int]:
+        """One torchrun agent per node (c10d rendezvous hosted by node 0 on ``port``, gloo over eth0);
+        waits. ``script`` may be ``-m`` with the module first in ``args`` (torchrun's ``--module``).
 
         Returns the agents' exit codes; a hang past ``timeout`` kills every agent and raises
-        (with the agents' log tails). Logs: ``logs/<name>-node<i>.log``."""
-        return self.wait_torchrun(self.start_torchrun(script, args, nproc, env, name), timeout, name)
+        (with the agents' log tails). Logs: ``logs/<name>-node<i>.log``. Jobs that run at once
+        need other ``name``s and ``port``s."""
+        return self.wait_torchrun(self.start_torchrun(script, args, nproc, env, name, port), timeout, name)
 
     def start_torchrun(self, script: str, args: Sequence[str], nproc: int = 2,
-                       env: Optional[Dict[str, str]] = None, name: str = "job") -> List[subprocess.Popen]:
+                       env: Optional[Dict[str, str]] = None, name: str = "job",
+                       port: int = 29400) -> List[subprocess.Popen]:
         """:meth:`torchrun` without the wait: the agents (one per node, each in its own session)."""
-        port = 29400
         base = {k: v for k, v in os.environ.items()
                 if k not in ("MEGASHARD_NODE_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK",
                              "MASTER_ADDR", "MASTER_PORT") and not k.startswith(("TORCHELASTIC_", "AWS_"))}

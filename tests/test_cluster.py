@@ -2,7 +2,8 @@
 their own hostname, network, /dev/shm and node-local disk, SeaweedFS on a rate-limited storage host
 (FUSE mount on every node, S3 gateway), torchrun's c10d rendezvous between the nodes, 2 ranks each.
 
-One cluster and one torchrun job (``tests/scripts/cluster_job.py``) serve every test here. Without
+One cluster serves every test here; one torchrun job (``tests/scripts/cluster_job.py``) most of them,
+the Megatron example, the two concurrent saving jobs and the node kill launch their own. Without
 root (or FUSE, or the weed binary) the module skips with the reason; CI runs as root, where
 ``MEGASHARD_CLUSTER_REQUIRED=1`` (set by ``.ci/run``) turns that skip into a failure.
 """
@@ -14,12 +15,15 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import TYPE_CHECKING, Dict, Iterator, List
 
 import pytest
 
 import cluster
 from layouts import Layout, model_state
+
+if TYPE_CHECKING:
+    from megatron_helpers.runner import Run
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -167,6 +171,126 @@ def test_s3_scatter_only_node_readers_talk_to_the_store(job: Dict[str, List[dict
         else:
             assert sum(r["requests"].values()) == 0, f"rank {r['rank']} on {r['host']} talked to S3: {r['requests']}"
             assert r["bytes_read"] == 0 and r["bytes_received"] == r["needed_bytes"], r
+
+
+MLM_ITERS = ["--train-iters", "6", "--lr-decay-iters", "6", "--save-interval", "3"]
+
+
+def _start_pretrain(c: cluster.Cluster, name: str, args: List[str], port: int) -> List[subprocess.Popen]:
+    """``examples/pretrain_gpt.py`` (Megatron, tiny GPT, CPU) started on both nodes x 2 ranks."""
+    from megatron_helpers.runner import EXAMPLE, FAST_EXIT, TINY
+
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(HERE), os.environ.get("PYTHONPATH")])),
+           "MEGASHARD_HUGEPAGES": "0", "PYTHONWARNINGS": "ignore"}
+    return c.start_torchrun("-m", [FAST_EXIT, EXAMPLE, *TINY, *args], nproc=NPROC, env=env, name=name, port=port)
+
+
+def _pretrain_result(c: cluster.Cluster, name: str, args: List[str], agents: List[subprocess.Popen]) -> "Run":
+    """The run's output parsed (losses and digests are logged by rank 0, on whichever node it landed)."""
+    from megatron_helpers.runner import parse
+
+    codes = c.wait_torchrun(agents, 300, name)
+    out = "\n".join((c.logs / f"{name}-node{i}.log").read_text(errors="replace") for i in range(NNODES))
+    assert codes == [0] * NNODES, f"{name}: agents exited {codes}\n{c.job_logs(name)}"
+    return parse(args, 0, out)
+
+
+def test_megatron_example_on_two_nodes_resume_reshard_async(the_cluster: cluster.Cluster, tmp_path: Path) -> None:
+    """The Megatron example (``examples/pretrain_gpt.py``) on 2 nodes x 2 ranks, TP=2 x DP=2 (one
+    replica per node), checkpoints on the shared FUSE mount. Three launches (2 and 3 at once):
+
+    1. 6 iterations with ``--async-save`` (saves at 3 and 6, each committed while training goes on);
+    2. same layout, resumed from iteration 3 with ``--megashard-load-mode readonce`` (each file read
+       on one node, exchanged over gloo between the nodes): losses 4-6 identical to run 1's and
+       the loaded parameters' digest equal to what run 1 saved;
+    3. resharded to TP=1 x DP=4 from iteration 3 (``auto``): the loaded model and optimizer state,
+       re-saved with ``--dump-loaded-state``, equal iteration 3's global tensors bit for bit, and
+       losses 4-6 within 1e-5 of run 1's."""
+    pytest.importorskip("megatron.core")
+    from megatron_helpers.runner import compare_checkpoints
+
+    c = the_cluster
+    root, dump = c.shared / "mlm", c.shared / "mlm-dump"
+    args = ["--tensor-model-parallel-size", "2", "--save", str(root), "--async-save", *MLM_ITERS]
+    base = _pretrain_result(c, "mlm-save", args, _start_pretrain(c, "mlm-save", args, 29430))
+    assert sorted(base.losses) == [1, 2, 3, 4, 5, 6], base.output[-3000:]
+    for it in (3, 6):
+        assert f"saved checkpoint at iteration {it} to {root}/iter_{it:07d} (committed)" in base.output, \
+            base.output[-3000:]
+    tracker = c.run_in_node(1, ["cat", f"{root}/latest_checkpointed_iteration.txt"]).stdout.strip()
+    assert tracker == "6", tracker  # seen from the other node
+    left = c.run_in_node(1, ["ls", "-A", str(root)]).stdout.split()
+    assert sorted(left) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"], left
+
+    # the resume and the reshard run at once (two jobs on the same nodes: each reads iteration 3)
+    runs = {"mlm-resume": ["--tensor-model-parallel-size", "2", "--load", str(root), "--ckpt-step", "3",
+                           "--megashard-load-mode", "readonce", *MLM_ITERS],
+            "mlm-reshard": ["--tensor-model-parallel-size", "1", "--load", str(root), "--ckpt-step", "3",
+                            "--dump-loaded-state", str(dump), *MLM_ITERS]}
+    agents = {name: _start_pretrain(c, name, args, port) for (name, args), port in zip(runs.items(), (29440, 29450))}
+    resumed, resharded = (_pretrain_result(c, name, runs[name], agents[name]) for name in runs)
+    assert f"{root}/iter_0000003 (iteration 3, full state" in (resumed.started or ""), resumed.output[-3000:]
+    assert resumed.digests["start"] == base.digests["saved@3"]
+    assert {i: resumed.losses[i] for i in (4, 5, 6)} == {i: base.losses[i] for i in (4, 5, 6)}
+    assert {i: resumed.lrs[i] for i in (4, 5, 6)} == {i: base.lrs[i] for i in (4, 5, 6)}
+
+    assert "(iteration 3, full state" in (resharded.started or ""), resharded.output[-3000:]
+    for i in (4, 5, 6):
+        assert abs(resharded.losses[i] - base.losses[i]) < 1e-5, (i, resharded.losses, base.losses)
+    # compared here: the mount exists only in the nodes, whose mount namespaces see this machine's tmp_path
+    got = {}
+    for name, where in (("saved", f"{root}/iter_0000003"), ("loaded", f"{dump}/iter_0000003")):
+        c.run_in_node(0, ["cp", "-r", where, str(tmp_path / name)])
+        got[name] = str(tmp_path / name)
+    cmp = compare_checkpoints(got["saved"], got["loaded"])
+    assert cmp["only_a"] == [] and cmp["only_b"] == [] and cmp["differ"] == {}, cmp
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in cmp["compared"]), cmp["compared"]
+    assert any(k.startswith("decoder.layers.") for k in cmp["compared"]), cmp["compared"]
+
+
+TWO_SAVES = HERE / "scripts" / "cluster_two_saves.py"
+TWO_ROUNDS = 3
+
+
+def test_two_jobs_save_to_the_shared_mount_at_once(the_cluster: cluster.Cluster, tmp_path: Path) -> None:
+    """Two torchrun jobs (each 2 nodes x 1 rank) start together and save 3 times each, alternating
+    their own directory and one directory both use (``tests/scripts/cluster_two_saves.py``). Every
+    save commits (a save of a name another save holds moves it aside and commits after it: last
+    commit wins); each job's own checkpoint is its last save, bit for bit; the common one is
+    exactly one of the jobs' last saves, bit for bit, never a mixture; nothing is left beside them."""
+    c = the_cluster
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "MEGASHARD_HUGEPAGES": "0"}
+    jobs = {"jobA": 29410, "jobB": 29420}
+    agents = {j: c.start_torchrun(str(TWO_SAVES), ["--job", j, "--peer", next(k for k in jobs if k != j),
+                                                   "--shared-dir", str(c.shared), "--results", str(tmp_path),
+                                                   "--rounds", str(TWO_ROUNDS)],
+                                  nproc=1, env=env, name=j, port=port)
+              for j, port in jobs.items()}
+    for j, procs in agents.items():
+        codes = c.wait_torchrun(procs, 240, j)
+        assert codes == [0] * NNODES, f"{j}: agents exited {codes}\n{c.job_logs(j)}"
+    results = {j: [json.loads((tmp_path / f"{j}-rank{r}.json").read_text()) for r in range(NNODES)] for j in jobs}
+    for j, rs in results.items():
+        assert sorted(r["host"] for r in rs) == ["node0", "node1"], rs
+        for r in rs:
+            assert "failed" not in r, f"{j} rank {r['rank']}: {r['failed']}\n{c.job_logs(j)}"
+            assert len(r["saves"]) == 2 * TWO_ROUNDS
+            for sv in r["saves"]:
+                assert sv["raised"] is None, f"{j} rank {r['rank']}: saving {sv['path']} raised {sv['raised']}"
+            assert r["own"] == {"raised": None, "equals": [j, TWO_ROUNDS - 1],
+                                "meta": {"job": j, "round": TWO_ROUNDS - 1}}, (j, r["own"])
+            assert r["listing"][j] == ["ckpt"] and r["listing"]["same"] == ["ckpt"], r["listing"]
+    # the saves of the common name overlapped in time (both jobs saved it while the other did)
+    windows = {j: (min(sv["start"] for r in rs for sv in r["saves"][1::2]),
+                   max(sv["end"] for r in rs for sv in r["saves"][1::2])) for j, rs in results.items()}
+    (a0, a1), (b0, b1) = windows.values()
+    assert a0 < b1 and b0 < a1, f"the two jobs' saves did not overlap: {windows}"
+    same = {json.dumps(r["same"]) for rs in results.values() for r in rs}
+    assert len(same) == 1, f"the ranks loaded different things from the common checkpoint: {same}"
+    got = results["jobA"][0]["same"]
+    assert got["raised"] is None and got["equals"] in ([j, TWO_ROUNDS - 1] for j in jobs), got
+    assert got["meta"] == {"job": got["equals"][0], "round": TWO_ROUNDS - 1}, got
 
 
 KILL_JOB = HERE / "scripts" / "cluster_kill_save.py"

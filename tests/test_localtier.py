@@ -77,6 +77,8 @@ def test_megatron_flags_are_taken_before_megatrons_validation():
     with pytest.raises(CheckpointError, match="--non-persistent-ckpt-type local needs "
                                               "--non-persistent-local-ckpt-dir DIR"):
         take_local_checkpointing(ns(non_persistent_local_ckpt_dir=None))
+    with pytest.raises(CheckpointError, match="--replication requires --replication-jump J"):
+        take_local_checkpointing(ns(replication_jump=None))
 
 
 def test_solo_sync_save_leaves_the_async_save_in_flight(tmp_path):

@@ -53,8 +53,8 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--tensor-model-parallel-size", "2"]
 
 
-def mlm(tree: Tree, args):
-    env = {"MEGATRON_LM_DIR": tree.path, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+def mlm(tree: Tree, args, env=None):
+    env = {"MEGATRON_LM_DIR": tree.path, "CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})}
     run = torchrun(SCRIPT, [*ARGS, *args], env=env, timeout=300)
     assert run.returncode == 0, run.output[-6000:]
     # the training code is the tree's, megatron.core the installed wheel's (mlm_pretrain_gpt.py prints both)

@@ -8,7 +8,6 @@ node) to keep the suite fast.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
@@ -43,10 +42,19 @@ def _union(ranges: Sequence[Tuple[str, int, int]]) -> int:
     return total
 
 
-def _check_plan(requests: List[List[Tuple[str, int, int]]], chunk: int) -> plan.ReadOncePlan:
+def _check_plan(requests: List[List[Tuple[str, int, int]]], chunk: int,
+                nodes: Sequence[int] = None) -> plan.ReadOncePlan:
     """Every byte of the union read once; every byte of every op delivered exactly once (read in
-    place or received), from the right file offset; messages match on both sides."""
-    p = plan.plan_read_once(requests, chunk)
+    place or received), from the right file offset; messages match on both sides. With
+    ``nodes``: every file (every block of a file over the block size) read on one node."""
+    p = plan.plan_read_once(requests, chunk, nodes)
+    if nodes is not None:
+        total = sum(e.stop - e.start for e in p.extents)
+        block = max(plan.READ_ONCE_NODE_BLOCK, -(-total // len(set(nodes))))
+        on: Dict[Tuple[str, int], set] = {}
+        for k, e in enumerate(p.extents):
+            on.setdefault((e.file, e.start // block), set()).add(nodes[p.reader[k]])
+        assert all(len(ns) == 1 for ns in on.values()), on
     world = len(requests)
     flat = [r for ops in requests for r in ops]
     assert sum(e.stop - e.start for e in p.extents) == _union(flat)
@@ -127,6 +135,65 @@ def test_plan_reads_the_union_once_and_delivers_every_byte(requests, chunk) -> N
     _check_plan(requests, chunk)
 
 
+def test_on_a_file_system_each_file_is_read_on_one_node_bytes_balanced() -> None:
+    """A network file system's client fetches whole files (or large blocks): two nodes reading
+    parts of one file would both fetch it. TP=2 x DP=2 over 2 nodes (one replica per node), six
+    files of unequal sizes, every rank needing a part of every file: each file is read by the
+    ranks of one node, the nodes read within the largest file of each other, and within a node
+    its ranks within two chunks of each other (each stays within a chunk of the node's mean)."""
+    sizes = {"a": 9000, "b": 7000, "c": 5000, "d": 4000, "e": 3000, "f": 2000}
+    tp = [[(f, t * n // 2, n // 2) for f, n in sizes.items()] for t in range(2)]
+    requests = [tp[0], tp[1], tp[0], tp[1]]
+    nodes = [0, 0, 1, 1]
+    p = _check_plan(requests, 256, nodes)
+    loads = p.read_bytes()
+    per_node = [loads[0] + loads[1], loads[2] + loads[3]]
+    assert sum(per_node) == sum(sizes.values())
+    assert abs(per_node[0] - per_node[1]) <= max(sizes.values()), per_node
+    assert abs(loads[0] - loads[1]) <= 2 * 256 and abs(loads[2] - loads[3]) <= 2 * 256, loads
+    # without nodes (an object store) extents of one file are spread over both nodes
+    q = _check_plan(requests, 256)
+    spread = {}
+    for k, e in enumerate(q.extents):
+        spread.setdefault(e.file, set()).add(nodes[q.reader[k]])
+    assert any(len(ns) == 2 for ns in spread.values())
+
+
+def test_on_a_file_system_a_file_goes_to_the_node_that_needs_it() -> None:
+    """Files only one node needs are read there (nothing crosses nodes for them)."""
+    requests = [[("x", 0, 4000)], [("x", 4000, 4000)], [("y", 0, 3000)], [("y", 3000, 5000)]]
+    p = _check_plan(requests, 512, [7, 7, 3, 3])
+    assert all(p.reader[k] in ((0, 1) if e.file == "x" else (2, 3)) for k, e in enumerate(p.extents))
+
+
+def test_on_a_file_system_few_large_files_spread_over_every_node_in_blocks() -> None:
+    """Two 256 MiB files (TP=2), one replica per node on 8 nodes of 2 ranks: whole files would leave
+    6 nodes idle and 2 sending everything; instead each 64 MiB block (``READ_ONCE_NODE_BLOCK``) is
+    read by the ranks of one node, and every node reads one block."""
+    mib = 1 << 20
+    tp = [[(f"t{t}", 0, 256 * mib)] for t in range(2)]
+    nodes = [r // 2 for r in range(16)]
+    p = plan.plan_read_once([tp[r % 2] for r in range(16)], 8 * mib, nodes)  # (too big for _check_plan)
+    assert plan.READ_ONCE_NODE_BLOCK == 64 * mib
+    assert sorted((e.file, e.start, e.stop) for e in p.extents) == [
+        (f"t{t}", a, a + 8 * mib) for t in range(2) for a in range(0, 256 * mib, 8 * mib)]
+    on: Dict[Tuple[str, int], set] = {}
+    for k, e in enumerate(p.extents):
+        on.setdefault((e.file, e.start // (64 * mib)), set()).add(nodes[p.reader[k]])
+    assert len(on) == 8 and all(len(ns) == 1 for ns in on.values()), on
+    loads = p.read_bytes()
+    assert [loads[2 * n] + loads[2 * n + 1] for n in range(8)] == [64 * mib] * 8
+    assert sorted(set(loads)) == [32 * mib]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 300), st.integers(0, 120)), max_size=5),
+                min_size=2, max_size=6), st.integers(1, 90), st.integers(0, 2**16))
+def test_plan_by_node_reads_each_file_on_one_node(requests, chunk, seed) -> None:
+    nodes = [(seed >> r) % 2 for r in range(len(requests))]
+    _check_plan(requests, chunk, nodes)
+
+
 # -- loads on two fake nodes ----------------------------------------------------------------------
 
 
@@ -195,7 +262,6 @@ def _job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     dist.barrier()
     if rank in (0, 2):
         out[2] = _scenarios(rank // 2, 2, tmp, pair)
-        out["memory"] = _memory_job(rank // 2, tmp, pair)
     dist.barrier()
     return out
 
@@ -292,85 +358,6 @@ def test_read_once_loads_bit_exact_reading_each_byte_once_per_job(job, world: in
             assert job_read > _unique_bytes(distopt), where  # each DP replica reads again
         elif rows[0]["want"] == "scatter" and loaded.dp > 1 and world == 2:
             assert job_read == 2 * _unique_bytes(distopt), where  # once per node
-
-
-# -- memory ---------------------------------------------------------------------------------------
-
-MEM_TENSORS, MEM_ROWS, MEM_COLS = 16, 256, 1024  # 16 fp32 tensors of 1 MiB: a 16 MiB checkpoint
-MEM_CHUNK = 256 << 10
-
-
-def _mem_state(rank: int, split: str, empty: bool) -> Dict[str, Any]:
-    """Every tensor whole (``split="none"``, DP=2 replicas), by rows or by columns over 2 ranks."""
-    from megashard import ShardedTensor
-
-    out = {}
-    for t in range(MEM_TENSORS):
-        g = torch.arange(MEM_ROWS * MEM_COLS, dtype=torch.float32).reshape(MEM_ROWS, MEM_COLS) + t
-        if split == "rows":
-            part, off = g[rank * MEM_ROWS // 2:(rank + 1) * MEM_ROWS // 2], (rank * MEM_ROWS // 2, 0)
-        elif split == "cols":
-            part, off = g[:, rank * MEM_COLS // 2:(rank + 1) * MEM_COLS // 2], (0, rank * MEM_COLS // 2)
-        else:
-            part, off = g, (0, 0)
-        part = torch.zeros_like(part) if empty else part.contiguous()
-        out[f"w{t}"] = ShardedTensor(f"w{t}", part, (MEM_ROWS, MEM_COLS), off,
-                                     (0, 0, rank) if split == "none" else (0, 0, 0))
-    return out
-
-
-def _hwm_kib() -> Tuple[int, int]:
-    status = open("/proc/self/status").read()
-    return tuple(int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "VmHWM"))  # type: ignore
-
-
-def _memory_job(rank: int, tmp: str, group: Any, chunk: int = MEM_CHUNK) -> Dict[str, Any]:
-    import ctypes
-    import gc
-
-    import megashard
-
-    libc = ctypes.CDLL("libc.so.6")
-    # every allocation over 128 KiB its own mapping, returned when freed (no dynamic threshold that
-    # keeps freed blocks resident): the RSS then follows what the load holds, not glibc's reuse policy
-    assert libc.mallopt(-3, 128 << 10) == 1  # M_MMAP_THRESHOLD
-    out: Dict[str, Any] = {}
-    for name, saved, loaded in (("resume", "none", "none"), ("reshard", "rows", "cols")):
-        path = os.path.join(tmp, f"mem-{name}")
-        megashard.save(_mem_state(rank, saved, False), path, process_group=group)
-        megashard.load(_mem_state(rank, loaded, True), path, mode="readonce", process_group=group)  # warm: first-use allocations
-        template = _mem_state(rank, loaded, True)  # destinations exist (touched) before the load
-        gc.collect()
-        libc.malloc_trim(0)  # the warm load's freed memory leaves the RSS first
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        before, _ = _hwm_kib()
-        _, stats = megashard.load(template, path, mode="readonce", scatter_chunk_bytes=chunk, return_stats=True,
-                                  process_group=group)
-        _, peak = _hwm_kib()
-        ok = all(torch.equal(sh.data, _mem_state(rank, loaded, False)[k].data) for k, sh in template.items())
-        out[name] = {"extra": (peak - before) * 1024, "ok": ok, "peak_buffers": stats.buffer_peak,
-                     "read": stats.bytes_read, "received": stats.bytes_received}
-    return out
-
-
-def test_read_once_peak_extra_memory_is_bounded_by_the_largest_tensor_not_the_checkpoint(job) -> None:
-    """Peak host memory beyond the destinations, per rank, of a 16 MiB checkpoint (1 MiB tensors)
-    loaded by two DP replicas on two nodes in 256 KiB chunks: at most the two staging chunks plus
-    2 × the largest tensor (resharding temporaries), whatever the checkpoint's size. Production's
-    bound, max(256 MiB, 2 × largest tensor), holds the 2 × 8 MiB of default staging in its floor.
-    A load that held the half it sends (or the saved shards it reads) would need 8 MiB more."""
-    res = [r["memory"] for r in job if "memory" in r]
-    assert len(res) == 2
-    largest = MEM_ROWS * MEM_COLS * 4
-    for name in res[0]:
-        assert sum(r[name]["read"] for r in res) == MEM_TENSORS * largest, name  # the 16 MiB, once
-    for rank, r in enumerate(res):
-        for name, m in r.items():
-            assert m["ok"], (rank, name)
-            assert m["read"] + m["received"] >= MEM_TENSORS * largest // 2, (rank, name, m)  # the exchange happened
-            assert 0 < m["peak_buffers"] <= 3 * MEM_CHUNK, (rank, name, m)
-            assert m["extra"] <= 2 * MEM_CHUNK + 2 * largest, (rank, name, m["extra"] / 2**20)
 
 
 def test_read_once_failures_reach_every_rank(job) -> None:

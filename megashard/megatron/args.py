@@ -120,6 +120,9 @@ def take_local_checkpointing(args: Any) -> bool:
     if not where:
         raise CheckpointError("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR "
                               "(a directory on each node, e.g. /dev/shm/ckpt or local NVMe)")
+    if getattr(args, "replication", False) and not getattr(args, "replication_jump", None):
+        raise CheckpointError("--replication requires --replication-jump J (the spacing of a rank's replicas: "
+                              "the number of ranks per node puts them on other nodes), as Megatron does")
     args.megashard_local_ckpt_dir = str(where)
     args.megashard_replication = ([getattr(args, "replication_jump", None), getattr(args, "replication_factor", 2)]
                                   if getattr(args, "replication", False) else None)

@@ -387,11 +387,48 @@ def _local_layout_name(world: int, layout: Dict[str, int], n_chunks: int) -> str
                                          "vp": n_chunks})
 
 
+_REPLICATORS: Dict[Tuple[str, str], Any] = {}
+
+
+def _replication(args: Any) -> Optional[Tuple[Optional[int], int]]:
+    """(jump, factor) of ``--replication`` when megashard handles the local tier, else None."""
+    rep = getattr(args, "megashard_replication", None)
+    if not rep or int(rep[1] or 1) < 2:
+        return None
+    return (int(rep[0]) if rep[0] else None), int(rep[1])
+
+
+def _replicator(args: Any, comm: Any, root: str, name: str) -> Any:
+    """This job's :class:`megashard.replication.Replicator` (created and checked at the first local
+    save: collective), or None without ``--replication``."""
+    from megashard import replication
+
+    rep = _replication(args)
+    if rep is None:
+        return None
+    key = (os.path.abspath(root), name)
+    if key not in _REPLICATORS:
+        if not _REPLICATORS:  # the last version's replication finishes before the process exits
+            import atexit
+
+            atexit.register(wait_for_replication)
+        _REPLICATORS[key] = replication.Replicator(root, name, rep[0], rep[1], comm)
+    return _REPLICATORS[key]
+
+
+def wait_for_replication() -> None:
+    """Wait for the background replication in flight, if any (e.g. before the process exits)."""
+    for r in _REPLICATORS.values():
+        r.wait()
+
+
 def save_local_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
                           num_floating_point_operations_so_far: float = 0, *, args: Any = None) -> str:
     """A non-persistent save to the local tier: every rank writes its own bytes to its version
     directory under ``--non-persistent-local-ckpt-dir`` (no fsync: it outlives the processes,
     not the node), then every rank learns whether all succeeded. Collective (one agreement).
+    With ``--replication``, the committed version is then sent to the replica group's ranks in
+    the background (:mod:`megashard.replication`); the next local save first waits for it.
     Returns this rank's version directory."""
     from megashard import localtier
     from megashard.transport import SOLO, Comm
@@ -407,6 +444,9 @@ def save_local_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_
                                           num_floating_point_operations_so_far)
     name = _local_layout_name(comm.world_size, save_layout, save_layout["vp"])
     path = localtier.version_dir(root, name, comm.rank, iteration)
+    replicator = _replicator(args, comm, root, name)
+    if replicator is not None:
+        replicator.wait()  # the previous version's replication reads the tier: finish it first
 
     def write() -> None:
         localtier.prepare(root, name, comm.rank)
@@ -416,6 +456,8 @@ def save_local_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_
 
     _, err = comm.run("save/local", write)
     comm.agree(err, "save (local checkpoint)")
+    if replicator is not None:
+        replicator.start(iteration)
     log.info("saved local checkpoint at iteration %d to %s in %.3f s", iteration, path,
              time.perf_counter() - t0)
     return path
@@ -423,11 +465,12 @@ def save_local_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_
 
 def resolve_local(args: Any, ddp_model: Any, persistent: LoadTarget) -> Optional[Tuple[str, int]]:
     """(this rank's version directory, iteration) of the local tier's checkpoint to resume from,
-    or None. Collective: each rank lists its complete versions, rank 0 applies
-    :func:`megashard.localtier.choose` (newest complete on every rank, newer than ``persistent``)
-    and every rank gets the same answer. Not used with ``--ckpt-step``, ``--finetune`` or a
+    or None. Collective (:func:`megashard.replication.resolve`): each rank lists its complete
+    versions (and, with ``--replication``, the replicas it holds), rank 0 picks the newest
+    complete for every rank and newer than ``persistent``, and a rank whose own copy is missing
+    receives it from a peer's replica first. Not used with ``--ckpt-step``, ``--finetune`` or a
     ``--pretrained-checkpoint`` fall-back (a persistent checkpoint is asked for)."""
-    from megashard import localtier
+    from megashard import localtier, replication
     from megashard.transport import Comm
 
     root = local_ckpt_dir(args)
@@ -435,13 +478,8 @@ def resolve_local(args: Any, ddp_model: Any, persistent: LoadTarget) -> Optional
         return None
     comm = Comm()
     name = _local_layout_name(comm.world_size, _layout(), len(st.as_chunk_list(ddp_model)))
-    held, err = comm.run("load/local", lambda: localtier.complete_iterations(root, name, comm.rank))
     before = persistent.iteration if persistent.checkpoint and not persistent.release else -1
-
-    def decide(helds: List[List[int]]) -> List[List[Any]]:
-        return [list(localtier.choose(helds, before))] * comm.world_size
-
-    iteration, why = comm.coordinate("load (local checkpoint lookup)", err, held, decide)
+    iteration, why = replication.resolve(comm, root, name, before, _replication(args))
     if iteration is None:
         if comm.rank == 0:
             log.info("local checkpoint tier %s: %s; loading --load %s", os.path.join(root, localtier.PREFIX + name),

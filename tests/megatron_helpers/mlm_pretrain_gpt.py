@@ -58,12 +58,15 @@ def _test_hooks() -> "callable":
     ``megashard.megatron.state.<name>`` raises on rank R; ``MEGASHARD_TEST_OUTCOME=D``: each
     rank writes how ``pretrain()`` ended to ``D/rank<R>.json`` (the returned function);
     ``MEGASHARD_TEST_KILL_AT=N`` (in ``__main__``): every rank SIGKILLs itself during the step after
-    iteration N.
+    iteration N (once the local tier's background replication of N, if any, is done);
+    ``MEGASHARD_TEST_NODE_PER_RANK=1``: rank R is alone on node ``node<R>`` (``MEGASHARD_NODE_ID``).
     """
     import json
     import time
 
     rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("MEGASHARD_TEST_NODE_PER_RANK"):
+        os.environ["MEGASHARD_NODE_ID"] = f"node{rank}"
     cwd = os.environ.get("MEGASHARD_TEST_RANK_CWD")
     if cwd:
         os.chdir(os.path.join(cwd, f"rank{rank}"))
@@ -158,6 +161,10 @@ if __name__ == "__main__":
 
             if get_args().curr_iteration == _kill_at:
                 import signal
+
+                from megashard.megatron.checkpointing import wait_for_replication
+
+                wait_for_replication()  # deterministic: the kill of a replication in flight is tests/test_replication.py's
 
                 os.kill(os.getpid(), signal.SIGKILL)
             return _forward_step(*a, **k)
