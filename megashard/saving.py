@@ -12,8 +12,10 @@ Collectives per save, whatever the world size (none per tensor):
      (:mod:`megashard.index`) and commits by rename; every rank learns the outcome. After a
      reused plan whose records changed only in their CRC32s, ranks send those CRC32s and rank 0
      writes them into the previous index's skeleton (see :func:`_finish_save`).
-A rank receives O(its own metadata); only rank 0 receives everybody's. A failure
-anywhere raises on every rank.
+A rank receives O(its own metadata). Above 64 ranks both gathers go through groups of
+~sqrt(world) ranks whose leaders send rank 0 one compressed part each
+(:meth:`megashard.transport.Comm.coordinate`), so no process receives a message from every
+rank. A failure anywhere raises on every rank.
 
 Where a save writes (:mod:`megashard.storage`): the target must be absent, an empty
 directory or a megashard checkpoint holding only megashard's files (rank 0 checks while

@@ -12,10 +12,12 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import threading
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+import zlib
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -214,29 +216,85 @@ class Comm:
                    compute: Callable[[List[Any]], List[Any]]) -> Any:
         """Gather every rank's payload on rank 0, run ``compute`` there (payloads -> one
         reply per rank) and send each rank its reply; raise on every rank if any rank's
-        payload or the computation failed. A rank receives only its own reply."""
+        payload or the computation failed. A rank receives only its own reply.
+
+        Two levels (:func:`gather_groups`): each group's leader receives its members'
+        messages and sends rank 0 one compressed part with the values its members share sent
+        once (:func:`pack_part`); replies travel back down the same tree. No process receives
+        a message from every rank; a job of up to 64 ranks is one group (a flat gather)."""
+        size = gather_group_size(self.world_size)
+        leader = self.rank - self.rank % size
+        mine = _dumps_bytes({"error": error, "payload": payload})
         try:
-            got = self.gather_json({"error": error, "payload": payload}, 0)
-            replies: Optional[List[Any]] = None
-            if self.rank == 0:
-                failures = {r: g["error"] for r, g in enumerate(got or []) if g["error"]}
-                if not failures:
-                    out, err = self.run(what, lambda: compute([g["payload"] for g in got or []]))
-                    if err is None and (not isinstance(out, list) or len(out) != self.world_size):
-                        err = f"internal error: {what} produced no reply per rank"
-                    if err is not None:
-                        failures = {0: err}
-                    else:
-                        replies = [{"ok": o} for o in out]
-                if failures:
-                    fail = {str(r): m for r, m in _bounded_failures(failures).items()}
-                    replies = [{"failures": fail}] * self.world_size
-            reply = self.scatter_json(replies, 0)
+            if self.rank != leader:
+                self._send_bytes(mine, leader, what)
+                reply = json.loads(self._recv_bytes([leader], what)[0])
+            elif leader != 0:
+                members = self._recv_bytes(list(range(leader + 1, min(self.world_size, leader + size))), what)
+                self._send_bytes(pack_part([mine] + members), 0, what)
+                del members
+                texts = unpack_replies(self._recv_bytes([0], what)[0])
+                self._send_many(texts[1:], list(range(leader + 1, leader + len(texts))), what)
+                reply = json.loads(texts[0])
+            else:
+                members = self._recv_bytes(list(range(1, min(self.world_size, size))), what)
+                parts = self._recv_bytes(list(range(size, self.world_size, size)), what)
+                got = [unpack_messages([mine] + members)]
+                del members
+                got += [unpack_part(p) for p in parts]
+                del parts
+                replies = self._compute_replies(what, got, compute)
+                del got
+                groups = [replies[g:g + size] for g in range(0, self.world_size, size)]
+                self._send_many([_dumps_bytes(r) for r in groups[0][1:]] + [pack_replies(p) for p in groups[1:]],
+                                list(range(1, len(groups[0]))) + list(range(size, self.world_size, size)), what)
+                reply = replies[0]
         except DistributedError as e:
             raise self._with_own(e, error, what) from None
-        if "failures" in reply:
-            raise distributed_error({int(r): m for r, m in reply["failures"].items()}, what)
-        return reply["ok"]
+        return _reply_value(reply, what)
+
+    def _compute_replies(self, what: str, got: List[Tuple[Dict[int, str], List[Any]]],
+                         compute: Callable[[List[Any]], List[Any]]) -> List[Any]:
+        """Rank 0: every rank's reply (``{"ok": ...}``), or everybody's failures."""
+        size = gather_group_size(self.world_size)
+        failures = {g * size + i: m for g, (errs, _p) in enumerate(got) for i, m in errs.items()}
+        if not failures:
+            payloads = [p for _e, ps in got for p in ps]
+            got.clear()
+            out, err = self.run(what, lambda: compute(payloads))
+            if err is None and (not isinstance(out, list) or len(out) != self.world_size):
+                err = f"internal error: {what} produced no reply per rank"
+            if err is None:
+                return [{"ok": o} for o in out]
+            failures = {0: err}
+        fail = {str(r): m for r, m in _bounded_failures(failures).items()}
+        return [{"failures": fail}] * self.world_size
+
+    def _send_bytes(self, data: bytes, dst: int, what: str) -> None:
+        self._send_many([data], [dst], what)
+
+    def _send_many(self, datas: Sequence[bytes], dsts: Sequence[int], what: str) -> None:
+        """Send each ``datas[i]`` to ``dsts[i]``: its size (int64), then its bytes."""
+        pending = []
+        keep = []
+        for d, dst in zip(datas, dsts):
+            n = torch.tensor([len(d)], dtype=torch.int64)
+            keep.append(n)
+            pending.append(self.isend(n, dst))
+            if d:
+                pending.append(self.isend(self._bytes_tensor(d, len(d)), dst))
+        for p in pending:
+            p.wait()
+
+    def _recv_bytes(self, srcs: Sequence[int], what: str) -> List[bytes]:
+        """One message (:meth:`_send_many`) from each of ``srcs``, all posted at once."""
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in srcs]
+        for p in [self.irecv(n, s) for n, s in zip(sizes, srcs)]:
+            p.wait()
+        bufs = [torch.empty(int(n.item()), dtype=torch.uint8) for n in sizes]
+        for p in [self.irecv(b, s) for b, s in zip(bufs, srcs) if b.numel()]:
+            p.wait()
+        return [bytes(b.numpy()) for b in bufs]
 
     def run(self, what: str, fn: Callable[[], T]) -> Tuple[Optional[T], Optional[str]]:
         """Run ``fn`` locally, capturing any exception as a message for :meth:`agree`."""
@@ -368,6 +426,98 @@ def _bounded_failures(failures: Dict[int, str]) -> Dict[int, str]:
     return out
 
 
+#: ``MEGASHARD_GATHER_GROUP``: ranks per group of :meth:`Comm.coordinate`'s two-level gather
+#: (default: about the square root of the world size; a world up to FLAT_GATHER_MAX ranks is one group).
+FLAT_GATHER_MAX = 64
+PART_ZLIB_LEVEL = 1  # group parts are repetitive JSON: level 1 shrinks them ~15x at ~150 MB/s
+
+
+def gather_group_size(world: int) -> int:
+    """Ranks per group of the two-level gather (a group's first rank leads it): the whole
+    world up to 64 ranks, else ``ceil(sqrt(world))``, so rank 0 hears from ~2*sqrt(world)
+    ranks and each leader from ~sqrt(world). ``MEGASHARD_GATHER_GROUP`` sets it (tests)."""
+    v = os.environ.get("MEGASHARD_GATHER_GROUP")
+    if v:
+        try:
+            n = int(v)
+        except ValueError:
+            raise ValueError(f"MEGASHARD_GATHER_GROUP={v!r} is not an integer") from None
+        return max(1, min(n, world)) if n > 0 else max(1, world)
+    if world <= FLAT_GATHER_MAX:
+        return max(1, world)
+    return math.isqrt(world - 1) + 1
+
+
+def _dumps_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def unpack_messages(texts: Sequence[bytes]) -> Tuple[Dict[int, str], List[Any]]:
+    """A group's messages (``{"error", "payload"}`` JSON) as (errors by position, payloads)."""
+    errors: Dict[int, str] = {}
+    payloads: List[Any] = []
+    for i, t in enumerate(texts):
+        m = json.loads(t)
+        if m["error"]:
+            errors[i] = m["error"]
+        payloads.append(m["payload"])
+    return errors, payloads
+
+
+def pack_part(texts: Sequence[bytes]) -> bytes:
+    """A leader's part for rank 0: its group's messages, the field values of dict payloads
+    that several members share (the same announcement of data-parallel replicas, the same
+    state-tree keys) stored once, zlib-compressed."""
+    errors, payloads = unpack_messages(texts)
+    fields: List[str] = []
+    pos: Dict[str, int] = {}
+    table: List[Any] = []
+    index: Dict[Any, int] = {}
+    rows: List[Any] = []
+    for p in payloads:
+        if not isinstance(p, dict):
+            rows.append({"v": p})
+            continue
+        row = []
+        for k, v in p.items():
+            f = pos.get(k)
+            if f is None:
+                f = pos[k] = len(fields)
+                fields.append(k)
+            key = v if isinstance(v, str) else ("\0", _dumps_bytes(v))
+            j = index.get(key)
+            if j is None:
+                j = index[key] = len(table)
+                table.append(v)
+            row.append([f, j])
+        rows.append(row)
+    part = {"errors": {str(i): m for i, m in errors.items()}, "fields": fields, "table": table, "rows": rows}
+    return zlib.compress(_dumps_bytes(part), PART_ZLIB_LEVEL)
+
+
+def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
+    """Rank 0: a leader's :func:`pack_part` as (errors by position in the group, payloads);
+    members' shared values are one object."""
+    part = json.loads(zlib.decompress(data))
+    fields, table = part["fields"], part["table"]
+    payloads = [row["v"] if isinstance(row, dict) else {fields[f]: table[j] for f, j in row} for row in part["rows"]]
+    return {int(i): m for i, m in part["errors"].items()}, payloads
+
+
+def pack_replies(replies: Sequence[Any]) -> bytes:
+    """Rank 0: one group's replies, for its leader."""
+    return zlib.compress(_dumps_bytes(list(replies)), PART_ZLIB_LEVEL)
+
+
+def unpack_replies(data: bytes) -> List[bytes]:
+    """A leader: its members' replies (JSON, leader first) from :func:`pack_replies`."""
+    return [_dumps_bytes(r) for r in json.loads(zlib.decompress(data))]
+
+
+def _reply_value(reply: Mapping[str, Any], what: str) -> Any:
+    if "failures" in reply:
+        raise distributed_error({int(r): m for r, m in reply["failures"].items()}, what)
+    return reply["ok"]
 def node_id() -> str:
     """This process's node: ``MEGASHARD_NODE_ID`` (tests simulate nodes on one host with it), else
     torchrun's ``GROUP_RANK``, else the host name."""

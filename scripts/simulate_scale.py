@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_models as sm  # noqa: E402
 from _bench_worker import _status_kib, reset_peak_rss  # noqa: E402
 
-from megashard import jsonstate, loading, manifest as mf, saving  # noqa: E402
+from megashard import jsonstate, loading, manifest as mf, saving, transport  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
 
 SIZE_EXCHANGE = 8  # the int64 each rank sends/receives before a gather/scatter payload
@@ -114,29 +114,96 @@ def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool) -> saving
     return st
 
 
-def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[str, Any]:
+class _Tree:
+    """The gather of ``transport.Comm.coordinate`` as the job runs it (groups of ``group`` ranks;
+    a group's first rank leads it), with its real encoders: rank 0 decodes its own group's
+    messages and the other leaders' parts (:func:`transport.unpack_part`); each leader packs its
+    group (:func:`transport.pack_part`) and unpacks its replies. Fed one rank's message at a time,
+    it keeps one group's texts; times are rank 0's (``rank0_s``) and the slowest leader's."""
+
+    def __init__(self, world: int, group: int) -> None:
+        self.world, self.group = world, group
+        self.recv = [0] * -(-world // group)  # bytes each leader (index: group) receives; [0]: rank 0
+        self.leader_s = [0.0] * len(self.recv)
+
+    def gather(self, texts_of_ranks: Any) -> Tuple[List[Any], float, List[int]]:
+        """Every rank's payload on rank 0 (in rank order), rank 0's decode seconds, and the
+        bytes each rank sends."""
+        payloads: List[Any] = []
+        decode = 0.0
+        sent: List[int] = []
+        texts: List[bytes] = []
+        for r, text in enumerate(texts_of_ranks):
+            texts.append(text)
+            sent.append(len(text) + SIZE_EXCHANGE)
+            if len(texts) == self.group or r == self.world - 1:
+                g = r // self.group
+                self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
+                if g == 0:
+                    t1 = time.perf_counter()
+                    errors, got = transport.unpack_messages(texts)
+                else:
+                    t1 = time.perf_counter()
+                    part = transport.pack_part(texts)
+                    self.leader_s[g] += time.perf_counter() - t1
+                    sent[-len(texts)] = len(part) + SIZE_EXCHANGE
+                    self.recv[0] += len(part) + SIZE_EXCHANGE
+                    t1 = time.perf_counter()
+                    errors, got = transport.unpack_part(part)
+                decode += time.perf_counter() - t1
+                assert not errors
+                payloads += got
+                texts = []
+        return payloads, decode, sent
+
+    def scatter(self, replies: Sequence[Any]) -> Tuple[float, List[int]]:
+        """Rank 0 sends the replies down; its encode seconds and the bytes each rank receives
+        (its reply; a leader also the group's part)."""
+        t1 = time.perf_counter()
+        own = [transport._dumps_bytes(r) for r in replies[:self.group]]
+        parts = [transport.pack_replies(replies[g:g + self.group]) for g in range(self.group, self.world, self.group)]
+        encode = time.perf_counter() - t1
+        recv = [len(t) + SIZE_EXCHANGE for t in own]
+        for g, part in enumerate(parts, 1):
+            self.recv[g] += len(part) + SIZE_EXCHANGE
+            t1 = time.perf_counter()
+            texts = transport.unpack_replies(part)
+            self.leader_s[g] += time.perf_counter() - t1
+            recv += [len(t) + SIZE_EXCHANGE for t in texts]
+        recv[0] = 0
+        return encode, recv
+
+    def busiest(self) -> Tuple[int, int]:
+        """(rank, bytes) of the leader (rank 0 included) that receives the most."""
+        g = max(range(len(self.recv)), key=self.recv.__getitem__)
+        return g * self.group, self.recv[g]
+
+
+def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Optional[int] = None) -> Dict[str, Any]:
     """Every rank announces; the coordinator plans; every rank "writes"; the coordinator
     builds the index. Then the same save again as a steady-state save: every rank votes
     with the plan it cached (``saving.plan_vote``), the votes must agree and give every rank
-    the reply it had; rank 0 decodes the commit and builds the index again. Returns the
-    figures and the index bytes."""
+    the reply it had; rank 0 decodes the commit and builds the index again. The gathers run
+    through groups of ``group`` ranks (default: ``transport.gather_group_size``; the world:
+    one flat gather). Returns the figures and the index bytes."""
     world = layout.world
-    t0 = time.perf_counter()
-    t_decode = 0.0  # rank 0 parsing what it receives in the plan gather
+    group = transport.gather_group_size(world) if group is None else max(1, min(group, world))
+    tree = _Tree(world, group)
     t_rank0_own = 0.0  # rank 0's own state, announcement and vote
-    messages, send = [], []
-    for r in range(world):
-        t1 = time.perf_counter()
-        st = _save_state(model, layout, r, quirk)
-        msg = saving.announce(st, r)
-        if r == 0:
-            t_rank0_own += time.perf_counter() - t1
-        payload = {"error": None, "payload": msg}
-        send.append(_wire(payload))
-        text = json.dumps({"error": None, "payload": msg})
-        t1 = time.perf_counter()
-        messages.append(json.loads(text)["payload"])  # what arrives: parsed JSON
-        t_decode += time.perf_counter() - t1
+
+    def announcements() -> Any:
+        nonlocal t_rank0_own
+        for r in range(world):
+            t1 = time.perf_counter()
+            st = _save_state(model, layout, r, quirk)
+            msg = saving.announce(st, r)
+            text = transport._dumps_bytes({"error": None, "payload": msg})
+            if r == 0:
+                t_rank0_own += time.perf_counter() - t1
+            yield text
+
+    t0 = time.perf_counter()
+    messages, t_decode, send = tree.gather(announcements())
     t_announce = time.perf_counter() - t0
 
     rss_before = _status_kib("VmRSS") * 1024
@@ -145,11 +212,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     keep = saving._Coordinator()
     replies = saving.coordinate(messages, "simulated", keep)
     t_plan = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    reply_texts = [json.dumps({"ok": rep}, separators=(",", ":")) for rep in replies]  # what the scatter sends
-    t_encode = time.perf_counter() - t0
-    recv = [len(t.encode()) for t in reply_texts]
-    del reply_texts
+    t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
 
     # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
     t0 = time.perf_counter()
@@ -170,35 +233,35 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     t_votes = time.perf_counter() - t0
     agreed = saving.plan_agreed(total)
     del messages
+    leader_plan_s = max(tree.leader_s[1:] or [0.0])
+
+    digests_same = True
+    steady_results: List[Dict[str, Any]] = []
+    steady_texts: List[bytes] = []
+
+    def commits() -> Any:
+        nonlocal digests_same
+        for r in range(world):
+            st = _save_state(model, layout, r, quirk)
+            saving.announce(st, r)  # sets the shard order the reply indexes
+            job = saving._select(st, replies[r])
+            res = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write)
+            # the steady-state save: the same layout, other data (other CRC32s); the rank sends its CRC32s only
+            st = _save_state(model, layout, r, quirk)
+            saving.announce(st, r)
+            job = saving._select(st, steady_replies[r])
+            res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
+            digests_same &= saving.records_digest(res2["records"]) == saving.records_digest(res["records"])
+            steady_results.append(res2)
+            steady_texts.append(transport._dumps_bytes({"error": None, "payload": saving.steady_commit(res2)}))
+            yield transport._dumps_bytes({"error": None, "payload": res})
 
     t0 = time.perf_counter()
-    t_decode_commit = t_decode_steady = 0.0
-    results, steady_results, commit_send, steady_send = [], [], [], []
-    digests_same = True
-    for r in range(world):
-        st = _save_state(model, layout, r, quirk)
-        saving.announce(st, r)  # sets the shard order the reply indexes
-        job = saving._select(st, replies[r])
-        res = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write)
-        commit_send.append(_wire({"error": None, "payload": res}))
-        text = json.dumps({"error": None, "payload": res})
-        t1 = time.perf_counter()
-        results.append(json.loads(text)["payload"])
-        t_decode_commit += time.perf_counter() - t1
-        # the steady-state save: the same layout, other data (other CRC32s); the rank sends its CRC32s only
-        st = _save_state(model, layout, r, quirk)
-        saving.announce(st, r)
-        job = saving._select(st, steady_replies[r])
-        res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
-        digests_same &= saving.records_digest(res2["records"]) == saving.records_digest(res["records"])
-        steady_results.append(res2)
-        msg2 = saving.steady_commit(res2)
-        steady_send.append(_wire({"error": None, "payload": msg2}))
-        text = json.dumps({"error": None, "payload": msg2})
-        t1 = time.perf_counter()
-        json.loads(text)
-        t_decode_steady += time.perf_counter() - t1
+    results, t_decode_commit, commit_send = tree.gather(commits())
     t_write = time.perf_counter() - t0
+    t_commit_encode, _ = tree.scatter([{"ok": 0}] * world)
+    first_recv = tree.recv[:]
+    leader_s = max(tree.leader_s[1:] or [0.0])
 
     t0 = time.perf_counter()
     layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
@@ -206,7 +269,9 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     t_index = time.perf_counter() - t0
     peak_after = _status_kib("VmHWM") * 1024
     del results
-    steady_msgs = [saving.steady_commit(r) for r in steady_results]
+    steady_tree = _Tree(world, group)
+    steady_msgs, t_decode_steady, steady_send = steady_tree.gather(iter(steady_texts))
+    steady_texts = []
     t0 = time.perf_counter()  # the steady-state save's commit: the CRC32s into the skeleton
     head2, sections2, _ = saving.build_index(steady_msgs, keep.tensors, world, layout_doc, skeleton)
     t_index_steady = time.perf_counter() - t0
@@ -214,21 +279,28 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
     # the same index as a full build of the steady-state save's records (not timed)
     head3, sections3, _ = saving.build_index(steady_results, keep.tensors, world, layout_doc)
     same_index = sections2 == sections3 and sections2 != sections and digests_same
-    del steady_results, head2, sections2, head3, sections3
-    plan_recv = sum(send) + SIZE_EXCHANGE * (world - 1)
-    commit_recv = sum(commit_send) + SIZE_EXCHANGE * (world - 1)
-    rank0 = t_rank0_own + t_decode + t_plan + t_encode + t_decode_commit + t_index
-    steady_recv = sum(steady_send) + SIZE_EXCHANGE * (world - 1)
+    steady_results = []
+    del head2, sections2, head3, sections3
+    rank0 = t_rank0_own + t_decode + t_plan + t_encode + t_decode_commit + t_commit_encode + t_index
     rank0_steady = t_vote0 + t_decode_steady + t_index_steady
+    busiest_rank, busiest = tree.busiest()
+    steady_busiest = max(steady_tree.recv) + 8 * 4  # the steady commit and the two votes
     return {
         "world": world,
         # the issue's figures (seconds and bytes of rank 0 / of the busiest rank)
         "rank0_s": round(rank0, 3),
         "rank0_steady_s": round(rank0_steady, 3),
-        "max_rank_recv_bytes": plan_recv + commit_recv,  # rank 0, first save
-        "max_rank_recv_bytes_steady": steady_recv + 8 * 4,  # rank 0: the steady commit and the two votes
+        "max_rank_recv_bytes": busiest,  # the busiest rank (rank 0 or a group leader), first save
+        "max_rank_recv_bytes_steady": steady_busiest,
+        "busiest_rank": busiest_rank,
+        "rank0_recv_bytes": first_recv[0],
+        "gather_group": group,
+        "gather_groups": len(tree.recv),
+        "leader_max_s": round(leader_s, 3),  # the slowest other leader: packing its group's parts, unpacking replies
+        "leader_max_plan_s": round(leader_plan_s, 3),
         "rank0_parts_s": {"own": round(t_rank0_own, 3), "decode_plan": round(t_decode, 3), "plan": round(t_plan, 3),
                           "encode_replies": round(t_encode, 3), "decode_commit": round(t_decode_commit, 3),
+                          "encode_commit_replies": round(t_commit_encode, 3),
                           "index": round(t_index, 3), "steady_vote": round(t_vote0, 6),
                           "steady_decode_commit": round(t_decode_steady, 3),
                           "steady_index": round(t_index_steady, 3)},
@@ -240,10 +312,10 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False) -> Dict[st
         "coordinator_s": round(t_plan + t_index, 3),
         "coordinator_decode_s": round(t_decode + t_decode_commit, 3),
         "coordinator_peak_mb": round(max(0, peak_after - rss_before) / 2**20, 1) if peak_ok else None,
-        "coordinator_recv_bytes": sum(send) + sum(commit_send),
-        "max_rank_send_bytes": {"save/plan": max(send) + SIZE_EXCHANGE, "save/commit": max(commit_send) + SIZE_EXCHANGE,
-                                "save/commit steady": max(steady_send) + SIZE_EXCHANGE},
-        "max_other_rank_recv_bytes": {"save/plan": max(recv[1:] or recv) + SIZE_EXCHANGE,
+        "coordinator_recv_bytes": first_recv[0],
+        "max_rank_send_bytes": {"save/plan": max(send), "save/commit": max(commit_send),
+                                "save/commit steady": max(steady_send)},
+        "max_other_rank_recv_bytes": {"save/plan": max(recv[1:] or recv),
                                       "save/commit": 16 + SIZE_EXCHANGE, "save/plan steady": 8 * 3 + 32},
         "write_records_s_all_ranks": round(t_write, 2),
         "index_bytes": len(head) + len(sections),
@@ -491,8 +563,8 @@ def _sample(world: int, n: int) -> List[int]:
 
 
 def run(model: str, layout: sm.Layout, reshard: Optional[sm.Layout], sample: int, storage: str = "posix",
-        ranks_per_node: int = 8, load_bytes: bool = False) -> Dict[str, Any]:
-    out = simulate_save(model, layout)
+        ranks_per_node: int = 8, group: Optional[int] = None, load_bytes: bool = False) -> Dict[str, Any]:
+    out = simulate_save(model, layout, group=group)
     head, sections = out.pop("_head"), out.pop("_sections")
     ranks = [plan_rank(head, sections, model, layout, r) for r in _sample(layout.world, sample)]
     out["rank_plan_s"] = round(max(r["plan_s"] for r in ranks), 3)
@@ -530,6 +602,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="ranks per node for scatter loads (--storage s3) and --load-bytes")
     ap.add_argument("--load-bytes", action="store_true",
                     help="bytes leaving storage per load and per node, own / scatter / readonce")
+    ap.add_argument("--gather-group", type=int, default=None,
+                    help="ranks per group of the two-level gather (default: as megashard.transport; 0: one flat gather)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     layout = sm.Layout(tp=a.tp, pp=a.pp, dp=a.dp, ep=a.ep, vp=a.vp, distributed_optimizer=a.distributed_optimizer)
@@ -539,7 +613,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         reshard = sm.Layout(tp=v[0], pp=v[1], dp=v[2], ep=v[3] if len(v) > 3 else 1, vp=a.vp,
                             distributed_optimizer=a.distributed_optimizer)
     out = {"model": a.model, "layout": f"TP{a.tp}·PP{a.pp}·DP{a.dp}" + (f"·EP{a.ep}" if a.ep > 1 else "")}
-    out.update(run(a.model, layout, reshard, a.sample, a.storage, a.ranks_per_node, a.load_bytes))
+    group = None if a.gather_group is None else (a.gather_group or layout.world)
+    out.update(run(a.model, layout, reshard, a.sample, a.storage, a.ranks_per_node, group, a.load_bytes))
     if a.json:
         print(json.dumps(out))
     else:

@@ -44,6 +44,8 @@ def test_1024_ranks_llama_distopt_plan_is_exact():
     # the same save again reuses the plan: every rank's vote agrees and gives each rank its reply
     assert out["steady_plan_reused"] is True
     assert out["max_rank_send_bytes"]["save/plan"] < 64 << 10
+    # 32 groups of 32 ranks: the busiest rank (rank 0 or a leader) receives far less than every rank's messages
+    assert out["gather_groups"] == 32 and out["max_rank_recv_bytes"] < 8 << 20
     # the writers are balanced over the data-parallel replicas
     per_rank = {}
     for f in m.files.values():
@@ -97,6 +99,9 @@ def test_simulated_save_equals_a_real_four_rank_save(tmp_path):
                 for k, t in m.tensors.items()}
 
     assert records(sim) == records(real)
+    # the simulator's two-level gather (groups of 2: ranks 0 and 2 lead) gives the flat gather's index
+    tree = ss.simulate_save("tiny-gpt", layout, group=2)
+    assert tree["gather_groups"] == 2 and tree["_sections"] == ss.simulate_save("tiny-gpt", layout, group=4)["_sections"]
     assert {f: i["rank"] for f, i in sim.files.items()} == {f: i["rank"] for f, i in real.files.items()}
     assert set(sim.objects) == set(real.objects)
     assert sim.rank_trees == real.rank_trees
