@@ -171,11 +171,18 @@ def _receiver_fails_job(rank: int, world: int, tmp: str, how: str) -> Dict[str, 
                 raise fdpass.FdPassError(f"{what}: the descriptor from the node's reader has 1 bytes (injected)")
 
             fdpass.check_file = bad_check
-    out = {"load": _load(layout, rank, path, scatter_transport="shm"), "logs": list(records),
-           "fds": len(os.listdir("/proc/self/fd"))}
+    out = {"load": _load(layout, rank, path, scatter_transport="shm"), "logs": list(records), "fds": _fds()}
     out["again"] = _load(layout, rank, path, scatter_transport="shm")
-    out["fds_after"] = len(os.listdir("/proc/self/fd"))
+    out["fds_after"] = _fds()
     return out
+
+
+def _fds() -> List[int]:
+    """This process's open descriptors, after a collection (nothing merely unreferenced counts)."""
+    import gc
+
+    gc.collect()
+    return sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
 
 
 def test_scatter_receiver_side_failure_falls_back_to_ring(tmp_path) -> None:
@@ -192,7 +199,10 @@ def test_scatter_receiver_side_failure_falls_back_to_ring(tmp_path) -> None:
         assert len(lines) == 1, (how, res[0]["logs"])
         assert "rank(s) [1]" in lines[0] and why in lines[0] and "shared-memory ring instead" in lines[0], lines[0]
         assert res[1]["logs"] == [], res[1]["logs"]
-        assert res[1]["fds_after"] == res[1]["fds"], how  # no descriptor kept by the failed hand-over
+        # no descriptor kept by a failed hand-over: a second one leaves none the first did not (a count
+        # can drop by one that some other part of the process held open at the first look, as seen once
+        # on a loaded CI machine: 15 -> 14)
+        assert not set(res[1]["fds_after"]) - set(res[1]["fds"]), (how, res[1]["fds"], res[1]["fds_after"])
 
 
 def _consumer_fails_job(rank: int, world: int, tmp: str, transport: str) -> Dict[str, Any]:
