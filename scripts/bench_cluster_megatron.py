@@ -1,0 +1,223 @@
+"""Megatron-LM resumes on the namespace cluster: megashard's load modes beside Megatron's own ``torch_dist``
+loader, with and without ``--ckpt-fully-parallel-load``, bytes counted where they leave storage.
+
+    sudo python scripts/bench_cluster_megatron.py [--layers 2] [--hidden 384] [--storage-mbit 40] \
+        [--node-mbit 160] [--rounds 2] [--cases own,scatter,readonce,torch_dist,torch_dist_fpl] [--json out.json]
+
+Builds ``tests/cluster.py``'s cluster (2 nodes x 2 ranks, SeaweedFS on a storage host whose link is
+rate-limited with ``tc``, ``weed mount`` on every node) and runs Megatron-LM's own ``pretrain_gpt.py``
+(the vendored core_v0.16.1 tree with ``megashard.megatron.install()``:
+``tests/megatron_helpers/mlm_pretrain_gpt.py``, the tests' CPU / gloo / mock-data flags) on it with
+torchrun, TP=2 within a node x DP=2 over the nodes, fp32 with Adam. Two saves to the shared FUSE mount
+(train 1 iteration, save it, stop): ``--save-format tensors`` (megashard) and ``--save-format
+torch_dist`` (Megatron's writer). Then, interleaved (order reversed every other round), one launch
+per case that loads iteration 1 and trains iteration 2:
+
+- ``own`` / ``scatter`` / ``readonce``: the megashard checkpoint with ``--megashard-load-mode``;
+- ``torch_dist``: the torch_dist checkpoint with Megatron's loader as it comes;
+- ``torch_dist_fpl``: the same with ``--ckpt-fully-parallel-load`` (reads split over the DP group,
+  exchanged with all-gathers).
+
+Before every launch each node's FUSE mount is unmounted and mounted again with an empty chunk cache
+and the storage host's volume files get ``POSIX_FADV_DONTNEED`` (``scripts/bench_cluster.py``'s
+method). "From storage" is the ``tx`` counter of the storage host's ``eth0`` over the whole launch:
+nothing but the load touches the shared mount (code, logs and mock data are on the host's file
+system), and a launch that does not load (``--cases`` always starts with one) measures what the rest
+of a launch costs. The load time is Megatron's own ``load-checkpoint`` timer (max over ranks,
+barriers on both sides); the floor is the checkpoint's bytes (every file of ``iter_0000001``, which
+every node needs whole: DP=2 over the nodes) ÷ the storage link rate. Every load must give the same
+iteration-2 loss, bit for bit (printed by Megatron with all its digits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+sys.path[:0] = [str(TESTS), str(REPO)]
+
+CASES = ("own", "scatter", "readonce", "torch_dist", "torch_dist_fpl")
+SCRIPT = TESTS / "megatron_helpers" / "mlm_pretrain_gpt.py"
+TIMER = re.compile(r"^.*?(save-checkpoint|load-checkpoint) \.*: \(([\d.]+), ([\d.]+)\)", re.M)
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
+NNODES, NPROC = 2, 2
+
+
+def _tree(scratch: Path) -> str:
+    """Megatron-LM's training tree for the installed megatron-core (the tests' lookup: vendored archive)."""
+    import importlib.metadata
+
+    from megatron_helpers.mlm_tree import find_tree
+
+    release = re.match(r"\d+\.\d+\.\d+", importlib.metadata.version("megatron-core")).group(0)
+    return find_tree(release, REPO, lambda: scratch).path
+
+
+def _model_args(a: argparse.Namespace) -> List[str]:
+    from test_megatron_lm_install import ARGS  # the tests' CPU / gloo / mock-data flags (TP=2)
+
+    args = list(ARGS)
+    for flag, value in (("--num-layers", a.layers), ("--hidden-size", a.hidden), ("--global-batch-size", 4)):
+        i = args.index(flag)
+        args[i + 1] = str(value)
+    return args  # ARGS logs every iteration (--log-interval 1): the iteration-2 loss is printed
+
+
+def _case_args(case: str, root: Path) -> List[str]:
+    fmt = "torch_dist" if case.startswith("torch_dist") else "tensors"
+    out = ["--load", str(root / fmt), "--train-iters", "2"]
+    if fmt == "tensors":
+        out += ["--megashard-load-mode", case]
+    if case == "torch_dist_fpl":
+        out += ["--ckpt-fully-parallel-load"]
+    return out
+
+
+def _host(a: argparse.Namespace) -> int:
+    import cluster
+
+    why = cluster.missing_prerequisites()
+    if why:
+        print(f"bench_cluster_megatron: {why}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-cluster-mlm-") as work:
+        return _bench(a, _tree(Path(work)))
+
+
+def _bench(a: argparse.Namespace, tree: str) -> int:
+    import cluster
+    from bench_cluster import _drop_storage_cache
+    from megatron_helpers.runner import FAST_EXIT
+
+    cases = ["noload"] + a.cases
+    model = _model_args(a)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(TESTS), os.environ.get("PYTHONPATH")])),
+           "MEGASHARD_HUGEPAGES": "0", "PYTHONWARNINGS": "ignore", "MEGATRON_LM_DIR": tree,
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    steps: List[Dict[str, Any]] = []
+    port = [29500]
+    t_build = time.perf_counter()
+    with cluster.Cluster(nodes=NNODES, storage_mbit=a.storage_mbit, node_mbit=a.node_mbit, shm_mb=256,
+                         local_mb=16) as c:
+        root = c.shared / "mlm"
+        print(f"cluster up in {time.perf_counter() - t_build:.1f} s: storage {a.storage_mbit} Mbit/s, nodes "
+              f"{a.node_mbit} Mbit/s; Megatron-LM tree {tree}", flush=True)
+
+        def launch(name: str, args: List[str]) -> Dict[str, Any]:
+            for i in range(NNODES):
+                c.remount_shared(i)
+            _drop_storage_cache(c.root / "storage")
+            before = c.storage_link_bytes()
+            t0 = time.perf_counter()
+            port[0] += 7
+            codes = c.torchrun("-m", [FAST_EXIT, str(SCRIPT), *model, *args], nproc=NPROC, env=env, name=name,
+                               port=port[0], timeout=a.timeout)
+            wall = time.perf_counter() - t0
+            after = c.storage_link_bytes()
+            out = "\n".join((c.logs / f"{name}-node{i}.log").read_text(errors="replace") for i in range(NNODES))
+            if codes != [0] * NNODES:
+                raise SystemExit(f"{name} failed ({codes}): {' '.join(args)}\n{c.job_logs(name)}")
+            timers = {m.group(1): float(m.group(3)) / 1e3 for m in TIMER.finditer(out)}
+            losses = {int(m.group(1)): m.group(2) for m in LOSS.finditer(out)}
+            return {"name": name, "args": args, "wall_seconds": wall, "tx": after["tx"] - before["tx"],
+                    "rx": after["rx"] - before["rx"], "timers": timers, "losses": losses,
+                    "megashard_loaded": "loading with megashard" in out}
+
+        unique: Dict[str, int] = {}
+        stored: Dict[str, int] = {}  # what crossed the link into storage at the save (SeaweedFS may compress)
+        for fmt in ("tensors", "torch_dist"):
+            rec = launch(f"save-{fmt}", ["--save", str(root / fmt), "--save-format", fmt, "--train-iters", "2",
+                                         "--save-interval", "1", "--exit-interval", "1"])
+            sizes = c.run_in_node(0, ["find", str(root / fmt / "iter_0000001"), "-type", "f", "-printf", "%s\n"])
+            unique[fmt] = sum(int(s) for s in sizes.stdout.split())
+            stored[fmt] = rec["rx"]
+            rec.update(kind="save", format=fmt, files=len(sizes.stdout.split()), unique_bytes=unique[fmt])
+            steps.append(rec)
+            print(f"save {fmt:10s} {rec['timers'].get('save-checkpoint', float('nan')):6.1f} s (save-checkpoint), "
+                  f"{unique[fmt] / 2**20:.1f} MiB in {rec['files']} files, into storage {rec['rx'] / 2**20:.1f} MiB, "
+                  f"launch {rec['wall_seconds']:.1f} s", flush=True)
+        for r in range(a.rounds):
+            for case in (cases if r % 2 == 0 else cases[:1] + cases[:0:-1]):
+                if case == "noload":
+                    args = ["--train-iters", "1"]  # from scratch, one iteration: the launch without the load
+                else:
+                    args = _case_args(case, root)
+                rec = launch(f"{case}-r{r}", args)
+                fmt = "torch_dist" if case.startswith("torch_dist") else "tensors"
+                rec.update(kind="load" if case != "noload" else "noload", case=case, round=r, format=fmt)
+                steps.append(rec)
+                if case == "noload":
+                    print(f"round {r} noload          launch {rec['wall_seconds']:6.1f} s, from storage "
+                          f"{rec['tx'] / 2**20:6.2f} MiB", flush=True)
+                    continue
+                floor = unique[fmt] * 8 / (a.storage_mbit * 1e6)
+                lc = rec["timers"].get("load-checkpoint", float("nan"))
+                print(f"round {r} {case:15s} load-checkpoint {lc:6.1f} s ({lc / floor:.2f}x floor)  from storage "
+                      f"{rec['tx'] / 2**20:6.1f} MiB ({rec['tx'] / unique[fmt]:.3f}x)  launch {rec['wall_seconds']:6.1f} s"
+                      f"  loss@2 {rec['losses'].get(2)}  megashard {rec['megashard_loaded']}", flush=True)
+    noload = [s for s in steps if s["kind"] == "noload"]
+    base_tx = statistics.median(s["tx"] for s in noload)
+    base_wall = statistics.median(s["wall_seconds"] for s in noload)
+    table: Dict[str, Any] = {}
+    losses = {s["losses"].get(2) for s in steps if s["kind"] == "load"}
+    for case in a.cases:
+        runs = [s for s in steps if s["kind"] == "load" and s["case"] == case]
+        fmt = runs[0]["format"]
+        floor = unique[fmt] * 8 / (a.storage_mbit * 1e6)
+        tx = statistics.median(s["tx"] for s in runs)
+        lc = statistics.median(s["timers"]["load-checkpoint"] for s in runs)
+        wall = statistics.median(s["wall_seconds"] for s in runs)
+        table[case] = {"format": fmt, "unique_bytes": unique[fmt], "floor_seconds": floor,
+                       "bytes_from_storage_median": tx, "storage_bytes_vs_unique": tx / unique[fmt],
+                       "storage_bytes_minus_noload_vs_unique": (tx - base_tx) / unique[fmt],
+                       "bytes_into_storage_at_save": stored[fmt], "storage_bytes_vs_saved": tx / stored[fmt],
+                       "load_checkpoint_seconds_median": lc, "load_vs_floor": lc / floor,
+                       "launch_seconds_median": wall, "launch_minus_noload_seconds": wall - base_wall,
+                       "rounds": len(runs), "loss_iteration_2": sorted({s["losses"].get(2) for s in runs}, key=str),
+                       "through_megashard": sorted({s["megashard_loaded"] for s in runs})}
+    result = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv),
+              "storage_mbit": a.storage_mbit, "node_mbit": a.node_mbit, "nodes": NNODES, "ranks_per_node": NPROC,
+              "layout": "TP=2 x DP=2", "model_args": model, "unique_bytes": unique, "bytes_into_storage_at_save": stored,
+              "noload_tx_median": base_tx, "noload_launch_seconds_median": base_wall,
+              "same_loss_everywhere": len(losses) == 1 and None not in losses, "table": table, "steps": steps}
+    print(f"\nno-load launch: {base_wall:.1f} s, {base_tx / 2**20:.2f} MiB from storage; "
+          f"iteration-2 loss identical in every load: {result['same_loss_everywhere']} ({sorted(losses, key=str)})")
+    print(f"{'case':15s} {'MiB':>6s} {'from storage / unique':>22s} {'/ saved':>8s} {'load-checkpoint':>16s} {'/ floor':>8s} "
+          f"{'launch':>8s}")
+    for case, r in table.items():
+        print(f"{case:15s} {r['unique_bytes'] / 2**20:6.1f} {r['storage_bytes_vs_unique']:22.3f} {r['storage_bytes_vs_saved']:8.3f} "
+              f"{r['load_checkpoint_seconds_median']:15.1f}s {r['load_vs_floor']:8.2f} {r['launch_seconds_median']:7.1f}s")
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--storage-mbit", type=int, default=40)
+    ap.add_argument("--node-mbit", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--timeout", type=float, default=600, help="per launch, seconds")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    a.cases = [m for m in a.cases.split(",") if m]
+    bad = [m for m in a.cases if m not in CASES]
+    if bad:
+        ap.error(f"unknown case(s) {bad}; choose from {','.join(CASES)}")
+    return _host(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
