@@ -413,14 +413,14 @@ def s3_save_requests(file_bytes: Sequence[int], part_bytes: int = S3_PART_BYTES)
             "resave_extra": {"GET": 1, "LIST": _pages(files + 2), "DELETE": _pages(files + 2)}, "tracker": {"PUT": 1}}
 
 
-def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: int = S3_GET_BYTES) -> int:
-    """GETs of reading ``ranges`` with one ``read_into`` per file: requests no more than ``gap``
-    apart (or overlapping) are one run, each run ``ceil(len / get_bytes)`` GETs."""
+def _runs(ranges: Sequence[Range], gap: int) -> List[Tuple[int, int]]:
+    """``ranges`` merged per file into runs: requests no more than ``gap`` apart (or overlapping)
+    are one run."""
     by_file: Dict[str, List[Tuple[int, int]]] = {}
     for f, a, n in ranges:
         if n > 0:
             by_file.setdefault(f, []).append((a, a + n))
-    gets = 0
+    runs: List[Tuple[int, int]] = []
     for spans in by_file.values():
         spans.sort()
         lo, hi = spans[0]
@@ -428,10 +428,16 @@ def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: i
             if a - hi <= gap:
                 hi = max(hi, b)
                 continue
-            gets += -(-(hi - lo) // get_bytes)
+            runs.append((lo, hi))
             lo, hi = a, b
-        gets += -(-(hi - lo) // get_bytes)
-    return gets
+        runs.append((lo, hi))
+    return runs
+
+
+def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: int = S3_GET_BYTES) -> int:
+    """GETs of reading ``ranges`` with one ``read_into`` per file: requests no more than ``gap``
+    apart (or overlapping) are one run, each run ``ceil(len / get_bytes)`` GETs."""
+    return sum(-(-(hi - lo) // get_bytes) for lo, hi in _runs(ranges, gap))
 
 
 def s3_own_gets(ranges: Sequence[Range]) -> Dict[str, int]:
@@ -492,22 +498,7 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
 
 def _union_bytes(ranges: Sequence[Range]) -> int:
     """Bytes covered by ``ranges`` (file, offset, nbytes), overlaps counted once."""
-    by_file: Dict[str, List[Tuple[int, int]]] = {}
-    for f, o, n in ranges:
-        if n:
-            by_file.setdefault(f, []).append((o, o + n))
-    total = 0
-    for spans in by_file.values():
-        spans.sort()
-        lo, hi = spans[0]
-        for a, b in spans[1:]:
-            if a > hi:
-                total += hi - lo
-                lo, hi = a, b
-            else:
-                hi = max(hi, b)
-        total += hi - lo
-    return total
+    return sum(hi - lo for lo, hi in _runs(ranges, 0))
 
 
 def _largest_first(sizes: Sequence[int], bins: int) -> int:
