@@ -294,7 +294,7 @@ class Replicator:
         self.rank = comm.rank
         self.group = replica_group(comm.rank, comm.world_size, self.jump, self.factor)
         self.peers = [p for p in self.group if p != comm.rank]
-        self.side = Comm(side_group())
+        self.side = Comm(side_group(), timeout=comm.timeout)  # the job's, not the side group's 30 min
         check_peers(comm, self.side, self.group, self.jump)
         self.thread: Optional[threading.Thread] = None
         self.broken: Optional[str] = None
@@ -402,7 +402,7 @@ def resolve(comm: Comm, root: str, layout: str, persistent: int,
     # collective on every rank (same answer everywhere): whether anyone needs a peer's replica
     if not comm.all_reduce_max(1 if reply["fetch_from"] is not None or reply["serve"] else 0):
         return it, ""
-    side = Comm(side_group())
+    side = Comm(side_group(), timeout=comm.timeout)
     t0 = time.perf_counter()
 
     def fetch() -> None:

@@ -165,7 +165,7 @@ def _killed_mid_replication(rank: int, world: int, base: str, how: str = "kill")
                 if len(seen) == 4:
                     if how == "kill":
                         os.kill(os.getpid(), signal.SIGKILL)
-                    time.sleep(4 * STALL_TIMEOUT)
+                    time.sleep(2 * STALL_TIMEOUT)
 
             replication._Incoming.write = stop
         rep.start(it)
