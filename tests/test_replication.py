@@ -202,6 +202,13 @@ def _restart_after_kill(rank: int, world: int, bases: dict) -> dict:
     return out
 
 
+def _fewer_ranks(rank: int, world: int, root: str) -> dict:
+    """Two ranks on node n0, where a job of four ranks left its versions and replicas."""
+    comm = Comm()
+    return {"newer": replication.resolve(comm, root, "w2-tp1-pp1-ep1-vp1", 3, None),
+            "older": replication.resolve(comm, root, "w2-tp1-pp1-ep1-vp1", 4, None)}
+
+
 def test_sigkill_mid_replication_keeps_previous_versions_and_replicas(tmp_path):
     res = run_ranks(_killed_mid_replication, 4, str(tmp_path / "job"), env=NODES, timeout=120)
     assert res[3] == (False, "exit code -9"), res[3]
@@ -231,6 +238,13 @@ def test_sigkill_mid_replication_keeps_previous_versions_and_replicas(tmp_path):
         assert (r["kept"], r["n0 lost"], r["n1 lost"]) == (4, 3, 3), r
         assert r["replicas"] == ["iter_0000004", "iter_0000005"] if rank in (0, 2) else \
             ["iter_0000003", "iter_0000005"], r
+    # restarted on fewer nodes (n1 gone, 2 ranks on n0): the versions of 4 ranks are not resharded;
+    # the job falls back to the persistent checkpoint, saying why, on every rank alike
+    res = all_ok(run_ranks(_fewer_ranks, 2, os.path.join(bases["n1 lost"], "n0"), timeout=120))
+    for r in res:
+        assert r["newer"] == (None, "layout changed from w4-tp1-pp1-ep1-vp1 (local iteration 4) to "
+                                    "w2-tp1-pp1-ep1-vp1: local versions are not resharded"), r
+        assert r["older"] == (None, "no complete local checkpoint on any rank"), r
 
 
 def test_stalled_peer_mid_replication_fails_within_the_jobs_timeout(tmp_path):
@@ -253,8 +267,17 @@ def test_replica_groups_are_megatrons():
     # rank 0 decides who sends whom what; never a mix of iterations
     reports = [{"own": [3, 4], "replicas": {"2": [2, 3]}}, {"own": [3, 4], "replicas": {"3": [3]}},
                {"own": [], "replicas": {"0": [3, 4]}}, {"own": [4], "replicas": {"1": [3, 4]}}]
-    assert replication.decide(reports, -1) == [
+    assert replication.decide(reports, -1, LAYOUT) == [
         {"iteration": 3, "why": "", "fetch_from": None, "serve": [2]},
         {"iteration": 3, "why": "", "fetch_from": None, "serve": [3]},
         {"iteration": 3, "why": "", "fetch_from": 0, "serve": []},
         {"iteration": 3, "why": "", "fetch_from": 1, "serve": []}]
+    # the layout changed (4 ranks before, 2 now): no version of this layout; the other one is named
+    moved = [{"own": [], "replicas": {}, "other": {"w4-tp2-pp1-ep1-vp1": 6, "w2-tp1-pp1-ep1-vp1": 2}},
+             {"own": [], "replicas": {}, "other": {"w4-tp2-pp1-ep1-vp1": 5}}]
+    why = "layout changed from w4-tp2-pp1-ep1-vp1 (local iteration 6) to w2-tp2-pp1-ep1-vp1: local versions " \
+          "are not resharded"
+    assert replication.decide(moved, 4, "w2-tp2-pp1-ep1-vp1") == [{"iteration": None, "why": why}] * 2
+    # ... unless they are not newer than the persistent checkpoint: then the usual reason
+    assert replication.decide(moved, 6, "w2-tp2-pp1-ep1-vp1") == [
+        {"iteration": None, "why": "no complete local checkpoint on any rank"}] * 2
