@@ -14,9 +14,10 @@ Layout under the directory the user names (``--non-persistent-local-ckpt-dir DIR
 
 ``<layout>`` names the world size and parallel layout that saved it (``w16-tp2-pp2-ep1-vp1``): a
 job restarted with another layout finds no version of its own and falls back to the persistent
-checkpoint instead of reading bytes laid out for other ranks. A rank's directory is created
-``0700`` and its files are made ``0600``; at most :data:`KEEP` versions are kept per rank, the
-oldest removed by the save that commits a newer one (:func:`after_commit`). A version is
+checkpoint instead of reading bytes laid out for other ranks (the line saying why names the change:
+:func:`layout_changed`). A rank's directory is created ``0700`` and its files are made ``0600``; at
+most :data:`KEEP` versions are kept per rank, the oldest removed by the save that commits a newer one
+(:func:`after_commit`). A version is
 complete iff it is a committed megashard checkpoint (:func:`megashard.storage.is_checkpoint`):
 a save killed mid-write leaves only a ``.iter_N.tmp-*`` directory, never a version.
 """

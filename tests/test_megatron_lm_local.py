@@ -6,7 +6,8 @@ Each rank is its own node (``MEGASHARD_NODE_ID``) with its own local directory. 
 step 7 (persistent save at 4, local saves every step, each replicated to the other node) resumes with
 node 1's local directory emptied: rank 1's version of 6 comes from node 0's replica; with both
 nodes' directories emptied, the same killed run falls back to the persistent checkpoint at 4; both
-reach the same state at step 8, bit for bit.
+reach the same state at step 8, bit for bit. Restarted with TP=1, the TP=2 versions are not resharded:
+one line names the layout change and the job loads the persistent checkpoint at 4.
 """
 from __future__ import annotations
 
