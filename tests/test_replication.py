@@ -138,7 +138,7 @@ def test_replicate_restore_from_peers_and_fall_back(tmp_path):
 
 
 BIG = 1 << 16  # 256 KiB per version, sent in 16 KiB messages: a kill lands mid-stream
-STALL_TIMEOUT = 3.0  # the job's timeout (seconds) in the stalled-peer test
+STALL_TIMEOUT = 5.0  # the job's timeout (seconds) in the stalled-peer test
 
 
 def _killed_mid_replication(rank: int, world: int, base: str, how: str = "kill") -> dict:
