@@ -657,9 +657,11 @@ class _Reader:
                                 self.publish(ring, extents, mine, first)
                                 first += 1
 
-                    self.opened().read_files(
-                        [(extents[j].file, [(extents[j].start, ring.slot_memoryview(j, extents[j].stop - extents[j].start))],
-                          self.size(extents[j].file)) for j in range(k, end)], threads=ring_threads, done=arrive)
+                    jobs = []
+                    for j in range(k, end):
+                        e = extents[j]
+                        jobs.append((e.file, [(e.start, ring.slot_memoryview(j, e.stop - e.start))], self.size(e.file)))
+                    self.opened().read_files(jobs, threads=ring_threads, done=arrive)
                     if first != end:
                         raise CheckpointError(f"{self.base}: ring extents {first}..{end - 1} were read but not "
                                               f"reported as arrived (internal error)")
