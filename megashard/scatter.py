@@ -420,16 +420,16 @@ class _Reader:
         direct: Optional[_DirectReads] = None
         try:
             if mode == "shm" and self.err is None:
-                try:  # first: the schedules say where to open it
+                direct = self.start_direct(sched)  # this rank's own bytes: read while the ring is made and handed out
+                try:  # before the schedules: they say where to open it
                     ring = shm.Ring.create(len(self.consumers), sched["slots"], sched["slot_bytes"])
                 except MegashardError as e:
                     self.fail(_err(e, "creating the node's shared memory ring"))
+                    direct.finish(True)  # the load fails; stop reading before the error path touches the tensors
             if mode == "shm":
                 scheds = self.shm_schedules(sched, ring.handle() if ring is not None else None)
             else:
                 scheds = {r: {"transport": mode, "chunk": self.chunk} for r in self.consumers}
-            if mode == "shm" and self.err is None:
-                direct = self.start_direct(sched)  # this rank's own bytes: read while the others set up
             for r in self.consumers:
                 try:
                     _send_json(self.comm, scheds[r], r)
@@ -643,20 +643,32 @@ class _Reader:
                 while (batch_reads and end < len(extents) and end - k < ring.slots
                        and ring.wait_slot_free(end, self.pids, blocking=False)):
                     end += 1
-                by_file: Dict[str, List[Tuple[int, memoryview]]] = {}
-                for j in range(k, end):
-                    e = extents[j]
-                    by_file.setdefault(e.file, []).append((e.start, ring.slot_memoryview(j, e.stop - e.start)))
-                self.opened().read_files([(f, reqs, self.size(f)) for f, reqs in by_file.items()],
-                                         threads=ring_threads)
-                for j in range(k, end):
-                    size = extents[j].stop - extents[j].start
-                    self.nread += size
-                    ring.publish(j)
-                    if j in mine:
-                        src = ring.slot(j, size)
-                        _place(self.ops, self.lock, src, mine[j], self.copier)
-                        del src
+                if batch_reads:  # one job per extent, adjacent ones coalesced into shared GETs; each
+                    # extent is published (in order) as soon as its bytes are in, while later ones still arrive
+                    first = k
+                    arrived = [False] * (end - k)
+                    publish_lock = threading.Lock()
+
+                    def arrive(i: int) -> None:
+                        nonlocal first
+                        with publish_lock:
+                            arrived[i] = True
+                            while first < end and arrived[first - k]:
+                                self.publish(ring, extents, mine, first)
+                                first += 1
+
+                    jobs = []
+                    for j in range(k, end):
+                        e = extents[j]
+                        jobs.append((e.file, [(e.start, ring.slot_memoryview(j, e.stop - e.start))], self.size(e.file)))
+                    self.opened().read_files(jobs, threads=ring_threads, done=arrive)
+                    if first != end:
+                        raise CheckpointError(f"{self.base}: ring extents {first}..{end - 1} were read but not "
+                                              f"reported as arrived (internal error)")
+                else:
+                    e = extents[k]
+                    self.read(e.file, [(e.start, ring.slot_memoryview(k, e.stop - e.start))], ring_threads)
+                    self.publish(ring, extents, mine, k)
                 k = end
                 if direct.error is not None:
                     break
@@ -671,6 +683,16 @@ class _Reader:
         if direct.error is not None:
             ring.fail_reader()
             self.fail(_err(direct.error, "reading into this rank's tensors"))
+
+    def publish(self, ring: shm.Ring, extents: Sequence[Any], mine: Mapping[int, Any], j: int) -> None:
+        """Extent ``j`` is in its slot: hand it to the consumers, place the reader's own share."""
+        size = extents[j].stop - extents[j].start
+        self.nread += size
+        ring.publish(j)
+        if j in mine:
+            src = ring.slot(j, size)
+            _place(self.ops, self.lock, src, mine[j], self.copier)
+            del src
 
     def read_alone(self) -> None:
         """No other rank of the node needs bytes: read this rank's straight into place, as ``own`` does."""

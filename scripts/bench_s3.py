@@ -10,11 +10,14 @@ round by round (order rotated each round; one untimed warm-up round, then ``--re
          stream_io.open_stream("s3://...", "wb") (serializes to a temp file, then boto3 upload_file) |
          floor_put_N for N in --streams: the same bytes as plain PUTs on N connections (N=1: one PUT; else a
          multipart upload of N equal parts, one per connection, from one buffer, presigned URLs, http.client)
-  read:  megashard.load mode="own" (world 1) | tensorizer TensorDeserializer from s3 (curl stream,
-         lazy_load=False, verify_hash=False) | floor_get_N: the same bytes as N ranged GETs on N connections
-         (http.client, readinto one buffer)
+  read:  megashard.load mode="own" (world 1) into resident tensors (zero-filled before the timing, as a
+         model's initialized parameters are) | the same into fresh torch.empty tensors (megashard_load_own_fresh:
+         the load then also pays the first touch of every page) | tensorizer TensorDeserializer from s3 (curl
+         stream, lazy_load=False, verify_hash=False; it allocates its own tensors) | floor_get_N: the same bytes
+         as N ranged GETs on N connections (http.client, readinto one resident buffer)
   ranks: megashard.load with 2 gloo ranks on one node (MEGASHARD_NODE_ID equal), each rank loading its
-         row half of every tensor, mode "own" and mode "scatter" (spawned processes; rounds inside them)
+         row half of every tensor into resident tensors, mode "own" and mode "scatter" (spawned processes;
+         rounds inside them)
 
 The floor of a direction is its best floor_*_N. For each case: seconds (median), GB/s (payload bytes / s),
 client CPU-seconds per GiB (getrusage RUSAGE_SELF utime+stime, plus RUSAGE_CHILDREN for tensorizer's curl
@@ -107,11 +110,17 @@ def sharded(state: Dict[str, torch.Tensor], rank: int = 0, world: int = 1) -> Di
     return {k: ShardedTensor.from_rank_offsets(k, v, (0, rank, world)) for k, v in state.items()}
 
 
-def template_like(state: Dict[str, torch.Tensor], rank: int = 0, world: int = 1) -> Dict[str, ShardedTensor]:
+def template_like(state: Dict[str, torch.Tensor], rank: int = 0, world: int = 1,
+                  resident: bool = True) -> Dict[str, ShardedTensor]:
+    """Destinations of a load: ``resident`` (written once, as a model's initialized parameters are) or fresh
+    ``torch.empty`` memory, whose first touch (a page fault and the kernel zeroing each 4 KiB page) the load
+    then pays."""
     out = {}
     for k, v in state.items():
         rows = v.shape[0] // world
-        out[k] = ShardedTensor.from_rank_offsets(k, torch.empty(rows, *v.shape[1:], dtype=v.dtype), (0, rank, world))
+        t = torch.zeros(rows, *v.shape[1:], dtype=v.dtype) if resident else torch.empty(rows, *v.shape[1:],
+                                                                                         dtype=v.dtype)
+        out[k] = ShardedTensor.from_rank_offsets(k, t, (0, rank, world))
     return out
 
 
@@ -310,7 +319,7 @@ def _rank_loads(rank: int, world: int, url: str, shapes: Dict[str, Tuple[Tuple[i
             tmpl = {}
             for k, (shape, dt) in shapes.items():
                 rows = shape[0] // world
-                t = torch.empty(rows, *shape[1:], dtype=getattr(torch, dt))
+                t = torch.zeros(rows, *shape[1:], dtype=getattr(torch, dt))  # resident, as template_like
                 tmpl[k] = ShardedTensor.from_rank_offsets(k, t, (0, rank, world))
             gc.collect()
             dist.barrier()
@@ -393,16 +402,21 @@ def _run(args: argparse.Namespace, sw: SeaweedFS, t_start: float) -> Dict[str, A
     floor_put(store, "floor-src", flat, 8)
     holder: Dict[str, Any] = {}
 
-    def ms_load(rnd: int) -> Any:
-        tmpl = holder.pop("tmpl")
-        megashard.load(tmpl, ms_url, mode="own")
-        return tmpl
+    def ms_load(fresh: str) -> Callable[[int], Any]:
+        def run(rnd: int) -> Any:
+            tmpl = holder.pop(f"tmpl{fresh}")
+            megashard.load(tmpl, ms_url, mode="own")
+            return tmpl
+        return run
 
-    def ms_check(rnd: int, tmpl: Any) -> None:
-        if rnd == 1:
-            bad = [k for k in state if not torch.equal(tmpl[k].data.view(torch.uint8), state[k].view(torch.uint8))]
-            assert not bad, f"megashard load: {bad} differ"
-        holder["tmpl"] = template_like(state)  # the next round's destination, allocated outside the timing
+    def ms_check(fresh: str) -> Callable[[int, Any], None]:
+        def after(rnd: int, tmpl: Any) -> None:
+            if rnd == 1:
+                bad = [k for k in state if not torch.equal(tmpl[k].data.view(torch.uint8), state[k].view(torch.uint8))]
+                assert not bad, f"megashard load: {bad} differ"
+            # the next round's destination, allocated outside the timing
+            holder[f"tmpl{fresh}"] = template_like(state, resident=not fresh)
+        return after
 
     def tz_check(rnd: int, got: Any) -> None:
         if rnd == 1:
@@ -420,14 +434,16 @@ def _run(args: argparse.Namespace, sw: SeaweedFS, t_start: float) -> Dict[str, A
         def after(rnd: int, buf: Any) -> None:
             if rnd == 1:
                 assert torch.equal(buf, flat_t), f"floor_get_{n}: bytes differ"
-            holder[f"buf{n}"] = torch.empty(nbytes, dtype=torch.uint8)
+            holder[f"buf{n}"] = torch.zeros(nbytes, dtype=torch.uint8)  # resident, as template_like
         return after
 
     holder["tmpl"] = template_like(state)
-    reads = [Case("megashard_load_own", ms_load, ms_check, store),
+    holder["tmpl_fresh"] = template_like(state, resident=False)
+    reads = [Case("megashard_load_own", ms_load(""), ms_check(""), store),
+             Case("megashard_load_own_fresh", ms_load("_fresh"), ms_check("_fresh"), store),
              Case("tensorizer_load", lambda rnd: tz_load(tz_url, sw), tz_check)]
     for n in args.streams:
-        holder[f"buf{n}"] = torch.empty(nbytes, dtype=torch.uint8)
+        holder[f"buf{n}"] = torch.zeros(nbytes, dtype=torch.uint8)
         reads.append(Case(f"floor_get_{n}", floor_get_case(n), floor_check(n)))
     log(f"read group ({args.reps} rounds + warm-up)")
     interleave(reads, args.reps, sw, nbytes)
@@ -484,7 +500,8 @@ def _run(args: argparse.Namespace, sw: SeaweedFS, t_start: float) -> Dict[str, A
         summary[direction] = {"megashard_GBps": m["GBps"], "tensorizer_GBps": t["GBps"], "floor": fname,
                               "floor_GBps": f["GBps"], "vs_floor": round(m["GBps"] / f["GBps"], 3),
                               "vs_tensorizer": round(m["GBps"] / t["GBps"], 3),
-                              "megashard_cpu_s_per_GiB": m["cpu_s_per_GiB"]}
+                              "megashard_cpu_s_per_GiB": m["cpu_s_per_GiB"], "floor_cpu_s_per_GiB": f["cpu_s_per_GiB"]}
+    summary["load"]["megashard_fresh_destination_cpu_s_per_GiB"] = results["megashard_load_own_fresh"]["cpu_s_per_GiB"]
     if "megashard_load_2ranks_own" in results:
         summary["scatter_vs_own_seconds"] = round(results["megashard_load_2ranks_scatter"]["seconds"]
                                                   / results["megashard_load_2ranks_own"]["seconds"], 3)

@@ -228,6 +228,32 @@ def test_read_into_scattered_ranges_bit_exact(s3, monkeypatch) -> None:
     assert store.stats["GET_RANGE"] == 5
 
 
+def test_read_many_reports_each_job_as_soon_as_its_bytes_are_in(s3, monkeypatch) -> None:
+    """Jobs of one object share GETs where adjacent (two 1 MiB jobs: one GET), and ``done(i)`` comes as
+    soon as job i's GETs have finished: on one connection, before the next GET is even sent (scatter
+    publishes a ring extent the moment it is in). A job with nothing to read is done at once."""
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(2 * MiB))
+    store = _store(s3)
+    data = os.urandom(6 * MiB)
+    etag = store.upload("m/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    s3.reset()
+    bufs = [bytearray(MiB), bytearray(MiB), bytearray(2 * MiB), bytearray(0)]
+    offsets = [0, MiB, 4 * MiB, 0]
+    seen: List[Tuple[int, List[bool]]] = []  # (job, which buffers were filled when it was reported)
+
+    def done(i: int) -> None:
+        seen.append((i, [bytes(b) == data[o:o + len(b)] for o, b in zip(offsets, bufs)]))
+
+    jobs = [("m/x", [(o, memoryview(b))], len(data), etag) for o, b in zip(offsets, bufs)]
+    assert store.read_many(jobs, threads=1, done=done) == 4 * MiB
+    assert [bytes(b) for b in bufs] == [data[o:o + len(b)] for o, b in zip(offsets, bufs)]
+    assert sorted(e["range"] for e in _ranged_gets(s3, "m/x")) == [f"bytes=0-{2 * MiB - 1}",
+                                                                    f"bytes={4 * MiB}-{6 * MiB - 1}"]
+    assert seen[0] == (3, [False, False, False, True])  # nothing to fetch: reported before any GET
+    assert sorted(seen[1:3]) == [(0, [True, True, False, True]), (1, [True, True, False, True])]
+    assert seen[3] == (2, [True, True, True, True])
+
+
 def test_read_into_overlapping_requests_and_typed_views(s3) -> None:
     store = _store(s3)
     data = os.urandom(3 * MiB)

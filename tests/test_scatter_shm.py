@@ -381,6 +381,47 @@ def test_scatter_direct_read_failure_raises_everywhere(tmp_path) -> None:
     assert _segments([r["pid"] for r in res]) == [] and _sockets([r["pid"] for r in res]) == []
 
 
+def _ring_fails_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    import megashard
+    from megashard import shm
+
+    path = os.path.join(tmp, "ckpt")
+    layout = Layout(tp=2)
+    _save(layout, rank, path)
+    out: Dict[str, Any] = {"pid": os.getpid()}
+    real = shm.Ring.create
+
+    def refuse(consumers: int, slots: int, slot_bytes: int) -> Any:
+        raise shm.ShmError("cannot reserve shared memory for the ring (injected)")
+
+    if rank == 0:  # the reader: its own bytes are already being read when the ring cannot be made
+        shm.Ring.create = refuse
+    try:
+        with _fd_passing_fails() if rank == 0 else contextlib.nullcontext():
+            _load(layout, rank, path, scatter_transport="shm")
+        out["error"] = "no error"
+    except megashard.DistributedError as e:
+        out["error"] = str(e)
+    finally:
+        shm.Ring.create = real
+    out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("megashard-scatter"))
+    with _fd_passing_fails() if rank == 0 else contextlib.nullcontext():
+        out["after"] = _load(layout, rank, path, scatter_transport="shm")
+    return out
+
+
+def test_scatter_ring_creation_failure_raises_everywhere(tmp_path) -> None:
+    """The reader starts reading its own bytes before it creates the ring; when the ring cannot be made,
+    those reads stop, the load fails on every rank naming the cause, no reading thread is left, and the
+    next load is bit-exact."""
+    res = all_ok(run_ranks(_ring_fails_job, 2, str(tmp_path), env=NODE_ENV))
+    for r in res:
+        assert "creating the node's shared memory ring" in r["error"] and "injected" in r["error"], r["error"]
+        assert r["threads"] == []
+        assert r["after"]["bad"] == [] and r["after"]["transport"] == "shm", r["after"]
+    assert _segments([r["pid"] for r in res]) == [] and _sockets([r["pid"] for r in res]) == []
+
+
 def _alone_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     import megashard
 

@@ -32,7 +32,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
 from .client import ObjectInfo, ObjectStore
@@ -432,19 +432,26 @@ class ObjectCheckpointFiles:
         return self.read_files([(name, reqs, size)])
 
     def read_files(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], Optional[int]]], *,
-                   threads: Optional[int] = None) -> int:
+                   threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None) -> int:
         """:meth:`read_into` of several members ``(name, reqs, size)`` at once: every GET of every
-        object in one queue on the store's connections, none idle while bytes remain."""
+        object in one queue on the store's connections, none idle while bytes remain (jobs of one
+        member share GETs where adjacent). ``done(i)``: called as soon as job ``i``'s bytes are all
+        in (from a GET's thread; see :meth:`ObjectStore.read_many`)."""
         n = 0
         jobs_s3 = []
-        for name, reqs, size in jobs:
+        where: List[int] = []  # jobs_s3's positions in jobs
+        for i, (name, reqs, size) in enumerate(jobs):
             if name == INDEX_NAME:
                 n += self._read_index(reqs, size)
             elif reqs:  # none: nothing to check here, every GET checks size (Content-Range) and ETag itself
                 if size is None:
                     size = self.open(name).size
                 jobs_s3.append((self.object_key(name), reqs, size, self._etag(name)))
-        return n + self.store.read_many(jobs_s3)
+                where.append(i)
+                continue
+            if done is not None:
+                done(i)
+        return n + self.store.read_many(jobs_s3, done=None if done is None else (lambda j: done(where[j])))
 
     def _read_index(self, reqs: Sequence[Tuple[int, memoryview]], size: Optional[int]) -> int:
         """The index's sections are small and many: the whole index in one GET, once."""

@@ -619,20 +619,56 @@ class ObjectStore:
         return self.read_many([(key, reqs, size, etag)], threads=threads)
 
     def read_many(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], int, Optional[str]]], *,
-                  threads: Optional[int] = None) -> int:
+                  threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None) -> int:
         """:meth:`read_into` of several objects ``(key, reqs, size, etag)`` at once: their GETs form one
         queue on up to ``threads`` (``MEGASHARD_S3_CONNECTIONS``) connections, so no connection idles at
-        the end of an object while another's bytes remain. Returns the bytes fetched."""
+        the end of an object while another's bytes remain. Jobs of one object are coalesced like one
+        job's requests (adjacent ones share a GET). ``done(i)``, when given, is called (on the GET's
+        thread) as soon as every byte of job ``i`` has arrived, so a caller can pass on early jobs while
+        later ones are still in flight. Returns the bytes fetched."""
+        by_key: Dict[str, List[int]] = {}
+        for i, (key, _, _, _) in enumerate(jobs):
+            by_key.setdefault(key, []).append(i)
         tasks: List[Callable[[], int]] = []
-        for key, reqs, size, etag in jobs:
+        left = [0] * len(jobs)  # per job: GETs still to finish
+        owners: List[List[int]] = []  # per task: the jobs it holds bytes of
+        for key, idx in by_key.items():
+            size, etag = jobs[idx[0]][2], jobs[idx[0]][3]
+            reqs = [r for i in idx for r in jobs[i][1]]
             gets = self._plan_gets(key, reqs, size)
-            if gets:
-                url = self._presign("get_object", key)
-                tasks += [lambda key=key, url=url, g=g, size=size, etag=etag:
-                          self._get_range(key, url, g[0], g[1], g[2], size, etag) for g in gets]
-        if not tasks:
-            return 0
-        return sum(_run_parallel(tasks, threads or connections()))
+            if not gets:
+                continue
+            url = self._presign("get_object", key)
+            if done is not None:
+                spans = [(i, [(off, off + _byte_view(v).nbytes) for off, v in jobs[i][1]]) for i in idx]
+            for g in gets:
+                tasks.append(lambda key=key, url=url, g=g, size=size, etag=etag:
+                             self._get_range(key, url, g[0], g[1], g[2], size, etag))
+                if done is not None:
+                    mine = [i for i, sp in spans if any(a < g[1] and g[0] < b for a, b in sp if b > a)]
+                    owners.append(mine)
+                    for i in mine:
+                        left[i] += 1
+        if done is None:
+            return sum(_run_parallel(tasks, threads or connections())) if tasks else 0
+        for i in range(len(jobs)):
+            if not left[i]:
+                done(i)  # nothing to fetch
+        lock = threading.Lock()
+
+        def tracked(t: int) -> int:
+            n = tasks[t]()
+            finished = []
+            with lock:
+                for i in owners[t]:
+                    left[i] -= 1
+                    if not left[i]:
+                        finished.append(i)
+            for i in finished:
+                done(i)
+            return n
+
+        return sum(_run_parallel([lambda t=t: tracked(t) for t in range(len(tasks))], threads or connections()))
 
     def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int
                    ) -> List[Tuple[int, int, List[Tuple[Optional[memoryview], int]]]]:
