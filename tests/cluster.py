@@ -19,6 +19,9 @@ A node is a *holder* process (``sleep``) started with ``ip netns exec NS unshare
 (:meth:`Cluster.node_cmd`). Its mounts (tmpfs, FUSE) exist only in its private mount namespace,
 so they vanish with its last process and can never hang on the host.
 
+A node can be killed (:meth:`Cluster.kill_node`: its processes) or replaced (:meth:`Cluster.replace_node`:
+its namespace deleted, a fresh one with empty tmpfs mounts and the same name and address in its place).
+
 Teardown (:func:`teardown`, idempotent) kills every process in each namespace this run created
 (``ip netns pids``), deletes the namespaces (the veths and the bridge go with them) and removes
 the run directory. It runs on :meth:`Cluster.stop`, on any failure while starting, and, should the

@@ -2,8 +2,9 @@
 their own hostname, network, /dev/shm and node-local disk, SeaweedFS on a rate-limited storage host
 (FUSE mount on every node, S3 gateway), torchrun's c10d rendezvous between the nodes, 2 ranks each.
 
-One cluster serves every test here; one torchrun job (``tests/scripts/cluster_job.py``) most of them,
-the Megatron example, the two concurrent saving jobs and the node kill launch their own. Without
+One cluster serves every test here but one; one torchrun job (``tests/scripts/cluster_job.py``) most of
+them, the Megatron example, the two concurrent saving jobs and the node kill launch their own. The
+local-tier restart builds its own cluster of 3 nodes (one of them replaced by a fresh node). Without
 root (or FUSE, or the weed binary) the module skips with the reason; CI runs as root, where
 ``MEGASHARD_CLUSTER_REQUIRED=1`` (set by ``.ci/run``) turns that skip into a failure.
 """
