@@ -3,6 +3,7 @@ loader, with and without ``--ckpt-fully-parallel-load``, bytes counted where the
 
     sudo python scripts/bench_cluster_megatron.py [--layers 2] [--hidden 384] [--storage-mbit 40] \
         [--node-mbit 160] [--rounds 2] [--cases own,scatter,readonce,torch_dist,torch_dist_fpl] [--json out.json]
+    sudo python scripts/bench_cluster_megatron.py --local-tier [--tier-cases local,peer,storage] [--shm-mb 512] ...
 
 Builds ``tests/cluster.py``'s cluster (2 nodes x 2 ranks, SeaweedFS on a storage host whose link is
 rate-limited with ``tc``, ``weed mount`` on every node) and runs Megatron-LM's own ``pretrain_gpt.py``
@@ -27,6 +28,22 @@ of a launch costs. The load time is Megatron's own ``load-checkpoint`` timer (ma
 barriers on both sides); the floor is the checkpoint's bytes (every file of ``iter_0000001``, which
 every node needs whole: DP=2 over the nodes) ÷ the storage link rate. Every load must give the same
 iteration-2 loss, bit for bit (printed by Megatron with all its digits).
+
+``--local-tier`` benchmarks the restart from the local checkpoint tier instead (``--tier-cases
+local,peer,storage``). One run saves: ``--non-persistent-ckpt-type local`` in each node's
+``/dev/shm`` every step, replicated to the other node (``--replication --replication-jump 2
+--replication-factor 2``), ``--async-save`` (with ``--ckpt-format torch``, without which Megatron-LM
+switches it off) to the shared mount every 2 steps; SIGKILLed in step 6
+(local versions 3 and 5, persistent 4 committed). Megatron's ``save-checkpoint-non-persistent`` and
+``save-checkpoint`` timers give the training stall of each local and async save. Then, interleaved,
+launches that restart and train one step (no ``--save``, so nothing changes between them): ``local``
+(every rank's own version of 5), ``peer`` (node 1 replaced first by a fresh node with an empty
+``/dev/shm``, :meth:`tests.cluster.Cluster.replace_node`: its ranks' versions of 5 come from node 0's
+replicas), ``storage`` (an empty local directory: ``--load`` at 4 from the shared mount, megashard's
+``auto`` load mode), and ``noload`` (from scratch: the launch's own cost). Per launch: Megatron's
+``load-checkpoint`` timer, the seconds from the launch to the first training step's log line, and the
+storage link's bytes. The restart from storage must log the same loss for step 5 as the saving run,
+every digit; the restarts from the tier all the same loss for step 6.
 """
 from __future__ import annotations
 
@@ -247,6 +264,14 @@ def _tier_flags(where: str) -> List[str]:
             "--replication-factor", str(NNODES)]
 
 
+def _async_flags() -> List[str]:
+    """``--async-save`` as Megatron-LM keeps it on a CPU host: it switches it off for the dist formats
+    (``--ckpt-format torch`` only affects Megatron's own saves; ``tests/test_async_megatron_lm.py``)."""
+    from test_async_megatron_lm import STRATEGY
+
+    return ["--async-save", "--ckpt-format", "torch", *STRATEGY]
+
+
 def _bench_tier(a: argparse.Namespace, tree: str) -> int:
     """The local tier's restart against the restart from storage (``--local-tier``)."""
     import cluster
@@ -257,8 +282,10 @@ def _bench_tier(a: argparse.Namespace, tree: str) -> int:
                          local_mb=16) as c:
         root = c.shared / "mlm"
         launch = Launcher(c, model, env, a.timeout)
-        setup = launch("tier-save", [*_tier_flags(TIER), "--save", str(root), "--async-save", "--train-iters", "8",
+        setup = launch("tier-save", [*_tier_flags(TIER), "--save", str(root), *_async_flags(), "--train-iters", "8",
                                      "--save-interval", "2"], env={"MEGASHARD_TEST_KILL_AT": str(KILL_AT)}, killed=True)
+        if f"scheduled an async save of iteration {KILL_AT - 1}" not in launch.output:
+            raise SystemExit(f"Megatron-LM did not save asynchronously\n{launch.output[-4000:]}")
         replicated = [{"iteration": int(i), "mb_per_rank": float(mb), "seconds": float(t)}
                       for i, mb, t in REPLICATED.findall(launch.output)]
         tracker = c.run_in_node(0, ["cat", f"{root}/latest_checkpointed_iteration.txt"]).stdout.strip()
