@@ -20,7 +20,7 @@ A node is a *holder* process (``sleep``) started with ``ip netns exec NS unshare
 so they vanish with its last process and can never hang on the host.
 
 A node can be killed (:meth:`Cluster.kill_node`: its processes) or replaced (:meth:`Cluster.replace_node`:
-its namespace deleted, a fresh one with empty tmpfs mounts and the same name and address in its place).
+its namespace deleted, a fresh one with empty tmpfs mounts and the same hostname and address in its place).
 
 Teardown (:func:`teardown`, idempotent) kills every process in each namespace this run created
 (``ip netns pids``), deletes the namespaces (the veths and the bridge go with them) and removes
@@ -529,7 +529,7 @@ class Cluster:
             time.sleep(0.05)
 
     def replace_node(self, i: int) -> None:
-        """Node ``i`` destroyed and replaced by a fresh machine with its name and address, as a failed
+        """Node ``i`` destroyed and replaced by a fresh machine with its hostname and address, as a failed
         node swapped for a spare: every process of it killed (:meth:`kill_node`), its network namespace
         deleted (its /dev/shm and node-local tmpfs and its weed mount go with it), then a new namespace
         (another name, recorded for teardown), link, holder with an empty /dev/shm and node-local
@@ -546,8 +546,9 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"the hub port {port} of node {i}'s deleted namespace is still there after 30 s")
             time.sleep(0.1)
-        generation = sum(ns.startswith(f"ms-{self.tag}-n{i}") for ns in self._state["namespaces"])
-        self.node_ns[i] = f"ms-{self.tag}-n{i}g{generation}"
+        base = f"ms-{self.tag}-n{i}"
+        generation = sum(ns == base or ns.startswith(base + "g") for ns in self._state["namespaces"])
+        self.node_ns[i] = f"{base}g{generation}"
         self._add_ns(self.node_ns[i])
         self._link(port, self.node_ns[i], node_ip(i), self.node_mbit)
         for ns in [self.storage] + [n for j, n in enumerate(self.node_ns) if j != i]:
