@@ -255,7 +255,6 @@ TIER_CASES = ("local", "peer", "storage")
 KILL_AT = 5  # the tier run: local saves 1, 3, 5 (replicated), async saves to storage 2, 4, SIGKILLed in step 6
 RESTORED = re.compile(r"restored rank (\d+)'s local checkpoint of iteration (\d+) from rank (\d+)'s replica in "
                       r"([\d.]+) s")
-REPLICATED = re.compile(r"replicated iteration (\d+) \(([\d.]+) MB\) to rank\S* \S+ in ([\d.]+) s")
 
 
 def _tier_flags(where: str) -> List[str]:
@@ -275,6 +274,7 @@ def _async_flags() -> List[str]:
 def _bench_tier(a: argparse.Namespace, tree: str) -> int:
     """The local tier's restart against the restart from storage (``--local-tier``)."""
     import cluster
+    from bench_localtier import REPLICATED
 
     model, env = _model_args(a), _env(tree)
     steps: List[Dict[str, Any]] = []
