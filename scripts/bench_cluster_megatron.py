@@ -3,6 +3,7 @@ loader, with and without ``--ckpt-fully-parallel-load``, bytes counted where the
 
     sudo python scripts/bench_cluster_megatron.py [--layers 2] [--hidden 384] [--storage-mbit 40] \
         [--node-mbit 160] [--rounds 2] [--cases own,scatter,readonce,torch_dist,torch_dist_fpl] [--json out.json]
+    sudo python scripts/bench_cluster_megatron.py --local-tier [--tier-cases local,peer,storage] [--shm-mb 512] ...
 
 Builds ``tests/cluster.py``'s cluster (2 nodes x 2 ranks, SeaweedFS on a storage host whose link is
 rate-limited with ``tc``, ``weed mount`` on every node) and runs Megatron-LM's own ``pretrain_gpt.py``
@@ -27,6 +28,22 @@ of a launch costs. The load time is Megatron's own ``load-checkpoint`` timer (ma
 barriers on both sides); the floor is the checkpoint's bytes (every file of ``iter_0000001``, which
 every node needs whole: DP=2 over the nodes) ÷ the storage link rate. Every load must give the same
 iteration-2 loss, bit for bit (printed by Megatron with all its digits).
+
+``--local-tier`` benchmarks the restart from the local checkpoint tier instead (``--tier-cases
+local,peer,storage``). One run saves: ``--non-persistent-ckpt-type local`` in each node's
+``/dev/shm`` every step, replicated to the other node (``--replication --replication-jump 2
+--replication-factor 2``), ``--async-save`` (with ``--ckpt-format torch``, without which Megatron-LM
+switches it off) to the shared mount every 2 steps; SIGKILLed in step 6
+(local versions 3 and 5, persistent 4 committed). Megatron's ``save-checkpoint-non-persistent`` and
+``save-checkpoint`` timers give the training stall of each local and async save. Then, interleaved,
+launches that restart and train one step (no ``--save``, so nothing changes between them): ``local``
+(every rank's own version of 5), ``peer`` (node 1 replaced first by a fresh node with an empty
+``/dev/shm``, :meth:`tests.cluster.Cluster.replace_node`: its ranks' versions of 5 come from node 0's
+replicas), ``storage`` (an empty local directory: ``--load`` at 4 from the shared mount, megashard's
+``auto`` load mode), and ``noload`` (from scratch: the launch's own cost). Per launch: Megatron's
+``load-checkpoint`` timer, the seconds from the launch to the first training step's log line, and the
+storage link's bytes. The restart from storage must log the same loss for step 5 as the saving run,
+every digit; the restarts from the tier all the same loss for step 6.
 """
 from __future__ import annotations
 
@@ -39,7 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -47,7 +64,8 @@ sys.path[:0] = [str(TESTS), str(REPO)]
 
 CASES = ("own", "scatter", "readonce", "torch_dist", "torch_dist_fpl")
 SCRIPT = TESTS / "megatron_helpers" / "mlm_pretrain_gpt.py"
-TIMER = re.compile(r"^.*?(save-checkpoint|load-checkpoint) \.*: \(([\d.]+), ([\d.]+)\)", re.M)
+TIMER = re.compile(r"^.*?(save-checkpoint-non-persistent|save-checkpoint|load-checkpoint) \.*: "
+                   r"\(([\d.]+), ([\d.]+)\)", re.M)
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|")
 NNODES, NPROC = 2, 2
 
@@ -82,6 +100,55 @@ def _case_args(case: str, root: Path) -> List[str]:
     return out
 
 
+class Launcher:
+    """One timed launch of the script on every node of ``c`` after the shared mounts' caches and the
+    storage host's page cache are dropped: its storage link bytes, Megatron's timers, losses, and the
+    seconds from the launch to the first training step's log line (polled)."""
+
+    def __init__(self, c: Any, model: List[str], env: Dict[str, str], timeout: float) -> None:
+        self.c, self.model, self.env, self.timeout = c, model, env, timeout
+        self.port = 29500
+        self.output = ""
+
+    def __call__(self, name: str, args: List[str], env: Optional[Dict[str, str]] = None,
+                 killed: bool = False) -> Dict[str, Any]:
+        from bench_cluster import _drop_storage_cache
+        from megatron_helpers.runner import FAST_EXIT
+
+        c = self.c
+        for i in range(c.nodes):
+            c.remount_shared(i)
+        _drop_storage_cache(c.root / "storage")
+        before = c.storage_link_bytes()
+        logs = [c.logs / f"{name}-node{i}.log" for i in range(c.nodes)]
+        self.port += 7
+        t0 = time.perf_counter()
+        agents = c.start_torchrun("-m", [FAST_EXIT, str(SCRIPT), *self.model, *args], nproc=NPROC,
+                                  env={**self.env, **(env or {})}, name=name, port=self.port)
+        first_step = None
+        while first_step is None and any(p.poll() is None for p in agents):
+            if any(LOSS.search(f.read_text(errors="replace")) for f in logs if f.exists()):
+                first_step = time.perf_counter() - t0
+            else:
+                time.sleep(0.05)
+        codes = c.wait_torchrun(agents, self.timeout, name)
+        wall = time.perf_counter() - t0
+        after = c.storage_link_bytes()
+        out = "\n".join(f.read_text(errors="replace") for f in logs)
+        if (codes == [0] * c.nodes) == killed:
+            raise SystemExit(f"{name} {'was not killed' if killed else 'failed'} ({codes}): {' '.join(args)}\n"
+                             f"{c.job_logs(name)}")
+        self.output = out  # the last launch's output, for a caller's checks
+        every: Dict[str, List[float]] = {}
+        for m in TIMER.finditer(out):
+            every.setdefault(m.group(1), []).append(float(m.group(3)) / 1e3)
+        return {"name": name, "args": args, "wall_seconds": wall, "first_step_seconds": first_step,
+                "tx": after["tx"] - before["tx"], "rx": after["rx"] - before["rx"],
+                "timers": {k: v[-1] for k, v in every.items()}, "timers_every": every,
+                "losses": {int(m.group(1)): m.group(2) for m in LOSS.finditer(out)},
+                "megashard_loaded": "loading with megashard" in out}
+
+
 def _host(a: argparse.Namespace) -> int:
     import cluster
 
@@ -90,48 +157,29 @@ def _host(a: argparse.Namespace) -> int:
         print(f"bench_cluster_megatron: {why}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="bench-cluster-mlm-") as work:
-        return _bench(a, _tree(Path(work)))
+        return (_bench_tier if a.local_tier else _bench)(a, _tree(Path(work)))
+
+
+def _env(tree: str) -> Dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(TESTS), os.environ.get("PYTHONPATH")])),
+            "MEGASHARD_HUGEPAGES": "0", "PYTHONWARNINGS": "ignore", "MEGATRON_LM_DIR": tree,
+            "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 
 def _bench(a: argparse.Namespace, tree: str) -> int:
     import cluster
-    from bench_cluster import _drop_storage_cache
-    from megatron_helpers.runner import FAST_EXIT
 
     cases = ["noload"] + a.cases
     model = _model_args(a)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(TESTS), os.environ.get("PYTHONPATH")])),
-           "MEGASHARD_HUGEPAGES": "0", "PYTHONWARNINGS": "ignore", "MEGATRON_LM_DIR": tree,
-           "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    env = _env(tree)
     steps: List[Dict[str, Any]] = []
-    port = [29500]
     t_build = time.perf_counter()
     with cluster.Cluster(nodes=NNODES, storage_mbit=a.storage_mbit, node_mbit=a.node_mbit, shm_mb=256,
                          local_mb=16) as c:
         root = c.shared / "mlm"
         print(f"cluster up in {time.perf_counter() - t_build:.1f} s: storage {a.storage_mbit} Mbit/s, nodes "
               f"{a.node_mbit} Mbit/s; Megatron-LM tree {tree}", flush=True)
-
-        def launch(name: str, args: List[str]) -> Dict[str, Any]:
-            for i in range(NNODES):
-                c.remount_shared(i)
-            _drop_storage_cache(c.root / "storage")
-            before = c.storage_link_bytes()
-            t0 = time.perf_counter()
-            port[0] += 7
-            codes = c.torchrun("-m", [FAST_EXIT, str(SCRIPT), *model, *args], nproc=NPROC, env=env, name=name,
-                               port=port[0], timeout=a.timeout)
-            wall = time.perf_counter() - t0
-            after = c.storage_link_bytes()
-            out = "\n".join((c.logs / f"{name}-node{i}.log").read_text(errors="replace") for i in range(NNODES))
-            if codes != [0] * NNODES:
-                raise SystemExit(f"{name} failed ({codes}): {' '.join(args)}\n{c.job_logs(name)}")
-            timers = {m.group(1): float(m.group(3)) / 1e3 for m in TIMER.finditer(out)}
-            losses = {int(m.group(1)): m.group(2) for m in LOSS.finditer(out)}
-            return {"name": name, "args": args, "wall_seconds": wall, "tx": after["tx"] - before["tx"],
-                    "rx": after["rx"] - before["rx"], "timers": timers, "losses": losses,
-                    "megashard_loaded": "loading with megashard" in out}
-
+        launch = Launcher(c, model, env, a.timeout)
         unique: Dict[str, int] = {}
         stored: Dict[str, int] = {}  # what crossed the link into storage at the save (SeaweedFS may compress)
         for fmt in ("tensors", "torch_dist"):
@@ -201,6 +249,140 @@ def _bench(a: argparse.Namespace, tree: str) -> int:
     return 0
 
 
+TIER = "/dev/shm/megashard-tier"  # --non-persistent-local-ckpt-dir on every node (its own tmpfs)
+NO_TIER = "/dev/shm/megashard-no-tier"  # an empty local tier: the restart from storage
+TIER_CASES = ("local", "peer", "storage")
+KILL_AT = 5  # the tier run: local saves 1, 3, 5 (replicated), async saves to storage 2, 4, SIGKILLed in step 6
+RESTORED = re.compile(r"restored rank (\d+)'s local checkpoint of iteration (\d+) from rank (\d+)'s replica in "
+                      r"([\d.]+) s")
+
+
+def _tier_flags(where: str) -> List[str]:
+    return ["--save-format", "tensors", "--non-persistent-save-interval", "1", "--non-persistent-ckpt-type", "local",
+            "--non-persistent-local-ckpt-dir", where, "--replication", "--replication-jump", str(NPROC),
+            "--replication-factor", str(NNODES)]
+
+
+def _async_flags() -> List[str]:
+    """``--async-save`` as Megatron-LM keeps it on a CPU host: it switches it off for the dist formats
+    (``--ckpt-format torch`` only affects Megatron's own saves; ``tests/test_async_megatron_lm.py``)."""
+    from test_async_megatron_lm import STRATEGY
+
+    return ["--async-save", "--ckpt-format", "torch", *STRATEGY]
+
+
+def _bench_tier(a: argparse.Namespace, tree: str) -> int:
+    """The local tier's restart against the restart from storage (``--local-tier``)."""
+    import cluster
+    from bench_localtier import REPLICATED
+
+    model, env = _model_args(a), _env(tree)
+    steps: List[Dict[str, Any]] = []
+    with cluster.Cluster(nodes=NNODES, storage_mbit=a.storage_mbit, node_mbit=a.node_mbit, shm_mb=a.shm_mb,
+                         local_mb=16) as c:
+        root = c.shared / "mlm"
+        launch = Launcher(c, model, env, a.timeout)
+        setup = launch("tier-save", [*_tier_flags(TIER), "--save", str(root), *_async_flags(), "--train-iters", "8",
+                                     "--save-interval", "2"], env={"MEGASHARD_TEST_KILL_AT": str(KILL_AT)}, killed=True)
+        if f"scheduled an async save of iteration {KILL_AT - 1}" not in launch.output:
+            raise SystemExit(f"Megatron-LM did not save asynchronously\n{launch.output[-4000:]}")
+        replicated = [{"iteration": int(i), "mb_per_rank": float(mb), "seconds": float(t)}
+                      for i, mb, t in REPLICATED.findall(launch.output)]
+        tracker = c.run_in_node(0, ["cat", f"{root}/latest_checkpointed_iteration.txt"]).stdout.strip()
+        sizes = c.run_in_node(0, ["find", f"{root}/iter_{KILL_AT - 1:07d}", "-type", "f", "-printf", "%s\n"])
+        persistent_bytes = sum(int(x) for x in sizes.stdout.split())
+        own = c.run_in_node(0, ["sh", "-c", f"cat {TIER}/megashard-*/rank*/iter_{KILL_AT:07d}/* | wc -c"])
+        node_version_bytes = int(own.stdout)
+        if tracker != str(KILL_AT - 1) or sorted(setup["losses"]) != list(range(1, KILL_AT + 1)):
+            raise SystemExit(f"the tier run did not end as planned (tracker {tracker!r}, losses "
+                             f"{sorted(setup['losses'])})\n{launch.output[-4000:]}")
+        setup.update(kind="setup", replicated=replicated)
+        steps.append(setup)
+        stalls = setup["timers_every"]
+        print(f"tier run: local version of a node {node_version_bytes / 2**20:.1f} MiB, persistent checkpoint "
+              f"{persistent_bytes / 2**20:.1f} MiB; stall per local save "
+              f"{stalls.get('save-checkpoint-non-persistent')} s, "
+              f"per async save {stalls.get('save-checkpoint')} s; replication {[r['seconds'] for r in replicated]} s",
+              flush=True)
+        cases = ["noload", *a.tier_cases]
+        for r in range(a.rounds):
+            for case in (cases if r % 2 == 0 else cases[:1] + cases[:0:-1]):
+                if case == "noload":
+                    args = ["--train-iters", "1"]
+                elif case == "storage":  # every node's tier lost: --load, iteration KILL_AT - 1, then one step
+                    args = [*_tier_flags(NO_TIER), "--load", str(root), "--train-iters", "8",
+                            "--exit-interval", str(KILL_AT)]
+                else:  # the tier's KILL_AT, then one step; "peer": node 1 replaced first (its /dev/shm empty)
+                    if case == "peer":
+                        c.replace_node(1)
+                    args = [*_tier_flags(TIER), "--load", str(root), "--train-iters", "8",
+                            "--exit-interval", str(KILL_AT + 1)]
+                rec = launch(f"{case}-r{r}", args)
+                out = launch.output
+                restored = RESTORED.findall(out)
+                want = {"noload": "", "storage": f"at iteration {KILL_AT - 1} (optimizer loaded, rng loaded)",
+                        "local": "loaded local checkpoint", "peer": "loaded local checkpoint"}[case]
+                if want not in out or bool(restored) != (case == "peer"):
+                    raise SystemExit(f"{case}: not the restart planned\n{out[-4000:]}")
+                rec.update(kind=case, round=r, peer_transfer_seconds=[float(x[3]) for x in restored],
+                           restored=[[int(x[0]), int(x[2])] for x in restored])
+                steps.append(rec)
+                print(f"round {r} {case:8s} load-checkpoint {rec['timers'].get('load-checkpoint', float('nan')):6.2f} s"
+                      f"  first step {rec['first_step_seconds']:6.1f} s  launch {rec['wall_seconds']:6.1f} s  from "
+                      f"storage {rec['tx'] / 2**20:6.1f} MiB  losses {rec['losses']}"
+                      + (f"  peer transfer {rec['peer_transfer_seconds']} s" if restored else ""), flush=True)
+    med = statistics.median
+    table: Dict[str, Any] = {}
+    for case in ["noload", *a.tier_cases]:
+        runs = [s for s in steps if s["kind"] == case]
+        table[case] = {"rounds": len(runs), "first_step_seconds_median": med(s["first_step_seconds"] for s in runs),
+                       "launch_seconds_median": med(s["wall_seconds"] for s in runs),
+                       "bytes_from_storage_median": med(s["tx"] for s in runs),
+                       "losses": sorted({json.dumps(s["losses"], sort_keys=True) for s in runs})}
+        if case != "noload":
+            table[case]["load_checkpoint_seconds_median"] = med(s["timers"]["load-checkpoint"] for s in runs)
+            table[case]["load_checkpoint_seconds"] = [s["timers"]["load-checkpoint"] for s in runs]
+        if case == "peer":
+            table[case]["peer_transfer_seconds_median"] = med(x for s in runs for x in s["peer_transfer_seconds"])
+    # the restart from storage takes the step after KILL_AT - 1 as the uninterrupted run did, every digit;
+    # the restarts from the tier (own or a peer's replica) all take the same step after KILL_AT
+    checks = {"storage_loss_equals_uninterrupted": all(
+                  s["losses"].get(KILL_AT) == setup["losses"][KILL_AT] for s in steps if s["kind"] == "storage"),
+              "tier_losses_identical": len({s["losses"].get(KILL_AT + 1) for s in steps
+                                            if s["kind"] in ("local", "peer")}) == 1}
+    base = table["noload"]["first_step_seconds_median"]
+    for t in table.values():  # what the restart adds to a launch that loads nothing (noise: about a second)
+        t["first_step_minus_noload_seconds"] = t["first_step_seconds_median"] - base
+    ratios = {}
+    if "storage" in table:
+        for case in ("local", "peer"):
+            if case in table:
+                ratios[f"storage_vs_{case}_load_checkpoint"] = (table["storage"]["load_checkpoint_seconds_median"]
+                                                                / table[case]["load_checkpoint_seconds_median"])
+                ratios[f"storage_vs_{case}_first_step"] = (table["storage"]["first_step_seconds_median"]
+                                                           / table[case]["first_step_seconds_median"])
+    result = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv),
+              "storage_mbit": a.storage_mbit, "node_mbit": a.node_mbit, "nodes": NNODES, "ranks_per_node": NPROC,
+              "layout": "TP=2 x DP=2", "model_args": model, "tier_flags": _tier_flags(TIER),
+              "persistent_checkpoint_bytes": persistent_bytes, "node_local_version_bytes": node_version_bytes,
+              "local_save_stall_seconds": stalls.get("save-checkpoint-non-persistent", []),
+              "async_save_stall_seconds": stalls.get("save-checkpoint", []), "replication": replicated,
+              "table": table, "ratios": ratios, "checks": checks, "steps": steps}
+    print(f"\nlocal save stall {stalls.get('save-checkpoint-non-persistent')} s, async save stall "
+          f"{stalls.get('save-checkpoint')} s; checks {checks}")
+    print(f"{'case':8s} {'load-checkpoint':>16s} {'first step':>11s} {'- noload':>9s} {'launch':>8s} "
+          f"{'from storage':>13s}")
+    for case, t in table.items():
+        print(f"{case:8s} {t.get('load_checkpoint_seconds_median', float('nan')):15.2f}s "
+              f"{t['first_step_seconds_median']:10.1f}s {t['first_step_minus_noload_seconds']:8.1f}s "
+              f"{t['launch_seconds_median']:7.1f}s "
+              f"{t['bytes_from_storage_median'] / 2**20:9.1f} MiB")
+    print("ratios " + ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0 if all(checks.values()) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
@@ -211,7 +393,14 @@ def main() -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--timeout", type=float, default=600, help="per launch, seconds")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--local-tier", action="store_true",
+                    help="instead: the restart from the local tier (own, a peer's replica) against storage")
+    ap.add_argument("--tier-cases", default=",".join(TIER_CASES))
+    ap.add_argument("--shm-mb", type=int, default=512, help="each node's /dev/shm (--local-tier)")
     a = ap.parse_args()
+    a.tier_cases = [m for m in a.tier_cases.split(",") if m]
+    if [m for m in a.tier_cases if m not in TIER_CASES]:
+        ap.error(f"--tier-cases: choose from {','.join(TIER_CASES)}")
     a.cases = [m for m in a.cases.split(",") if m]
     bad = [m for m in a.cases if m not in CASES]
     if bad:

@@ -9,9 +9,10 @@ Usage::
         [--storage DIR] [--local DIR] [--no-replication] [--json]
 
 Each of the 2 ranks is its own node (``MEGASHARD_NODE_ID``) with its own local directory
-(``--local``/rank<R>/local). One *save* run (``--train-iters 6 --save-interval 3 --async-save`` to
-``--storage``, local saves every other step, ``--replication --replication-jump 1
---replication-factor 2``, SIGKILLed in step 6 once the replication of 4 is done): Megatron's
+(``--local``/rank<R>/local). One *save* run (``--train-iters 6 --save-interval 3 --async-save
+--ckpt-format torch`` to ``--storage``, local saves every other step, ``--replication
+--replication-jump 1 --replication-factor 2``, SIGKILLed in step 6 once the replication of 4 and the
+async save of 3 are done): Megatron's
 ``save-checkpoint`` timer (the async save's stall) and ``save-checkpoint-non-persistent`` timer (the
 local save's stall) per save, and each rank's "replicated iteration N (M MB) ... in S s" line. Then
 ``--repeats`` rounds of restarts, interleaved (local, peer, storage, storage, peer, local, ...): from
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--no-replication", action="store_true", help="the local tier without peer replicas")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
+    from test_async_megatron_lm import STRATEGY
     from test_megatron_lm_install import ARGS, RELEASE, SCRIPT
 
     work = Path(tempfile.mkdtemp(prefix="bench-localtier-"))
@@ -91,10 +93,11 @@ def main() -> None:
     env = {"MEGATRON_LM_DIR": tree.path, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
            "MEGASHARD_TEST_RANK_CWD": str(nodes), "MEGASHARD_TEST_NODE_PER_RANK": "1"}
     try:
-        saved = torchrun(SCRIPT, [*common, "--save", str(storage), "--async-save"],
+        # --ckpt-format torch: without it Megatron-LM switches --async-save off (tests/test_async_megatron_lm.py)
+        saved = torchrun(SCRIPT, [*common, "--save", str(storage), "--async-save", "--ckpt-format", "torch", *STRATEGY],
                          env=env | {"MEGASHARD_TEST_KILL_AT": "5"}, timeout=900)
         t = timers(saved.output)
-        if "saved local checkpoint at iteration 4" not in saved.output:
+        if "saved local checkpoint at iteration 4" not in saved.output or "scheduled an async save" not in saved.output:
             raise SystemExit(saved.output[-4000:])
         replicated = [(int(it), float(mb), float(s)) for it, mb, s in REPLICATED.findall(saved.output)]
         keep = work / "local-copy"

@@ -19,6 +19,9 @@ A node is a *holder* process (``sleep``) started with ``ip netns exec NS unshare
 (:meth:`Cluster.node_cmd`). Its mounts (tmpfs, FUSE) exist only in its private mount namespace,
 so they vanish with its last process and can never hang on the host.
 
+A node can be killed (:meth:`Cluster.kill_node`: its processes) or replaced (:meth:`Cluster.replace_node`:
+its namespace deleted, a fresh one with empty tmpfs mounts and the same hostname and address in its place).
+
 Teardown (:func:`teardown`, idempotent) kills every process in each namespace this run created
 (``ip netns pids``), deletes the namespaces (the veths and the bridge go with them) and removes
 the run directory. It runs on :meth:`Cluster.stop`, on any failure while starting, and, should the
@@ -308,18 +311,23 @@ class Cluster:
         _run(hub + ["link", "add", "br0", "type", "bridge"])
         _run(hub + ["link", "set", "br0", "up"])
         _run(hub + ["link", "set", "lo", "up"])
-        ends = [("s", self.storage, STORAGE_IP, self.storage_mbit)]
-        ends += [(f"n{i}", ns, node_ip(i), self.node_mbit) for i, ns in enumerate(self.node_ns)]
-        for port, ns, ip, mbit in ends:
-            _run(hub + ["link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns])
-            _run(hub + ["link", "set", port, "master", "br0", "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            # both directions of the link: the host's egress and the hub port's egress towards it
-            for where, dev in ((ns, "eth0"), (self.hub, port)):
-                _run(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                      "rate", f"{mbit}mbit", "burst", "256kb", "latency", "100ms"])
+        self._link("s", self.storage, STORAGE_IP, self.storage_mbit)
+        for i, ns in enumerate(self.node_ns):
+            self._link(f"n{i}", ns, node_ip(i), self.node_mbit)
+
+    def _link(self, port: str, ns: str, ip: str, mbit: int) -> None:
+        """Host namespace ``ns`` on the bridge: a veth (``port`` in the hub, ``eth0`` in ``ns``) with
+        address ``ip``, rate limited to ``mbit`` both ways."""
+        hub = ["ip", "-n", self.hub]
+        _run(hub + ["link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns])
+        _run(hub + ["link", "set", port, "master", "br0", "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        # both directions of the link: the host's egress and the hub port's egress towards it
+        for where, dev in ((ns, "eth0"), (self.hub, port)):
+            _run(["ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                  "rate", f"{mbit}mbit", "burst", "256kb", "latency", "100ms"])
 
     def storage_cmd(self, argv: Sequence[str]) -> List[str]:
         return ["ip", "netns", "exec", self.storage, *argv]
@@ -377,7 +385,10 @@ class Cluster:
                                    "--propagation", "private", "sh", "-c", script],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                   text=True, start_new_session=True)
-        self.holders.append(holder)
+        if i < len(self.holders):
+            self.holders[i] = holder  # a replaced node
+        else:
+            self.holders.append(holder)
         if _readline(holder, START_TIMEOUT_S).strip() != "ready":
             holder.wait(10)
             raise ClusterError(f"node {i} did not start (exit {holder.returncode}): {holder.stderr.read()}")
@@ -516,6 +527,35 @@ class Cluster:
                 except ProcessLookupError:
                     pass
             time.sleep(0.05)
+
+    def replace_node(self, i: int) -> None:
+        """Node ``i`` destroyed and replaced by a fresh machine with its hostname and address, as a failed
+        node swapped for a spare: every process of it killed (:meth:`kill_node`), its network namespace
+        deleted (its /dev/shm and node-local tmpfs and its weed mount go with it), then a new namespace
+        (another name, recorded for teardown), link, holder with an empty /dev/shm and node-local
+        directory, and weed mount with an empty chunk cache. The other hosts forget the old node's
+        link address (ARP), as a spare's announcement would make them."""
+        self.kill_node(i)
+        self.holders[i].wait(10)
+        self._mounts.pop(i, None)
+        _run(["ip", "netns", "del", self.node_ns[i]])
+        port = f"n{i}"
+        deadline = time.monotonic() + 30
+        # the old veth goes with the namespace, asynchronously: its hub end must be gone before it is reused
+        while _run(["ip", "-n", self.hub, "link", "show", port], check=False).returncode == 0:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the hub port {port} of node {i}'s deleted namespace is still there after 30 s")
+            time.sleep(0.1)
+        base = f"ms-{self.tag}-n{i}"
+        generation = sum(ns == base or ns.startswith(base + "g") for ns in self._state["namespaces"])
+        self.node_ns[i] = f"{base}g{generation}"
+        self._add_ns(self.node_ns[i])
+        self._link(port, self.node_ns[i], node_ip(i), self.node_mbit)
+        for ns in [self.storage] + [n for j, n in enumerate(self.node_ns) if j != i]:
+            _run(["ip", "-n", ns, "neigh", "flush", "dev", "eth0"])
+        shutil.rmtree(self.root / f"weed-cache-node{i}")
+        self._start_node(i)
+        self._mount_shared(i)
 
     def job_logs(self, name: str) -> str:
         return "\n".join(f"--- {name} on node {i} ---\n{_tail(self.logs / f'{name}-node{i}.log', 4000)}"

@@ -2,8 +2,9 @@
 their own hostname, network, /dev/shm and node-local disk, SeaweedFS on a rate-limited storage host
 (FUSE mount on every node, S3 gateway), torchrun's c10d rendezvous between the nodes, 2 ranks each.
 
-One cluster serves every test here; one torchrun job (``tests/scripts/cluster_job.py``) most of them,
-the Megatron example, the two concurrent saving jobs and the node kill launch their own. Without
+One cluster serves every test here but one; one torchrun job (``tests/scripts/cluster_job.py``) most of
+them, the Megatron example, the two concurrent saving jobs and the node kill launch their own. The
+local-tier restart builds its own cluster of 3 nodes (one of them replaced by a fresh node). Without
 root (or FUSE, or the weed binary) the module skips with the reason; CI runs as root, where
 ``MEGASHARD_CLUSTER_REQUIRED=1`` (set by ``.ci/run``) turns that skip into a failure.
 """
@@ -11,18 +12,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Iterator, List
+from typing import TYPE_CHECKING, Dict, Iterator, List, Tuple
 
 import pytest
 
 import cluster
 from layouts import Layout, model_state
+from test_megatron_lm_install import mlm_tree  # noqa: F401 - a fixture (Megatron-LM's training tree)
 
 if TYPE_CHECKING:
+    from megatron_helpers.mlm_tree import Tree
     from megatron_helpers.runner import Run
 
 HERE = Path(__file__).resolve().parent
@@ -246,6 +250,95 @@ def test_megatron_example_on_two_nodes_resume_reshard_async(the_cluster: cluster
     assert cmp["only_a"] == [] and cmp["only_b"] == [] and cmp["differ"] == {}, cmp
     assert any(k.startswith("optimizer.state.exp_avg.") for k in cmp["compared"]), cmp["compared"]
     assert any(k.startswith("decoder.layers.") for k in cmp["compared"]), cmp["compared"]
+
+
+LT_NODES, LT_NPROC, LT_VICTIM = 3, 2, 0
+LT_TIER = "/dev/shm/megashard-tier"  # --non-persistent-local-ckpt-dir: the same path on every node, its own tmpfs
+# Megatron's replica groups need J*F to divide the world size, so J=2 (ranks per node), F=2 is refused on 6
+# ranks; J=3, F=2 pairs rank r with r+3: 0-3 and 1-4 (nodes 0-1, 0-2), 2-5 (nodes 1-2), every pair on two nodes
+LT_REPLICATION = ["--replication", "--replication-jump", "3", "--replication-factor", "2"]
+LT_LAYOUT = "megashard-w6-tp2-pp1-ep1-vp1"
+
+
+def _tier(c: cluster.Cluster, i: int) -> Dict[str, List[str]]:
+    """{directory under the local tier: its entries} on node ``i`` (ranks' versions and replicas)."""
+    out = c.run_in_node(i, ["sh", "-c", f"cd {LT_TIER}/{LT_LAYOUT} 2>/dev/null && ls -d rank*/* replicas/*/* "
+                                        "2>/dev/null || true"]).stdout.split()
+    tree: Dict[str, List[str]] = {}
+    for p in out:
+        d, name = p.rsplit("/", 1)
+        tree.setdefault(d, []).append(name)
+    return {d: sorted(v) for d, v in sorted(tree.items())}
+
+
+def test_megatron_local_tier_restart_on_a_replaced_node(mlm_tree: "Tree", tmp_path: Path) -> None:  # noqa: F811
+    """Megatron-LM's ``pretrain_gpt.py`` on its own cluster of 3 nodes x 2 ranks (TP=2 in a node x DP=3),
+    ``--non-persistent-ckpt-type local`` in each node's /dev/shm every 2 steps, replicated to another
+    node (``--replication-jump 3 --replication-factor 2``), persistent saves to the shared FUSE mount
+    every 4. SIGKILLed in step 8 (local versions 2 and 6 on every node, each replicated; persistent 4),
+    node 0 (rank 0, the rendezvous host) destroyed and replaced by a fresh node with an empty /dev/shm;
+    the restart resumes from the local tier at 6: ranks 0 and 1 get their versions from the replicas
+    on nodes 1 and 2, byte for byte what node 0 held; step 7's loss equals the killed run's, every digit."""
+    pytest.importorskip("megatron.core")
+    from megatron_helpers.runner import FAST_EXIT
+    from test_megatron_lm_install import ARGS, SCRIPT, lm_losses
+
+    model = list(ARGS)
+    model[model.index("--global-batch-size") + 1] = "6"  # micro-batch 2 x DP 3
+    with cluster.Cluster(nodes=LT_NODES) as c:
+        root = c.shared / "mlm-local"
+        args = [*model, "--train-iters", "8", "--save-interval", "4", "--non-persistent-save-interval", "2",
+                "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", LT_TIER, *LT_REPLICATION,
+                "--save-format", "tensors", "--save", str(root), "--load", str(root)]
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), str(HERE), os.environ.get("PYTHONPATH")])),
+               "MEGASHARD_HUGEPAGES": "0", "PYTHONWARNINGS": "ignore", "MEGATRON_LM_DIR": mlm_tree.path,
+               "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+        def run(name: str, port: int, extra: Dict[str, str]) -> Tuple[List[int], str]:
+            agents = c.start_torchrun("-m", [FAST_EXIT, str(SCRIPT), *args], nproc=LT_NPROC, env=env | extra,
+                                      name=name, port=port)
+            codes = c.wait_torchrun(agents, 300, name)
+            return codes, "\n".join((c.logs / f"{name}-node{i}.log").read_text(errors="replace")
+                                    for i in range(LT_NODES))
+
+        codes, killed = run("lt-killed", 29460, {"MEGASHARD_TEST_KILL_AT": "7"})  # every rank, in step 8
+        assert all(codes), f"the job was not killed: agents exited {codes}\n{c.job_logs('lt-killed')}"
+        losses = lm_losses(killed)
+        assert sorted(losses) == list(range(1, 8)), killed[-4000:]
+        assert c.run_in_node(1, ["cat", f"{root}/latest_checkpointed_iteration.txt"]).stdout.strip() == "4"
+        for i in range(LT_NODES):  # each node: its 2 ranks' versions 2 and 6, and the replicas it keeps
+            held = _tier(c, i)
+            ranks = [2 * i, 2 * i + 1]  # torchrun's c10d rendezvous orders the nodes by address
+            peers = sorted((r + 3) % 6 for r in ranks)
+            assert held == {**{f"rank{r:05d}": ["iter_0000002", "iter_0000006"] for r in ranks},
+                            **{f"replicas/rank{r:05d}": ["iter_0000002", "iter_0000006"] for r in peers}}, (i, held)
+        before = tmp_path / "node0-before"
+        c.run_in_node(LT_VICTIM, ["cp", "-a", f"{LT_TIER}/{LT_LAYOUT}", str(before)])
+
+        c.replace_node(LT_VICTIM)
+        assert c.run_in_node(LT_VICTIM, ["ls", "-A", "/dev/shm"]).stdout.split() == []
+        codes, resumed = run("lt-resumed", 29470, {})
+        assert codes == [0] * LT_NODES, f"agents exited {codes}\n{c.job_logs('lt-resumed')}"
+        restored = sorted(re.findall(r"restored rank (\d+)'s local checkpoint of iteration (\d+) "
+                                     r"from rank (\d+)'s replica", resumed))
+        assert restored == [("0", "6", "3"), ("1", "6", "4")], resumed[-4000:]
+        loaded = re.findall(r"loaded local checkpoint \S+/rank(\d+)/iter_0000006 at iteration 6 "
+                            r"\(optimizer loaded, rng loaded\)", resumed)
+        assert "00000" in loaded, resumed[-4000:]  # rank 0 logs it
+        again = lm_losses(resumed)
+        assert sorted(again) == [7, 8], resumed[-4000:]
+        assert again[7] == losses[7], (again, losses)
+        assert c.run_in_node(1, ["cat", f"{root}/latest_checkpointed_iteration.txt"]).stdout.strip() == "8"
+        # node 0's restored versions: the files node 0 held before it was destroyed, byte for byte
+        assert _tier(c, LT_VICTIM) == {"rank00000": ["iter_0000006"], "rank00001": ["iter_0000006"]}
+        after = tmp_path / "node0-after"
+        c.run_in_node(LT_VICTIM, ["cp", "-a", f"{LT_TIER}/{LT_LAYOUT}", str(after)])
+    for r in (0, 1):
+        old, new = before / f"rank{r:05d}" / "iter_0000006", after / f"rank{r:05d}" / "iter_0000006"
+        names = sorted(os.listdir(old))
+        assert "manifest.json" in names and sorted(os.listdir(new)) == names, (r, names, os.listdir(new))
+        for n in names:
+            assert (old / n).read_bytes() == (new / n).read_bytes(), f"rank {r}: {n} differs"
 
 
 TWO_SAVES = HERE / "scripts" / "cluster_two_saves.py"

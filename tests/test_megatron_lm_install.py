@@ -80,9 +80,13 @@ def mlm(tree: Tree, args, env=None):
     # megatron/training: the tree's, unless the wheel ships it (0.19+), which then comes first on sys.path
     wheel_training = os.path.join(os.path.dirname(core), "training")
     assert training.startswith(inside) or training == wheel_training, (training, tree)
-    losses = {int(m.group(1)): m.group(2) for m in
-              re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|", run.output)}
-    return run, losses
+    return run, lm_losses(run.output)
+
+
+def lm_losses(output: str) -> Dict[int, str]:
+    """{iteration: lm loss as Megatron-LM logs it (every digit)} from a run's output."""
+    return {int(m.group(1)): m.group(2)
+            for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|", output)}
 
 
 @pytest.fixture(scope="session")

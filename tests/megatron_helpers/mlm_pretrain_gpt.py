@@ -58,7 +58,8 @@ def _test_hooks() -> "callable":
     ``megashard.megatron.state.<name>`` raises on rank R; ``MEGASHARD_TEST_OUTCOME=D``: each
     rank writes how ``pretrain()`` ended to ``D/rank<R>.json`` (the returned function);
     ``MEGASHARD_TEST_KILL_AT=N`` (in ``__main__``): every rank SIGKILLs itself during the step after
-    iteration N (once the local tier's background replication of N, if any, is done);
+    iteration N (once the local tier's background replication of N and an ``--async-save`` in flight,
+    if any, are done);
     ``MEGASHARD_TEST_NODE_PER_RANK=1``: rank R is alone on node ``node<R>`` (``MEGASHARD_NODE_ID``).
     """
     import json
@@ -162,9 +163,14 @@ if __name__ == "__main__":
             if get_args().curr_iteration == _kill_at:
                 import signal
 
+                from megatron.training.async_utils import maybe_finalize_async_save
+
                 from megashard.megatron.checkpointing import wait_for_replication
 
-                wait_for_replication()  # deterministic: the kill of a replication in flight is tests/test_replication.py's
+                # deterministic: the kill of a replication in flight is tests/test_replication.py's, of an
+                # async save tests/test_async_save.py's
+                maybe_finalize_async_save(blocking=True)
+                wait_for_replication()
 
                 os.kill(os.getpid(), signal.SIGKILL)
             return _forward_step(*a, **k)
