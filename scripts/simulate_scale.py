@@ -106,10 +106,49 @@ def _fake_write_steady(tensors: Dict[str, Any], path: str, align: int, fsync: bo
     return infos, size, extra
 
 
-def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool) -> saving._SaveState:
-    sd = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
+ModelPart = Dict[str, Tuple[Any, list, list]]  # model key -> (encoded subtree, its shards, its objects)
+
+
+def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool,
+                models: Optional[Dict[Any, ModelPart]] = None) -> saving._SaveState:
+    """What ``saving.save``'s ``prepare`` builds on ``rank`` (``jsonstate.encode`` with
+    ``saving._make_save_hook``, then ``saving._tree_parts``). With ``models`` (a cache by
+    ``scale_models.model_class``), the model chunks are encoded once per class and their encoded
+    subtree, shards and objects reused for the class's other ranks: encoding a state dict's
+    top-level keys one by one (same paths, same hook) is what encoding the dict does, and the
+    class's ranks differ in the model chunks only in the data-parallel index of replica ids, which a
+    save reads only as main replica or not (``tests/test_simulate_scale.py`` compares the results
+    with whole encodings for every rank of small layouts)."""
     st = saving._SaveState(rank)
-    st.tree = jsonstate.encode(dict(sd), hook=saving._make_save_hook(st, sm.file_stems(model, layout, rank)))
+    hook = saving._make_save_hook(st, sm.file_stems(model, layout, rank))
+    if models is None:
+        sd = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
+        st.tree = jsonstate.encode(dict(sd), hook=hook)
+    else:
+        sd = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk, with_model=False)
+        cls = sm.model_class(layout, rank)
+        part = models.get(cls)
+        if part is None:
+            if models and next(iter(models))[1] != cls[1]:
+                models.clear()  # ranks come in order, pipeline stage outermost: keep one stage's classes
+            full = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
+            part = {}
+            for k in sm.model_keys(model, layout):
+                n, m = len(st.shards), len(st.objects)
+                part[k] = (jsonstate.encode(full[k], path=k, hook=hook), st.shards[n:], st.objects[m:])
+                del st.shards[n:], st.objects[m:]
+            assert not st.local, "rank-local tensors in a model chunk: encode every rank whole"
+            models[cls] = part
+        tree: Dict[str, Any] = {}
+        for k, v in sd.items():
+            if k in part:
+                enc, shards, objects = part[k]
+                tree[k] = enc
+                st.shards += shards
+                st.objects += objects
+            else:
+                tree[k] = jsonstate.encode(v, path=k, hook=hook)
+        st.tree = tree
     st.tree_parts = saving._tree_parts(st, rank)
     return st
 
@@ -190,12 +229,13 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     group = transport.gather_group_size(world) if group is None else max(1, min(group, world))
     tree = _Tree(world, group)
     t_rank0_own = 0.0  # rank 0's own state, announcement and vote
+    models: Dict[Any, ModelPart] = {}  # _save_state's cache of encoded model chunks
 
     def announcements() -> Any:
         nonlocal t_rank0_own
         for r in range(world):
             t1 = time.perf_counter()
-            st = _save_state(model, layout, r, quirk)
+            st = _save_state(model, layout, r, quirk, models)
             msg = saving.announce(st, r)
             text = transport._dumps_bytes({"error": None, "payload": msg})
             if r == 0:
@@ -242,12 +282,12 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     def commits() -> Any:
         nonlocal digests_same
         for r in range(world):
-            st = _save_state(model, layout, r, quirk)
+            st = _save_state(model, layout, r, quirk, models)
             saving.announce(st, r)  # sets the shard order the reply indexes
             job = saving._select(st, replies[r])
             res = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write)
             # the steady-state save: the same layout, other data (other CRC32s); the rank sends its CRC32s only
-            st = _save_state(model, layout, r, quirk)
+            st = _save_state(model, layout, r, quirk, models)
             saving.announce(st, r)
             job = saving._select(st, steady_replies[r])
             res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
