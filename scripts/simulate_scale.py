@@ -237,7 +237,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             t1 = time.perf_counter()
             st = _save_state(model, layout, r, quirk, models)
             msg = saving.announce(st, r)
-            text = transport._dumps_bytes({"error": None, "payload": msg})
+            text = transport.encode_message(None, msg)
             if r == 0:
                 t_rank0_own += time.perf_counter() - t1
             yield text
@@ -293,8 +293,8 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
             digests_same &= saving.records_digest(res2["records"]) == saving.records_digest(res["records"])
             steady_results.append(res2)
-            steady_texts.append(transport._dumps_bytes({"error": None, "payload": saving.steady_commit(res2)}))
-            yield transport._dumps_bytes({"error": None, "payload": res})
+            steady_texts.append(transport.encode_message(None, saving.steady_commit(res2)))
+            yield transport.encode_message(None, res)
 
     t0 = time.perf_counter()
     results, t_decode_commit, commit_send = tree.gather(commits())
