@@ -28,8 +28,9 @@ decoding the commit gather, the index); ``rank0_steady_s`` the same for the stea
 first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
 collective.
 
-Message sizes are those of the JSON the collectives carry (``transport.Comm.gather_json`` /
-``scatter_json``: each message its own size, plus 8 bytes of size exchange).
+Message sizes are those ``transport.Comm.coordinate`` sends (a rank's ``transport.encode_message``,
+a leader's ``pack_part``, rank 0's ``pack_replies``: each message its own size, plus 8 bytes of size
+exchange). Model chunks are encoded once per ``scale_models.model_class`` (see :func:`_save_state`).
 ``coordinator_peak_mb`` is the peak resident memory the coordinator's work adds on top of
 the messages it received (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``).
 
