@@ -28,6 +28,10 @@ decoding the commit gather, the index); ``rank0_steady_s`` the same for the stea
 first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
 collective.
 
+Seconds are CPU seconds of this process (``time.process_time``; it runs one thread, so a part's
+CPU time is that part's work): on a shared machine wall times swing with its load. JSON in
+``docs/scale/`` written before ``*_issue32.json`` holds wall seconds.
+
 Message sizes are those ``transport.Comm.coordinate`` sends (a rank's ``transport.encode_message``,
 a leader's ``pack_part``, rank 0's ``pack_replies``: each message its own size, plus 8 bytes of size
 exchange). Model chunks are encoded once per ``scale_models.model_class`` (see :func:`_save_state`).
@@ -67,6 +71,7 @@ from _bench_worker import _status_kib, reset_peak_rss  # noqa: E402
 from megashard import jsonstate, loading, manifest as mf, saving, transport  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
 
+_clock = time.process_time  # see the module docstring: CPU seconds, not wall seconds
 SIZE_EXCHANGE = 8  # the int64 each rank sends/receives before a gather/scatter payload
 
 # object-store constants of the design (defaults of MEGASHARD_S3_PART_BYTES / _GET_BYTES)
@@ -180,17 +185,17 @@ class _Tree:
                 g = r // self.group
                 self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
                 if g == 0:
-                    t1 = time.perf_counter()
+                    t1 = _clock()
                     errors, got = transport.unpack_messages(texts)
                 else:
-                    t1 = time.perf_counter()
+                    t1 = _clock()
                     part = transport.pack_part(texts)
-                    self.leader_s[g] += time.perf_counter() - t1
+                    self.leader_s[g] += _clock() - t1
                     sent[-len(texts)] = len(part) + SIZE_EXCHANGE
                     self.recv[0] += len(part) + SIZE_EXCHANGE
-                    t1 = time.perf_counter()
+                    t1 = _clock()
                     errors, got = transport.unpack_part(part)
-                decode += time.perf_counter() - t1
+                decode += _clock() - t1
                 assert not errors
                 payloads += got
                 texts = []
@@ -199,16 +204,16 @@ class _Tree:
     def scatter(self, replies: Sequence[Any]) -> Tuple[float, List[int]]:
         """Rank 0 sends the replies down; its encode seconds and the bytes each rank receives
         (its reply; a leader also the group's part)."""
-        t1 = time.perf_counter()
+        t1 = _clock()
         own = [transport._dumps_bytes(r) for r in replies[:self.group]]
         parts = [transport.pack_replies(replies[g:g + self.group]) for g in range(self.group, self.world, self.group)]
-        encode = time.perf_counter() - t1
+        encode = _clock() - t1
         recv = [len(t) + SIZE_EXCHANGE for t in own]
         for g, part in enumerate(parts, 1):
             self.recv[g] += len(part) + SIZE_EXCHANGE
-            t1 = time.perf_counter()
+            t1 = _clock()
             texts = transport.unpack_replies(part)
-            self.leader_s[g] += time.perf_counter() - t1
+            self.leader_s[g] += _clock() - t1
             recv += [len(t) + SIZE_EXCHANGE for t in texts]
         recv[0] = 0
         return encode, recv
@@ -235,43 +240,43 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     def announcements() -> Any:
         nonlocal t_rank0_own
         for r in range(world):
-            t1 = time.perf_counter()
+            t1 = _clock()
             st = _save_state(model, layout, r, quirk, models)
             msg = saving.announce(st, r)
             text = transport.encode_message(None, msg)
             if r == 0:
-                t_rank0_own += time.perf_counter() - t1
+                t_rank0_own += _clock() - t1
             yield text
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     messages, t_decode, send = tree.gather(announcements())
-    t_announce = time.perf_counter() - t0
+    t_announce = _clock() - t0
 
     rss_before = _status_kib("VmRSS") * 1024
     peak_ok = reset_peak_rss()
-    t0 = time.perf_counter()
+    t0 = _clock()
     keep = saving._Coordinator()
     replies = saving.coordinate(messages, "simulated", keep)
-    t_plan = time.perf_counter() - t0
+    t_plan = _clock() - t0
     t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
 
     # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
-    t0 = time.perf_counter()
+    t0 = _clock()
     total = [0, 0, 0]
     steady_replies_ok = True
     steady_replies: List[Dict[str, Any]] = []
     for r in range(world):
-        t1 = time.perf_counter()
+        t1 = _clock()
         entry = saving.remember_plan(messages[r], replies[r], keep.tensors if r == 0 else None)
         vote = saving.plan_vote(entry, messages[r], r, world)
         reuse = saving.cached_reply(entry, messages[r])
         steady_replies.append(reuse)
         if r == 0:
-            t_rank0_own += time.perf_counter() - t1
-            t_vote0 = time.perf_counter() - t1
+            t_rank0_own += _clock() - t1
+            t_vote0 = _clock() - t1
         total = [a + b for a, b in zip(total, vote)]
         steady_replies_ok &= all(reuse[k] == replies[r][k] for k in ("write", "objects", "blobs"))
-    t_votes = time.perf_counter() - t0
+    t_votes = _clock() - t0
     agreed = saving.plan_agreed(total)
     del messages
     leader_plan_s = max(tree.leader_s[1:] or [0.0])
@@ -297,25 +302,25 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             steady_texts.append(transport.encode_message(None, saving.steady_commit(res2)))
             yield transport.encode_message(None, res)
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     results, t_decode_commit, commit_send = tree.gather(commits())
-    t_write = time.perf_counter() - t0
+    t_write = _clock() - t0
     t_commit_encode, _ = tree.scatter([{"ok": 0}] * world)
     first_recv = tree.recv[:]
     leader_s = max(tree.leader_s[1:] or [0.0])
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
     head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc)
-    t_index = time.perf_counter() - t0
+    t_index = _clock() - t0
     peak_after = _status_kib("VmHWM") * 1024
     del results
     steady_tree = _Tree(world, group)
     steady_msgs, t_decode_steady, steady_send = steady_tree.gather(iter(steady_texts))
     steady_texts = []
-    t0 = time.perf_counter()  # the steady-state save's commit: the CRC32s into the skeleton
+    t0 = _clock()  # the steady-state save's commit: the CRC32s into the skeleton
     head2, sections2, _ = saving.build_index(steady_msgs, keep.tensors, world, layout_doc, skeleton)
-    t_index_steady = time.perf_counter() - t0
+    t_index_steady = _clock() - t0
     del steady_msgs
     # the same index as a full build of the steady-state save's records (not timed)
     head3, sections3, _ = saving.build_index(steady_results, keep.tensors, world, layout_doc)
@@ -392,7 +397,7 @@ def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank:
         section_reads.append(n)
         return sections[s:s + n]
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     index = mf.LazyIndex(mf.parse_head(head, "simulated"), read_section, "simulated", len(head))
     work = loading._LoadWork(rows_ok=rows_ok)
     loading._decode_saved_tree(index.tree_for_rank(rank), index, work, lazy=True)
@@ -415,7 +420,7 @@ def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank:
             if ranges:
                 spans += [(r.file, r.file_offset, r.nbytes) for r in bp.wp.reads]
                 spans += [(rr.file, off, rr.run_bytes) for rr in bp.wp.rows for off, _ in rr.runs()]
-    out = {"rank": rank, "plan_s": time.perf_counter() - t0, "index_read_bytes": index.bytes_read,
+    out = {"rank": rank, "plan_s": _clock() - t0, "index_read_bytes": index.bytes_read,
            "needed_bytes": needed, "read_bytes": read, "temp_bytes": temps, "problems": problems[:5]}
     if ranges:
         out.update(ranges=spans, section_reads=section_reads)
