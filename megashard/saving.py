@@ -578,9 +578,14 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         for k, (dt, gs) in sorted(tensors.items()):
             b.tensor(k, dt, list(gs))
         slot = 0
+        chunks: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}  # chunk text -> (offset, shape), parsed once
         for r in results:
-            for key, off, shp, order, text in r["records"]:
-                b.record(key, (tuple(off), tuple(shp)), order, text, slot)
+            for key, chunk, order, text in r["records"]:
+                c = chunks.get(chunk)
+                if c is None:
+                    off, shp = json.loads(chunk)
+                    c = chunks[chunk] = (tuple(off), tuple(shp))
+                b.record(key, c, order, text, slot)
                 slot += 1
     files: Dict[str, Dict[str, Any]] = {}
     parts: Dict[str, str] = {}
@@ -607,14 +612,14 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
 def records_digest(records: Sequence[Sequence[Any]]) -> str:
     """This rank's write records without their CRC32s: equal to the previous save's when the
     index skeleton may take this save's CRC32s (:func:`_finish_save`)."""
-    return hashlib.sha256(_dumps([[k, o, s, n, record_layout(t)] for k, o, s, n, t in records]).encode()).hexdigest()
+    return hashlib.sha256(_dumps([[k, c, n, record_layout(t)] for k, c, n, t in records]).encode()).hexdigest()
 
 
 def steady_commit(result: Mapping[str, Any]) -> Dict[str, Any]:
     """A rank's commit message when the index skeleton is reused: its records' CRC32s
     instead of the records."""
     out = {k: v for k, v in result.items() if k != "records"}
-    crcs = np.array([record_crc(rec[4]) for rec in result["records"]], dtype="<u4")
+    crcs = np.array([record_crc(rec[3]) for rec in result["records"]], dtype="<u4")
     out["crcs"] = base64.b64encode(crcs.tobytes()).decode()  # 5.3 characters a CRC32, not ~11 of JSON
     return out
 
@@ -769,7 +774,10 @@ class _ShardMeta:
                    sh.data.numel() * itemsize(sh.dtype))
 
     def record(self, name: str, file: Optional[str], header_offset: int, data_offset: int, crc32: int) -> List[Any]:
-        """``[key, offset, chunk shape, order in chunk, record text]`` for :func:`build_index`."""
+        """``[key, chunk text, order in chunk, record text]`` for :func:`build_index`: the chunk
+        (offset and shape) as one JSON text, ``[[offset...],[shape...]]``, which the coordinator
+        parses once per distinct chunk, not once per record (the records of a flattened
+        parameter's data-parallel pieces share it)."""
         text = record_text(self.key, self.global_shape, self.offset, self.shape, self.flat, file, name,
                            header_offset, data_offset, self.nbytes, crc32)
-        return [self.key, list(self.offset), list(self.shape), self.flat[0] if self.flat else 0, text]
+        return [self.key, _dumps([self.offset, self.shape]), self.flat[0] if self.flat else 0, text]

@@ -227,7 +227,7 @@ class Comm:
         a message from every rank; a job of up to 64 ranks is one group (a flat gather)."""
         size = gather_group_size(self.world_size)
         leader = self.rank - self.rank % size
-        mine = _dumps_bytes({"error": error, "payload": payload})
+        mine = encode_message(error, payload)
         try:
             if self.rank != leader:
                 self._send_bytes(mine, leader, what)
@@ -455,47 +455,85 @@ def _dumps_bytes(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
+def encode_message(error: Optional[str], payload: Any) -> bytes:
+    """A rank's message for :meth:`Comm.coordinate`: one JSON line (its error, and the names and
+    text lengths of its payload's fields), then each field's JSON text. A leader finds the values
+    its members share by comparing those texts (:func:`pack_part`), without decoding any; a
+    payload that is not a dict with string keys is one text."""
+    if isinstance(payload, dict) and all(type(k) is str for k in payload):
+        texts = [_dumps_bytes(v) for v in payload.values()]
+        fields: Optional[List[Any]] = [[k, len(t)] for k, t in zip(payload, texts)]
+    else:
+        texts, fields = [_dumps_bytes(payload)], None
+    return _dumps_bytes({"error": error, "fields": fields}) + b"\n" + b"".join(texts)
+
+
+def _split_message(text: bytes) -> Tuple[Optional[str], Optional[List[str]], List[bytes]]:
+    """:func:`encode_message`'s parts: (error, field names or None, field texts)."""
+    nl = text.index(b"\n")  # JSON text holds no raw newline
+    head = json.loads(text[:nl])
+    if head["fields"] is None:
+        return head["error"], None, [text[nl + 1:]]
+    names, texts, pos = [], [], nl + 1
+    for name, n in head["fields"]:
+        names.append(name)
+        texts.append(text[pos:pos + n])
+        pos += n
+    if pos != len(text):
+        raise ValueError(f"a gathered message holds {len(text) - pos} bytes past its fields")
+    return head["error"], names, texts
+
+
 def unpack_messages(texts: Sequence[bytes]) -> Tuple[Dict[int, str], List[Any]]:
-    """A group's messages (``{"error", "payload"}`` JSON) as (errors by position, payloads)."""
+    """A group's messages (:func:`encode_message`) as (errors by position, payloads)."""
     errors: Dict[int, str] = {}
     payloads: List[Any] = []
     for i, t in enumerate(texts):
-        m = json.loads(t)
-        if m["error"]:
-            errors[i] = m["error"]
-        payloads.append(m["payload"])
+        error, names, values = _split_message(t)
+        if error:
+            errors[i] = error
+        payloads.append(json.loads(values[0]) if names is None
+                        else {k: json.loads(v) for k, v in zip(names, values)})
     return errors, payloads
 
 
 def pack_part(texts: Sequence[bytes]) -> bytes:
-    """A leader's part for rank 0: its group's messages, the field values of dict payloads
-    that several members share (the same announcement of data-parallel replicas, the same
-    state-tree keys) stored once, zlib-compressed."""
-    errors, payloads = unpack_messages(texts)
+    """A leader's part for rank 0: its group's messages, the field texts that several members
+    share (the same announcement of data-parallel replicas, the same state-tree keys) stored
+    once, zlib-compressed. Fields are compared and copied as the members' JSON texts: the
+    leader decodes only each message's first line."""
+    errors: Dict[str, str] = {}
     fields: List[str] = []
     pos: Dict[str, int] = {}
-    table: List[Any] = []
-    index: Dict[Any, int] = {}
+    table: List[bytes] = []
+    index: Dict[bytes, int] = {}
     rows: List[Any] = []
-    for p in payloads:
-        if not isinstance(p, dict):
-            rows.append({"v": p})
+
+    def ref(t: bytes) -> int:
+        j = index.get(t)
+        if j is None:
+            j = index[t] = len(table)
+            table.append(t)
+        return j
+
+    for i, t in enumerate(texts):
+        error, names, values = _split_message(t)
+        if error:
+            errors[str(i)] = error
+        if names is None:
+            rows.append({"v": ref(values[0])})
             continue
         row = []
-        for k, v in p.items():
+        for k, v in zip(names, values):
             f = pos.get(k)
             if f is None:
                 f = pos[k] = len(fields)
                 fields.append(k)
-            key = v if isinstance(v, str) else ("\0", _dumps_bytes(v))
-            j = index.get(key)
-            if j is None:
-                j = index[key] = len(table)
-                table.append(v)
-            row.append([f, j])
+            row.append([f, ref(v)])
         rows.append(row)
-    part = {"errors": {str(i): m for i, m in errors.items()}, "fields": fields, "table": table, "rows": rows}
-    return zlib.compress(_dumps_bytes(part), PART_ZLIB_LEVEL)
+    part = b"".join((b'{"errors":', _dumps_bytes(errors), b',"fields":', _dumps_bytes(fields),
+                     b',"table":[', b",".join(table), b'],"rows":', _dumps_bytes(rows), b"}"))
+    return zlib.compress(part, PART_ZLIB_LEVEL)
 
 
 def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
@@ -503,7 +541,8 @@ def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
     members' shared values are one object."""
     part = json.loads(zlib.decompress(data))
     fields, table = part["fields"], part["table"]
-    payloads = [row["v"] if isinstance(row, dict) else {fields[f]: table[j] for f, j in row} for row in part["rows"]]
+    payloads = [table[row["v"]] if isinstance(row, dict) else {fields[f]: table[j] for f, j in row}
+                for row in part["rows"]]
     return {int(i): m for i, m in part["errors"].items()}, payloads
 
 

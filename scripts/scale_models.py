@@ -695,8 +695,11 @@ def model_keys(model: str, layout: Layout) -> List[str]:
     return ["model"] if vp == 1 else [f"model{v}" for v in range(vp)]
 
 
-def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_quirk: bool = False) -> Dict[str, Any]:
-    """The state dict megashard.megatron passes to ``megashard.save`` on ``rank`` (meta tensors)."""
+def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_quirk: bool = False,
+                    with_model: bool = True) -> Dict[str, Any]:
+    """The state dict megashard.megatron passes to ``megashard.save`` on ``rank`` (meta tensors).
+    ``with_model=False``: the model chunks' entries (:func:`model_keys`) are None (the simulator
+    takes them from another rank of the same :func:`model_class`)."""
     if model not in MODELS:
         raise KeyError(f"unknown model {model!r}; known: {sorted(MODELS)}")
     c = coords(layout, rank)
@@ -713,7 +716,7 @@ def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_qu
                                 if layout.distributed_optimizer else {})},
     }
     for key, ch in zip(model_keys(model, layout), chunks):
-        sd[key] = _model_sd(ch, c)
+        sd[key] = _model_sd(ch, c) if with_model else None
     if layout.distributed_optimizer:
         sd["optimizer"] = _optimizer_sd(model, layout, c, chunks, swiglu_dist_opt_quirk)
     elif MODELS[model].num_experts:
@@ -727,6 +730,14 @@ def rank_state_dict(model: str, layout: Layout, rank: int, *, swiglu_dist_opt_qu
                                  "wd_incr_steps": 1e9}
     sd["rng_state"] = _rng_object(layout, c)
     return sd
+
+
+def model_class(layout: Layout, rank: int) -> Tuple[int, int, int, bool, bool]:
+    """Ranks of one class hold model chunks (:func:`_model_sd`) that differ only in their
+    replica ids' data-parallel index, which a save reads only as "main replica or not"
+    (all zeros): ``(tp, pp, ep, dp == 0, edp == 0)``. Their file stems are the same too."""
+    c = coords(layout, rank)
+    return c.tp, c.pp, c.ep, c.dp == 0, c.edp == 0
 
 
 def file_stems(model: str, layout: Layout, rank: int) -> Dict[str, str]:

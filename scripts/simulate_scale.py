@@ -28,8 +28,13 @@ decoding the commit gather, the index); ``rank0_steady_s`` the same for the stea
 first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
 collective.
 
-Message sizes are those of the JSON the collectives carry (``transport.Comm.gather_json`` /
-``scatter_json``: each message its own size, plus 8 bytes of size exchange).
+Seconds are CPU seconds of this process (``time.process_time``; it runs one thread, so a part's
+CPU time is that part's work): on a shared machine wall times swing with its load. JSON in
+``docs/scale/`` written before ``*_issue32.json`` holds wall seconds.
+
+Message sizes are those ``transport.Comm.coordinate`` sends (a rank's ``transport.encode_message``,
+a leader's ``pack_part``, rank 0's ``pack_replies``: each message its own size, plus 8 bytes of size
+exchange). Model chunks are encoded once per ``scale_models.model_class`` (see :func:`_save_state`).
 ``coordinator_peak_mb`` is the peak resident memory the coordinator's work adds on top of
 the messages it received (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``).
 
@@ -66,6 +71,7 @@ from _bench_worker import _status_kib, reset_peak_rss  # noqa: E402
 from megashard import jsonstate, loading, manifest as mf, saving, transport  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
 
+_clock = time.process_time  # see the module docstring: CPU seconds, not wall seconds
 SIZE_EXCHANGE = 8  # the int64 each rank sends/receives before a gather/scatter payload
 
 # object-store constants of the design (defaults of MEGASHARD_S3_PART_BYTES / _GET_BYTES)
@@ -106,10 +112,49 @@ def _fake_write_steady(tensors: Dict[str, Any], path: str, align: int, fsync: bo
     return infos, size, extra
 
 
-def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool) -> saving._SaveState:
-    sd = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
+ModelPart = Dict[str, Tuple[Any, list, list]]  # model key -> (encoded subtree, its shards, its objects)
+
+
+def _save_state(model: str, layout: sm.Layout, rank: int, quirk: bool,
+                models: Optional[Dict[Any, ModelPart]] = None) -> saving._SaveState:
+    """What ``saving.save``'s ``prepare`` builds on ``rank`` (``jsonstate.encode`` with
+    ``saving._make_save_hook``, then ``saving._tree_parts``). With ``models`` (a cache by
+    ``scale_models.model_class``), the model chunks are encoded once per class and their encoded
+    subtree, shards and objects reused for the class's other ranks: encoding a state dict's
+    top-level keys one by one (same paths, same hook) is what encoding the dict does, and the
+    class's ranks differ in the model chunks only in the data-parallel index of replica ids, which a
+    save reads only as main replica or not (``tests/test_simulate_scale.py`` compares the results
+    with whole encodings for every rank of small layouts)."""
     st = saving._SaveState(rank)
-    st.tree = jsonstate.encode(dict(sd), hook=saving._make_save_hook(st, sm.file_stems(model, layout, rank)))
+    hook = saving._make_save_hook(st, sm.file_stems(model, layout, rank))
+    if models is None:
+        sd = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
+        st.tree = jsonstate.encode(dict(sd), hook=hook)
+    else:
+        sd = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk, with_model=False)
+        cls = sm.model_class(layout, rank)
+        part = models.get(cls)
+        if part is None:
+            if models and next(iter(models))[1] != cls[1]:
+                models.clear()  # ranks come in order, pipeline stage outermost: keep one stage's classes
+            full = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
+            part = {}
+            for k in sm.model_keys(model, layout):
+                n, m = len(st.shards), len(st.objects)
+                part[k] = (jsonstate.encode(full[k], path=k, hook=hook), st.shards[n:], st.objects[m:])
+                del st.shards[n:], st.objects[m:]
+            assert not st.local, "rank-local tensors in a model chunk: encode every rank whole"
+            models[cls] = part
+        tree: Dict[str, Any] = {}
+        for k, v in sd.items():
+            if k in part:
+                enc, shards, objects = part[k]
+                tree[k] = enc
+                st.shards += shards
+                st.objects += objects
+            else:
+                tree[k] = jsonstate.encode(v, path=k, hook=hook)
+        st.tree = tree
     st.tree_parts = saving._tree_parts(st, rank)
     return st
 
@@ -140,17 +185,17 @@ class _Tree:
                 g = r // self.group
                 self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
                 if g == 0:
-                    t1 = time.perf_counter()
+                    t1 = _clock()
                     errors, got = transport.unpack_messages(texts)
                 else:
-                    t1 = time.perf_counter()
+                    t1 = _clock()
                     part = transport.pack_part(texts)
-                    self.leader_s[g] += time.perf_counter() - t1
+                    self.leader_s[g] += _clock() - t1
                     sent[-len(texts)] = len(part) + SIZE_EXCHANGE
                     self.recv[0] += len(part) + SIZE_EXCHANGE
-                    t1 = time.perf_counter()
+                    t1 = _clock()
                     errors, got = transport.unpack_part(part)
-                decode += time.perf_counter() - t1
+                decode += _clock() - t1
                 assert not errors
                 payloads += got
                 texts = []
@@ -159,16 +204,16 @@ class _Tree:
     def scatter(self, replies: Sequence[Any]) -> Tuple[float, List[int]]:
         """Rank 0 sends the replies down; its encode seconds and the bytes each rank receives
         (its reply; a leader also the group's part)."""
-        t1 = time.perf_counter()
+        t1 = _clock()
         own = [transport._dumps_bytes(r) for r in replies[:self.group]]
         parts = [transport.pack_replies(replies[g:g + self.group]) for g in range(self.group, self.world, self.group)]
-        encode = time.perf_counter() - t1
+        encode = _clock() - t1
         recv = [len(t) + SIZE_EXCHANGE for t in own]
         for g, part in enumerate(parts, 1):
             self.recv[g] += len(part) + SIZE_EXCHANGE
-            t1 = time.perf_counter()
+            t1 = _clock()
             texts = transport.unpack_replies(part)
-            self.leader_s[g] += time.perf_counter() - t1
+            self.leader_s[g] += _clock() - t1
             recv += [len(t) + SIZE_EXCHANGE for t in texts]
         recv[0] = 0
         return encode, recv
@@ -190,47 +235,48 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     group = transport.gather_group_size(world) if group is None else max(1, min(group, world))
     tree = _Tree(world, group)
     t_rank0_own = 0.0  # rank 0's own state, announcement and vote
+    models: Dict[Any, ModelPart] = {}  # _save_state's cache of encoded model chunks
 
     def announcements() -> Any:
         nonlocal t_rank0_own
         for r in range(world):
-            t1 = time.perf_counter()
-            st = _save_state(model, layout, r, quirk)
+            t1 = _clock()
+            st = _save_state(model, layout, r, quirk, models)
             msg = saving.announce(st, r)
-            text = transport._dumps_bytes({"error": None, "payload": msg})
+            text = transport.encode_message(None, msg)
             if r == 0:
-                t_rank0_own += time.perf_counter() - t1
+                t_rank0_own += _clock() - t1
             yield text
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     messages, t_decode, send = tree.gather(announcements())
-    t_announce = time.perf_counter() - t0
+    t_announce = _clock() - t0
 
     rss_before = _status_kib("VmRSS") * 1024
     peak_ok = reset_peak_rss()
-    t0 = time.perf_counter()
+    t0 = _clock()
     keep = saving._Coordinator()
     replies = saving.coordinate(messages, "simulated", keep)
-    t_plan = time.perf_counter() - t0
+    t_plan = _clock() - t0
     t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
 
     # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
-    t0 = time.perf_counter()
+    t0 = _clock()
     total = [0, 0, 0]
     steady_replies_ok = True
     steady_replies: List[Dict[str, Any]] = []
     for r in range(world):
-        t1 = time.perf_counter()
+        t1 = _clock()
         entry = saving.remember_plan(messages[r], replies[r], keep.tensors if r == 0 else None)
         vote = saving.plan_vote(entry, messages[r], r, world)
         reuse = saving.cached_reply(entry, messages[r])
         steady_replies.append(reuse)
         if r == 0:
-            t_rank0_own += time.perf_counter() - t1
-            t_vote0 = time.perf_counter() - t1
+            t_rank0_own += _clock() - t1
+            t_vote0 = _clock() - t1
         total = [a + b for a, b in zip(total, vote)]
         steady_replies_ok &= all(reuse[k] == replies[r][k] for k in ("write", "objects", "blobs"))
-    t_votes = time.perf_counter() - t0
+    t_votes = _clock() - t0
     agreed = saving.plan_agreed(total)
     del messages
     leader_plan_s = max(tree.leader_s[1:] or [0.0])
@@ -242,39 +288,39 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     def commits() -> Any:
         nonlocal digests_same
         for r in range(world):
-            st = _save_state(model, layout, r, quirk)
+            st = _save_state(model, layout, r, quirk, models)
             saving.announce(st, r)  # sets the shard order the reply indexes
             job = saving._select(st, replies[r])
             res = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write)
             # the steady-state save: the same layout, other data (other CRC32s); the rank sends its CRC32s only
-            st = _save_state(model, layout, r, quirk)
+            st = _save_state(model, layout, r, quirk, models)
             saving.announce(st, r)
             job = saving._select(st, steady_replies[r])
             res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
             digests_same &= saving.records_digest(res2["records"]) == saving.records_digest(res["records"])
             steady_results.append(res2)
-            steady_texts.append(transport._dumps_bytes({"error": None, "payload": saving.steady_commit(res2)}))
-            yield transport._dumps_bytes({"error": None, "payload": res})
+            steady_texts.append(transport.encode_message(None, saving.steady_commit(res2)))
+            yield transport.encode_message(None, res)
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     results, t_decode_commit, commit_send = tree.gather(commits())
-    t_write = time.perf_counter() - t0
+    t_write = _clock() - t0
     t_commit_encode, _ = tree.scatter([{"ok": 0}] * world)
     first_recv = tree.recv[:]
     leader_s = max(tree.leader_s[1:] or [0.0])
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
     head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc)
-    t_index = time.perf_counter() - t0
+    t_index = _clock() - t0
     peak_after = _status_kib("VmHWM") * 1024
     del results
     steady_tree = _Tree(world, group)
     steady_msgs, t_decode_steady, steady_send = steady_tree.gather(iter(steady_texts))
     steady_texts = []
-    t0 = time.perf_counter()  # the steady-state save's commit: the CRC32s into the skeleton
+    t0 = _clock()  # the steady-state save's commit: the CRC32s into the skeleton
     head2, sections2, _ = saving.build_index(steady_msgs, keep.tensors, world, layout_doc, skeleton)
-    t_index_steady = time.perf_counter() - t0
+    t_index_steady = _clock() - t0
     del steady_msgs
     # the same index as a full build of the steady-state save's records (not timed)
     head3, sections3, _ = saving.build_index(steady_results, keep.tensors, world, layout_doc)
@@ -351,7 +397,7 @@ def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank:
         section_reads.append(n)
         return sections[s:s + n]
 
-    t0 = time.perf_counter()
+    t0 = _clock()
     index = mf.LazyIndex(mf.parse_head(head, "simulated"), read_section, "simulated", len(head))
     work = loading._LoadWork(rows_ok=rows_ok)
     loading._decode_saved_tree(index.tree_for_rank(rank), index, work, lazy=True)
@@ -374,7 +420,7 @@ def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank:
             if ranges:
                 spans += [(r.file, r.file_offset, r.nbytes) for r in bp.wp.reads]
                 spans += [(rr.file, off, rr.run_bytes) for rr in bp.wp.rows for off, _ in rr.runs()]
-    out = {"rank": rank, "plan_s": time.perf_counter() - t0, "index_read_bytes": index.bytes_read,
+    out = {"rank": rank, "plan_s": _clock() - t0, "index_read_bytes": index.bytes_read,
            "needed_bytes": needed, "read_bytes": read, "temp_bytes": temps, "problems": problems[:5]}
     if ranges:
         out.update(ranges=spans, section_reads=section_reads)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 import megashard
 from megashard import saving, transport
 from megashard.errors import DistributedError
@@ -60,11 +62,18 @@ def test_tree_gather_writes_the_flat_index_and_agrees_on_errors(tmp_path):
 def test_group_size_defaults_and_parts_round_trip(monkeypatch):
     monkeypatch.delenv("MEGASHARD_GATHER_GROUP", raising=False)
     assert [transport.gather_group_size(w) for w in (1, 64, 65, 16384, 131072)] == [1, 64, 9, 128, 363]
-    msgs = [transport._dumps_bytes({"error": None if r != 1 else "boom", "payload": p})
-            for r, p in enumerate([{"a": "x" * 50, "b": [1, 2]}, {"a": "x" * 50, "b": [3]}, [7], None])]
-    errors, payloads = transport.unpack_part(transport.pack_part(msgs))
+    sent = [{"a": "x" * 50, "b": [1, 2], "c": {"k": [1, 2]}}, {"a": "x" * 50, "b": [3], "c": {"k": [1, 2]}},
+            [7], None, {"b": [1, 2], "line": "a\nb", "é": "ü"}, {}, {1: "int key"}]
+    msgs = [transport.encode_message(None if r != 1 else "boom", p) for r, p in enumerate(sent)]
+    want = [dict(p) if isinstance(p, dict) else p for p in sent]
+    want[-1] = {"1": "int key"}  # a dict with a non-string key travels as one JSON text, as JSON has it
+    assert transport.unpack_messages(msgs) == ({1: "boom"}, want)  # rank 0's own group
+    errors, payloads = transport.unpack_part(transport.pack_part(msgs))  # another leader's group
     assert errors == {1: "boom"}
-    assert payloads == [{"a": "x" * 50, "b": [1, 2]}, {"a": "x" * 50, "b": [3]}, [7], None]
-    assert payloads[0]["a"] is payloads[1]["a"]  # shared values arrive as one object
+    assert payloads == want
+    assert payloads[0]["a"] is payloads[1]["a"] and payloads[0]["c"] is payloads[1]["c"]  # shared: one object
+    assert payloads[0]["b"] is payloads[4]["b"] and payloads[0]["b"] is not payloads[1]["b"]
+    with pytest.raises(ValueError, match="past its fields"):
+        transport.unpack_messages([msgs[0] + b"x"])
     replies = [{"ok": r} for r in range(3)]
     assert transport.unpack_replies(transport.pack_replies(replies)) == [transport._dumps_bytes(r) for r in replies]

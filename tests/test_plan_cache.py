@@ -234,8 +234,8 @@ def _results(crc_of, world: int = 3):
         for i, (a, b) in enumerate(((0, 6), (6, 12))):
             text = record_text("w", (world * 2, 6), (2 * r, 0), (2, 6), (a, b), f"model-r{r:05d}.tensors", "n",
                                4096 * (i + 1), 8192 * (i + 1), 24, crc_of(r, i))
-            recs.append(["w", [2 * r, 0], [2, 6], a, text])
-        recs.append(["e", [0], [0], 0, record_text("e", (0,), (0,), (0,), None, None, "", 0, 0, 0, 0)])
+            recs.append(["w", f"[[{2 * r},0],[2,6]]", a, text])
+        recs.append(["e", "[[0],[0]]", 0, record_text("e", (0,), (0,), (0,), None, None, "", 0, 0, 0, 0)])
         out.append({"files": {f"model-r{r:05d}.tensors": {"rank": r, "bytes": 1 << 20, "tensors": 2}}, "records": recs,
                     "objects": {}, "tree": [["step", "p"]], "parts": {"p": "7"}})
     return out
@@ -266,7 +266,7 @@ def test_index_skeleton_takes_new_crcs_and_equals_a_fresh_build():
     assert zlib.crc32(sections2) != zlib.crc32(sections)
     # a record that changed other than its CRC32 changes the digest; a wrong count is refused
     moved = _results(lambda r, i: 0)
-    moved[1]["records"][0][4] = moved[1]["records"][0][4].replace("8192", "8196")
+    moved[1]["records"][0][3] = moved[1]["records"][0][3].replace("8192", "8196")
     assert saving.records_digest(moved[1]["records"]) != saving.records_digest(first[1]["records"])
     with pytest.raises(ValueError, match="holds 9 records, got 8 CRC32s"):
         saving.build_index([dict(steady[0], crcs="AQAAAAIAAAA=")] + steady[1:], tensors, 3, None, skel)

@@ -3,9 +3,11 @@ once, every byte written by exactly one rank), each rank receives only its own a
 and the simulated save equals a real multi-rank save of the same state."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
+import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +107,41 @@ def test_simulated_save_equals_a_real_four_rank_save(tmp_path):
     assert {f: i["rank"] for f, i in sim.files.items()} == {f: i["rank"] for f, i in real.files.items()}
     assert set(sim.objects) == set(real.objects)
     assert sim.rank_trees == real.rank_trees
+
+
+def _state_view(st, reply_of):
+    """What a save does with a rank's prepared state: its announcement, state tree and parts,
+    and the write job and records for a reply (fake writer)."""
+    from megashard import saving
+
+    msg = saving.announce(st, st.rank)
+    res = saving._write_job(saving._select(st, reply_of(msg)), "/nonexistent", st.rank, 4096, False, None,
+                            write=ss._fake_write)
+    return msg, st.tree, st.tree_parts, res
+
+
+@pytest.mark.parametrize("model,layout,ranks", [
+    ("tiny-moe", sm.Layout(tp=2, pp=1, dp=4, ep=2, distributed_optimizer=True), range(8)),
+    ("tiny-gpt", sm.Layout(tp=1, pp=2, dp=4, vp=2, distributed_optimizer=True), range(8)),
+    ("llama3-70b", sm.Layout(tp=8, pp=8, dp=4, distributed_optimizer=True), [*range(0, 40), *range(224, 256)]),
+    ("deepseek-v3", sm.Layout(tp=1, pp=16, dp=128, ep=64, distributed_optimizer=True),
+     [*range(0, 140), *range(1920, 1930), 2047]),
+], ids=["tiny-moe-tp2-ep2", "tiny-gpt-pp2-vp2", "llama-tp8-pp8-dp4", "deepseek-pp16-ep64-dp128"])
+def test_model_chunks_reused_per_class_equal_each_ranks_own(model, layout, ranks):
+    """The simulator encodes the model chunks once per ``scale_models.model_class`` and reuses them
+    for the class's other ranks: every rank's announcement, state tree, tree parts and write
+    records (writing every shard it holds) equal those of encoding its whole state dict."""
+
+    def everything(msg):  # the reply of a plan that has this rank write every shard and object it holds
+        shards = len(json.loads(msg["fixed"])) + len(json.loads(msg["flat"]))
+        return {"write": list(range(shards)), "objects": list(range(len(json.loads(msg["objects"])))), "blobs": []}
+
+    models = {}
+    for r in ranks:
+        got = _state_view(ss._save_state(model, layout, r, False, models), everything)
+        want = _state_view(ss._save_state(model, layout, r, False), everything)
+        assert got == want, r
+        assert got[3]["records"], r
 
 
 def test_s3_save_request_arithmetic():
