@@ -143,7 +143,7 @@ def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str
 def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, str, Optional[int | str], bool]:
     """SRC at an object-store URL: a megashard checkpoint (its head), or a Megatron save root whose
     tracker (or ``iteration``) names one. Only megashard checkpoints are read from a URL."""
-    from .objstore.url import child
+    from .storage.s3.url import child
 
     src = storage.location(src)  # checked; no trailing slash
     if storage.locate(src) is not None:
@@ -164,7 +164,7 @@ def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, 
 
 def _torch_dist_hint(url: str) -> str:
     """What to do when ``url`` holds a torch_dist checkpoint (one HEAD, on the error path only)."""
-    from .objstore.client import ObjectStore
+    from .storage.s3.client import ObjectStore
 
     store, key = ObjectStore.for_url(url)
     if key and store.head(f"{key}/metadata.json") is not None:
@@ -175,7 +175,7 @@ def _torch_dist_hint(url: str) -> str:
 
 def _url_occupied(url: str) -> bool:
     """Anything at or under ``url`` (an object named like it, or any key below it): one HEAD, one LIST."""
-    from .objstore.client import ObjectStore
+    from .storage.s3.client import ObjectStore
 
     store, key = ObjectStore.for_url(url)
     if not key:
@@ -353,7 +353,7 @@ class _ObjectOutput:
 
     @property
     def target(self) -> str:
-        from .objstore.url import child
+        from .storage.s3.url import child
 
         return child(self.final, storage.iteration_dir_name(self.iteration)) if self.megatron_root else self.final
 
@@ -363,7 +363,7 @@ class _ObjectOutput:
         return self._scratch
 
     def commit(self) -> None:
-        from .objstore import checkpoint as objck
+        from .storage.s3 import checkpoint as objck
 
         self.cleanup()
         if self.megatron_root:  # only where no tracker is: never one another writer wrote meanwhile

@@ -81,7 +81,7 @@ class CopyResult:
 
 def _join(root: str, name: str) -> str:
     if storage.is_url(root):
-        from .objstore.url import child
+        from .storage.s3.url import child
 
         return child(root, name)
     return os.path.join(root, name)
@@ -90,7 +90,7 @@ def _join(root: str, name: str) -> str:
 def _iterations(root: str) -> List[Iteration]:
     """The committed ``iter_XXXXXXX`` / ``release`` checkpoints of a save root."""
     if storage.is_url(root):
-        from .objstore.client import ObjectStore
+        from .storage.s3.client import ObjectStore
 
         store, key = ObjectStore.for_url(root)
         _, prefixes = store.list(key + "/", delimiter="/")
@@ -215,7 +215,7 @@ def _copy_file(src: str, index: Any, name: str, size: int, want: Mapping[str, Tu
     from .format.streamverify import StreamVerifier
 
     if storage.is_url(src):
-        from .objstore.client import connections
+        from .storage.s3.client import connections
 
         threads = connections()
     else:
@@ -227,8 +227,8 @@ def _copy_file(src: str, index: Any, name: str, size: int, want: Mapping[str, Tu
         verifier = StreamVerifier(cf.path(name), size, sha256=sha256)
         extra: Dict[str, Any] = {}
         if storage.is_url(dst_dir):
-            from .objstore.client import ObjectStore, part_bytes, single_put_bytes
-            from .objstore.url import child
+            from .storage.s3.client import ObjectStore, part_bytes, single_put_bytes
+            from .storage.s3.url import child
 
             part = part_bytes(size) if size > single_put_bytes() else max(1, size)  # one PUT: one chunk
             chunk = max(part, -(-chunk // part) * part)  # whole parts per chunk

@@ -13,7 +13,7 @@ import megashard
 from megashard import storage
 from megashard.cli import main as cli_main
 from megashard.convert import ConvertInputError, _megatron_core, convert
-from megashard.objstore.client import ObjectStore
+from megashard.storage.s3.client import ObjectStore
 
 from layouts import EXP_AVG, GLOBALS, Layout, bit_equal, expected_global, full, union_state
 from test_convert import _torch_dist_shards
@@ -206,7 +206,7 @@ def test_a_checkpoint_created_at_the_s3_dst_during_the_convert_is_never_replaced
     """Another writer commits DST/release after convert's existence check, before the save plans (``check``)
     or before it commits: the conversion's save is "new only" (If-None-Match on the head), so it fails
     naming DST and theirs stands."""
-    from megashard.objstore import checkpoint as objck
+    from megashard.storage.s3 import checkpoint as objck
 
     write_hf(in_tmp / "hf")
     url = s3.url("raced")
@@ -230,7 +230,7 @@ def test_a_checkpoint_created_at_the_s3_dst_during_the_convert_is_never_replaced
 
 def test_save_new_only_refuses_a_checkpoint_that_exists_or_appears_in_s3(s3, monkeypatch):
     from megashard.errors import CommitConflictError
-    from megashard.objstore import checkpoint as objck
+    from megashard.storage.s3 import checkpoint as objck
 
     url = s3.url("newonly/iter_0000001")
     megashard.save({"w": torch.arange(3.0)}, url)

@@ -16,7 +16,7 @@ from megashard.copy import copy
 from megashard.format import write_file
 from megashard.format.streamverify import StreamVerifier
 from megashard.errors import FormatError
-from megashard.objstore.client import ObjectStore
+from megashard.storage.s3.client import ObjectStore
 from megashard.sharded import ShardedTensor
 
 from bitexact import assert_same

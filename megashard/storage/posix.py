@@ -99,91 +99,19 @@ import stat
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import procinfo
-from .errors import CheckpointError, CommitConflictError
+from ..errors import CheckpointError, CommitConflictError
+from ..saveroot import TRACKER_NAME
+from .base import (MANIFEST_DIGEST_NAME, MANIFEST_NAME, PathLike, check_member_name, is_url, local_path, location,
+                   max_manifest_bytes)
+from .ownership import DEFAULT_STALE_AGE_S, OWNER_NAME, _host_identity, _owner_alive, _read_small, _write_owner
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "MANIFEST_NAME",
-    "TRACKER_NAME",
-    "fsync_path",
-    "fsync_file",
-    "write_file_atomic",
-    "make_temp_dir",
-    "join_temp_dir",
-    "temp_dir_name",
-    "dir_identity",
-    "check_reported_files",
-    "check_save_target",
-    "replace_problem",
-    "replace_problem_at",
-    "head_problem",
-    "commit_dir",
-    "is_checkpoint",
-    "recover",
-    "recover_path",
-    "Recovery",
-    "save_root",
-    "save_root_iterations",
-    "root_checkpoint",
-    "read_location",
-    "locate",
-    "checkpoint_location",
-    "why_not_checkpoint",
-    "foreign_format",
-    "foreign_hint",
-    "CheckpointFiles",
-    "MANIFEST_DIGEST_NAME",
-    "cleanup_stale_temps",
-    "OWNER_NAME",
-    "write_tracker",
-    "read_tracker",
-    "iteration_dir_name",
-    "parse_iteration_dir_name",
-    "apply_retention",
-    "remove_checkpoint",
-]
-
-MANIFEST_NAME = "manifest.json"
-#: Megatron's tracker file name, kept so Megatron tooling finds the latest iteration.
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]+\Z")
 # .<name>.<kind>-<token>; tokens contain no '.', so the last '.' splits unambiguously.
 _AUX_RE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[A-Za-z0-9_-]+)\Z")
-_ITER_RE = re.compile(r"iter_(\d{7,})\Z")
-_TRACKER_MAX = 4096
-
-
-# --------------------------------------------------------------------------- reading safely
-
-#: Written beside the manifest: the SHA-256 (hex) of ``manifest.json``'s bytes.
-MANIFEST_DIGEST_NAME = "manifest.sha256"
-DEFAULT_MAX_MANIFEST_BYTES = 1 << 30
-
-
-def max_manifest_bytes() -> int:
-    """Largest ``manifest.json`` a load accepts: ``MEGASHARD_MAX_MANIFEST_BYTES`` or 1 GiB."""
-    v = os.environ.get("MEGASHARD_MAX_MANIFEST_BYTES")
-    try:
-        return int(v) if v else DEFAULT_MAX_MANIFEST_BYTES
-    except ValueError:
-        raise CheckpointError(f"MEGASHARD_MAX_MANIFEST_BYTES={v!r} is not an integer") from None
-
-
-def check_member_name(name: object, where: str) -> str:
-    """A file name inside a checkpoint: one plain path component, never ``.``/``..``."""
-    from .manifest import is_plain_file_name  # one definition; imported late (storage stays torch-free)
-
-    if not is_plain_file_name(name):
-        raise CheckpointError(f"{where}: file name {str(name)[:100]!r} is not a plain file name inside the "
-                              "checkpoint directory; the manifest is damaged or hostile")
-    return name  # type: ignore[return-value]
 
 
 class CheckpointFiles:
@@ -262,7 +190,7 @@ class CheckpointFiles:
         :meth:`open`; offsets validated by the caller) with parallel, coalesced ``preadv``
         (the row runs of a :class:`~megashard.format.fastio.Requests` one ``preadv`` per
         IOV_MAX rows); returns the bytes read. With no requests: only the checks."""
-        from .format.fastio import read_requests  # imported late: storage stays torch-free
+        from ..format.fastio import read_requests  # imported late: storage stays torch-free
 
         fd = self.open(name, size)
         if not reqs:
@@ -298,7 +226,7 @@ class CheckpointFiles:
 
     def tensor_reader(self, name: str) -> Any:
         """A :class:`~megashard.format.TensorFileReader` of member ``name`` (no link followed)."""
-        from .format import TensorFileReader
+        from ..format import TensorFileReader
 
         check_member_name(name, self.base)
         return TensorFileReader(name, dir_fd=self.dir_fd, nofollow=True)
@@ -326,10 +254,6 @@ class CheckpointFiles:
 
 _DIGEST_LINE = re.compile(rb"[0-9a-f]{64}\n")
 
-
-def manifest_digest(text: Union[str, bytes]) -> str:
-    data = text.encode() if isinstance(text, str) else text
-    return hashlib.sha256(data).hexdigest() + "\n"
 
 
 # --------------------------------------------------------------------------- fsync
@@ -402,40 +326,6 @@ def write_file_atomic(path: PathLike, data: Union[bytes, str]) -> None:
         raise
     fsync_path(d)
 
-
-# --------------------------------------------------------------------------- naming
-
-_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_url(path: object) -> bool:
-    """``scheme://...``: an object-store or other URL, never a local path."""
-    return isinstance(path, str) and _URL_RE.match(path) is not None
-
-
-def local_path(path: PathLike) -> str:
-    """``path`` made absolute, refusing a URL where only a local path will do (file-system
-    code): ``os.path.abspath("s3://b/x")`` is the local directory ``./s3:/b/x``, where a write
-    would land silently."""
-    p = os.fspath(path)
-    if is_url(p):
-        raise CheckpointError(f"{p}: a URL, not a local path; this step reads and writes local directories "
-                              "only: use a local path (or a mounted bucket)")
-    return os.path.abspath(p)
-
-
-
-
-def location(path: PathLike) -> str:
-    """A checkpoint's location: an object-store URL (checked, without a trailing slash) or
-    an absolute local path. A URL is never taken for a relative path."""
-    p = os.fspath(path)
-    if is_url(p):
-        from .objstore.url import parse_url
-
-        parse_url(p)
-        return p.rstrip("/")
-    return os.path.abspath(p)
 
 
 def _split_final(final_dir: PathLike) -> Tuple[str, str]:
@@ -594,75 +484,6 @@ def check_reported_files(temp_dir: PathLike, files: Mapping[int, Mapping[str, in
             "committed: save to a shared filesystem every rank sees, with an absolute path")
 
 
-# --------------------------------------------------------------------------- ownership
-
-#: The owner record inside a save's temp dir (removed right after the commit renames it).
-OWNER_NAME = ".megashard-owner.json"
-#: How long a temp dir that cannot be proven abandoned must sit unchanged before removal.
-DEFAULT_STALE_AGE_S = 24 * 3600.0
-
-
-def _read_small(name: str, limit: int = 4096, dir_fd: Optional[int] = None) -> Optional[str]:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, limit + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return data.decode("utf-8", "replace") if len(data) <= limit else None
-
-
-def _host_identity() -> Dict[str, str]:
-    """What makes pids comparable: the same kernel boot, hostname and pid namespace."""
-    return {"host": socket.gethostname(), "boot_id": procinfo.boot_id(),
-            "pidns": procinfo.namespace("pid"), "mntns": procinfo.namespace("mnt")}
-
-
-def _owner_record() -> Dict[str, Any]:
-    ident = _host_identity()
-    return {"host": ident["host"], "boot_id": ident["boot_id"], "pidns": ident["pidns"], "pid": os.getpid(),
-            "start": procinfo.start_time(os.getpid()), "created": time.time()}
-
-
-def _write_owner(dfd: int) -> None:
-    """Create the owner record in the directory open as ``dfd`` (fails if there is one)."""
-    fd = os.open(OWNER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644,
-                 dir_fd=dfd)
-    try:
-        os.write(fd, json.dumps(_owner_record(), sort_keys=True).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _owner_alive(dfd: int) -> Optional[bool]:
-    """Whether the process that owns the directory open as ``dfd`` (a save's temp dir, a
-    deletion's ``.del-*``) may still run: True, False (its process on this machine is gone),
-    or None (no readable record, or another machine's)."""
-    text = _read_small(OWNER_NAME, dir_fd=dfd)
-    try:
-        rec = json.loads(text) if text is not None else None
-    except ValueError:
-        rec = None
-    if not isinstance(rec, dict):
-        return None
-    me = _host_identity()
-    if not me["boot_id"] or any(rec.get(k) != me[k] for k in ("host", "boot_id", "pidns")):
-        return None
-    pid, start = rec.get("pid"), rec.get("start")
-    if type(pid) is not int or pid <= 0 or not (start is None or type(start) is int):
-        return None
-    now = procinfo.start_time(pid)
-    if now == procinfo.GONE:
-        return False
-    return now is None or start is None or now == start  # hidden from us (hidepid): assume it runs
-
 
 # --------------------------------------------------------------------------- checkpoints
 
@@ -679,7 +500,7 @@ def head_problem(dfd: int, where: str) -> Optional[str]:
     ``manifest.json`` (a regular file of it, no link followed, at most
     :func:`max_manifest_bytes`) parses as megashard's head (:func:`megashard.manifest.parse_head`,
     the rule the object store applies too). Reads the head only, never the index or shards."""
-    from .manifest import parse_head  # one definition; imported late (storage stays torch-free)
+    from ..manifest import parse_head  # one definition; imported late (storage stays torch-free)
 
     try:
         fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
@@ -721,7 +542,7 @@ def is_checkpoint(path: PathLike) -> bool:
     ``manifest.json``; the commit protocol itself never exposes a partial manifest.
     """
     if is_url(path):
-        from .objstore import checkpoint as objck
+        from .s3 import checkpoint as objck
 
         return objck.locate(os.fspath(path)) is not None
     try:
@@ -737,7 +558,7 @@ def is_checkpoint(path: PathLike) -> bool:
 def _megashard_member(name: str) -> bool:
     """A name megashard writes into a checkpoint directory (the owner record only stays
     there when a save is killed right after its commit's rename)."""
-    from .manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
+    from ..manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
 
     return name in (MANIFEST_NAME, MANIFEST_DIGEST_NAME, INDEX_NAME, OWNER_NAME) or (
         name.endswith(".tensors") and not name.startswith("."))
@@ -1076,7 +897,7 @@ def locate(final_dir: PathLike) -> Optional[str]:
     ``final_dir`` aside and back in: looking again then finds it.
     """
     if is_url(final_dir):
-        from .objstore import checkpoint as objck
+        from .s3 import checkpoint as objck
 
         return objck.locate(os.fspath(final_dir))
     parent, name = _split_final(final_dir)
@@ -1167,7 +988,7 @@ def foreign_hint(path: PathLike, fmt: Optional[str] = None) -> Optional[str]:
 def why_not_checkpoint(path: PathLike) -> str:
     """A one-line reason why ``path`` is not a readable checkpoint (for error messages)."""
     if is_url(path):
-        from .objstore import checkpoint as objck
+        from .s3 import checkpoint as objck
 
         return objck.why_not_checkpoint(os.fspath(path))
     path = os.fspath(path)
@@ -1203,7 +1024,7 @@ def recover(final_dir: PathLike, older_than_s: Optional[float] = None,
     into = into if into is not None else Recovery()
     age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
     if is_url(final_dir):
-        from .objstore import checkpoint as objck
+        from .s3 import checkpoint as objck
 
         for gone in objck.cleanup(location(final_dir), older_than_s=age):
             logger.warning("removed %s", gone)
@@ -1256,46 +1077,6 @@ class Recovery:
     found: Optional[str] = None  # the complete checkpoint (for a checkpoint path)
     root: Optional[Dict[str, Any]] = None  # the Megatron save root (save_root()), re-read after recovery
 
-
-def recover_path(path: PathLike, older_than_s: Optional[float] = None) -> Recovery:
-    """``megashard recover PATH``: a checkpoint (:func:`recover`), or a Megatron save root (a
-    directory or URL holding a tracker or ``iter_N`` checkpoints): every iteration of it
-    recovered, the leftovers of dead saves in it removed by the same rule
-    (:func:`cleanup_stale_temps`; at a URL, :func:`megashard.objstore.checkpoint.cleanup` of each
-    iteration). A local directory that is not a checkpoint is handled as a root."""
-    rec = Recovery()
-    loc = location(path)
-    root = save_root(loc)
-    if root is None and not (not is_url(loc) and os.path.isdir(loc) and not os.path.islink(loc)
-                             and not _has_manifest(loc)):
-        rec.found = recover(loc, older_than_s, rec)
-        return rec
-    age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
-    if is_url(loc):
-        from .objstore import checkpoint as objck
-
-        for name in objck.child_names(loc):
-            if parse_iteration_dir_name(name) is not None:
-                recover(_child(loc, name), age, rec)
-    else:
-        for name in sorted(_iteration_names(loc, kinds=("old", "tmp", "del"))):
-            recover(os.path.join(loc, name), age, rec)
-        rec.removed.extend(cleanup_stale_temps(loc, older_than_s=age))  # e.g. the tracker's temporaries
-    rec.root = save_root(loc)
-    return rec
-
-
-def leftover_kind(path: str) -> str:
-    """What a path :func:`recover_path` removed was, in words (for its report)."""
-    m = _AUX_RE.match(os.path.basename(path.rstrip("/")))
-    kind = m.group("kind") if m else None
-    if kind == "old":
-        return "a copy an interrupted re-save left, superseded by the checkpoint"
-    if kind == "del":
-        return "an interrupted deletion"
-    if kind == "tmp" and not os.path.basename(path).startswith(f".{TRACKER_NAME}."):
-        return "a save that is no longer running left it"
-    return "left by a save that did not finish"
 
 
 def _remove_superseded(olds: List[str]) -> List[str]:
@@ -1419,210 +1200,6 @@ def cleanup_stale_temps(
     return removed
 
 
-# --------------------------------------------------------------------------- tracker
-
-
-def _check_iteration(iteration: Union[int, str]) -> Union[int, str]:
-    if iteration == "release":
-        return "release"
-    if type(iteration) is int and iteration >= 0:
-        return iteration
-    raise CheckpointError(f"bad iteration {iteration!r}: use an int >= 0 or 'release'")
-
-
-def iteration_dir_name(iteration: Union[int, str]) -> str:
-    """Megatron's directory name: ``iter_0000100`` (7+ digits) or ``release``."""
-    it = _check_iteration(iteration)
-    return "release" if it == "release" else f"iter_{it:07d}"
-
-
-def parse_iteration_dir_name(name: str) -> Optional[Union[int, str]]:
-    """Inverse of :func:`iteration_dir_name`; None for any other name."""
-    if name == "release":
-        return "release"
-    m = _ITER_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def write_tracker(save_root: PathLike, iteration: Union[int, str]) -> None:
-    """Write Megatron's ``latest_checkpointed_iteration.txt`` atomically (the last save step)."""
-    it = _check_iteration(iteration)
-    if is_url(save_root):
-        from .objstore import checkpoint as objck
-
-        objck.write_tracker(location(save_root), str(it))
-        return
-    os.makedirs(save_root, exist_ok=True)
-    write_file_atomic(os.path.join(os.fspath(save_root), TRACKER_NAME), str(it))
-
-
-def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
-    """The iteration named by the tracker file, ``"release"``, or None if there is none.
-
-    Garbage content raises CheckpointError naming the file: guessing would load the
-    wrong checkpoint.
-    """
-    if is_url(load_root):
-        from .objstore import checkpoint as objck
-
-        raw = objck.read_tracker_bytes(location(load_root))
-        if raw is None:
-            return None
-        return _parse_tracker(raw, f"{location(load_root)}/{TRACKER_NAME}")
-    path = os.path.join(os.fspath(load_root), TRACKER_NAME)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_TRACKER_MAX + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CheckpointError(f"cannot read tracker file {path}: {e}") from e
-    return _parse_tracker(raw, path)
-
-
-def _parse_tracker(raw: bytes, path: str) -> Union[int, str]:
-    try:
-        text = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        text = None
-    if text == "release":
-        return "release"
-    if text is not None and len(raw) <= _TRACKER_MAX and text.isdigit():
-        return int(text)
-    shown = raw[:60].decode("ascii", "backslashreplace")
-    raise CheckpointError(
-        f"tracker file {path} holds {shown!r}, not an iteration number or 'release'; "
-        "fix or delete it, or load an explicit checkpoint directory"
-    )
-
-
-def _child(root: str, name: str) -> str:
-    if is_url(root):
-        from .objstore.url import child
-
-        return child(root, name)
-    return os.path.join(root, name)
-
-
-def _iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> set[str]:
-    """``iter_N`` / ``release`` names in local directory ``root``, also those only present as
-    ``.<name>.<kind>-*`` entries of the given kinds."""
-    try:
-        entries = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return set()
-    names = set()
-    for e in entries:
-        m = _AUX_RE.match(e)
-        n = m.group("name") if m and m.group("kind") in kinds else e
-        if parse_iteration_dir_name(n) is not None:
-            names.add(n)
-    return names
-
-
-def save_root_iterations(root: PathLike) -> List[Union[int, str]]:
-    """The iterations a Megatron save root holds as megashard checkpoints (``iter_N``, or
-    ``release``; locally also one that only an interrupted re-save's complete copy holds,
-    as :func:`locate` finds it), ascending, ``release`` last. Read-only."""
-    loc = location(root)
-    if is_url(loc):
-        from .objstore import checkpoint as objck
-
-        names = [n for n in objck.child_names(loc) if parse_iteration_dir_name(n) is not None]
-    else:
-        names = sorted(_iteration_names(loc))
-    its = [parse_iteration_dir_name(n) for n in names if locate(_child(loc, n)) is not None]
-    return sorted(its, key=lambda it: (it == "release", it if isinstance(it, int) else 0))
-
-
-def save_root(path: PathLike) -> Optional[Dict[str, Any]]:
-    """``{"path", "tracker", "iterations"}`` when ``path`` is a Megatron save root (what
-    ``--save``/``--load`` take: not itself a checkpoint, holding a tracker or ``iter_N``
-    checkpoints); None otherwise. ``tracker`` is the iteration the tracker names, or None."""
-    loc = location(path)
-    if locate(loc) is not None:
-        return None
-    tracker = read_tracker(loc)
-    iterations = save_root_iterations(loc)
-    if tracker is None and not iterations:
-        return None
-    return {"path": loc, "tracker": tracker, "iterations": iterations}
-
-
-def root_checkpoint(root: Mapping[str, Any]) -> str:
-    """The checkpoint a save root's tracker names; a root without a tracker is a CheckpointError
-    that names its checkpoints (guessing would read the wrong one)."""
-    if root["tracker"] is None:
-        shown = ", ".join(_child(root["path"], iteration_dir_name(i)) for i in root["iterations"])
-        raise CheckpointError(f"{root['path']} is a Megatron save root without {TRACKER_NAME}; "
-                              f"name one of its checkpoints: {shown}")
-    return _child(root["path"], iteration_dir_name(root["tracker"]))
-
-
-def read_location(path: PathLike) -> str:
-    """:func:`checkpoint_location`, following a Megatron save root's tracker to the checkpoint it
-    names (``load_consolidated``, ``megashard inspect|verify``). Read-only."""
-    root = save_root(path)
-    return checkpoint_location(path if root is None else root_checkpoint(root))
-
-
-# --------------------------------------------------------------------------- retention
-
-
-def apply_retention(
-    save_root: PathLike, keep_last: int, protect: Iterable[str] = ()
-) -> List[str]:
-    """Delete the oldest ``iter_*`` checkpoints beyond the newest ``keep_last``.
-
-    Never deletes the checkpoint the tracker names, nor any in ``protect`` (directory
-    names or paths), nor directories that are not checkpoints or hold files megashard
-    did not write (not ours to judge).
-    A garbage tracker raises CheckpointError rather than risk deleting the latest.
-    Returns the deleted paths, oldest first.
-    """
-    if type(keep_last) is not int or keep_last < 0:
-        raise CheckpointError(f"keep_last must be an int >= 0, got {keep_last!r}")
-    root = os.path.abspath(os.fspath(save_root))
-    protected = set()
-    for p in protect:
-        p = os.fspath(p)
-        protected.add(os.path.basename(os.path.normpath(p)))
-    tracked = read_tracker(root)
-    if tracked is not None:
-        protected.add(iteration_dir_name(tracked))
-
-    found: List[Tuple[int, str]] = []
-    try:
-        entries = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    for e in entries:
-        it = parse_iteration_dir_name(e)
-        if isinstance(it, int) and is_checkpoint(os.path.join(root, e)):
-            why = replace_problem(os.path.join(root, e))
-            if why is not None:
-                logger.warning("retention: keeping %s: %s", os.path.join(root, e), why)
-                continue
-            found.append((it, e))
-    found.sort()
-    doomed = found[: max(0, len(found) - keep_last)]
-    deleted: List[str] = []
-    for _, e in doomed:
-        if e in protected:
-            continue
-        p = os.path.join(root, e)
-        olds = _aux_dirs(root, e, "old")
-        why = remove_checkpoint(p, check=replace_problem_at)
-        if why is not None:
-            logger.warning("retention: keeping %s: %s", p, why)
-            continue
-        _remove_superseded(olds)
-        logger.info("retention: deleted %s", p)
-        deleted.append(p)
-    if deleted:
-        fsync_path(root)
-    return deleted
-
 
 # --------------------------------------------------------------------------- the save seam
 
@@ -1630,7 +1207,7 @@ def apply_retention(
 class DirectorySave:
     """Where one save writes, on a file system (the protocol of the module docstring).
 
-    ``saving`` talks only to this interface; :class:`megashard.objstore.checkpoint.ObjectSave`
+    ``saving`` talks only to this interface; :class:`megashard.storage.s3.checkpoint.ObjectSave`
     is the same for an object store. Rank 0 calls :meth:`check`, :meth:`create`,
     :meth:`commit` (and :meth:`discard` on failure); every rank calls :meth:`writer`.
     """
@@ -1665,7 +1242,7 @@ class DirectorySave:
 
     def commit(self, token: str, files: Mapping[int, Mapping[str, Mapping[str, Any]]],
                where: Mapping[int, Any], head: bytes, sections: bytes) -> None:
-        from .index import write_index
+        from ..index import write_index
 
         tmp = temp_dir_name(self.final, token)
         check_reported_files(tmp, {r: {n: f["bytes"] for n, f in fs.items()} for r, fs in files.items()}, where)
@@ -1696,7 +1273,7 @@ def save_target(checkpoint_dir: PathLike, new_only: bool = False) -> Any:
     the commit creates it or fails (CommitConflictError), never replacing what is there."""
     p = os.fspath(checkpoint_dir)
     if is_url(p):
-        from .objstore.checkpoint import ObjectSave
+        from .s3.checkpoint import ObjectSave
 
         return ObjectSave(p, new_only)
     return DirectorySave(p, new_only)
@@ -1708,7 +1285,7 @@ def checkpoint_files(base: PathLike, index: Any = None) -> Any:
     equivalent of a URL (``index``: the checkpoint's index, whose ETags pin every read)."""
     p = os.fspath(base)
     if is_url(p):
-        from .objstore.checkpoint import ObjectCheckpointFiles
+        from .s3.checkpoint import ObjectCheckpointFiles
 
         return ObjectCheckpointFiles(p, index)
     return CheckpointFiles(p)

@@ -34,7 +34,7 @@ import re
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
+from ...errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
 from .client import ObjectInfo, ObjectStore
 from .url import check_object_name, parse_url
 
@@ -53,7 +53,7 @@ _TRACKER_MAX = 4096
 
 
 def _max_head() -> int:
-    from ..storage import max_manifest_bytes
+    from ..base import max_manifest_bytes
 
     return max_manifest_bytes()
 
@@ -76,7 +76,7 @@ def check_data_prefix(name: Any, where: str) -> str:
 
 
 def _parse_head(data: bytes, where: str) -> Dict[str, Any]:
-    from ..manifest import parse_head
+    from ...manifest import parse_head
 
     return parse_head(data, where)
 
@@ -143,7 +143,7 @@ class ObjectSave:
         would write; multipart above one part), hashing its tensors (``threads`` hashing
         threads) while the parts clear of their headers are already sent; connections are
         the store's (``MEGASHARD_S3_CONNECTIONS``). Durable once the PUT returns."""
-        from ..format.writer import file_segments_deferred
+        from ...format.writer import file_segments_deferred
 
         size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads)
         try:
@@ -468,8 +468,8 @@ class ObjectCheckpointFiles:
         anonymous memory file (what checking every hash needs; one object at a time)."""
         import os
 
-        from ..format import TensorFileReader
-        from ..format.fastio import tensor_memoryview
+        from ...format import TensorFileReader
+        from ...format.fastio import tensor_memoryview
 
         size = self.open(name).size
         fd = os.memfd_create(f"megashard-{name}"[:200], os.MFD_CLOEXEC)

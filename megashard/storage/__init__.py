@@ -1,0 +1,68 @@
+"""Where checkpoints live: file systems (:mod:`.posix`) and object stores (:mod:`.s3`).
+
+Saving, loading, readers and scatter call the names re-exported here.
+"""
+from ..saveroot import TRACKER_NAME, iteration_dir_name, parse_iteration_dir_name
+from .base import (MANIFEST_DIGEST_NAME, MANIFEST_NAME, check_member_name, is_url, local_path, location,
+                   manifest_digest, max_manifest_bytes)
+from .ownership import DEFAULT_STALE_AGE_S, OWNER_NAME
+from .posix import (CheckpointFiles, DirectorySave, Recovery, check_reported_files, check_save_target,
+                    checkpoint_files, checkpoint_location, cleanup_stale_temps, commit_dir, dir_identity, foreign_format,
+                    foreign_hint, fsync_file, fsync_path, head_problem, is_checkpoint, join_temp_dir, locate,
+                    make_temp_dir, recover, remove_checkpoint, rename_new_only, replace_problem, replace_problem_at,
+                    save_target, temp_dir_name, why_not_checkpoint, write_file_atomic)
+from .roots import (apply_retention, leftover_kind, read_location, read_tracker, recover_path, root_checkpoint,
+                    save_root, save_root_iterations, write_tracker)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "TRACKER_NAME",
+    "fsync_path",
+    "fsync_file",
+    "write_file_atomic",
+    "make_temp_dir",
+    "join_temp_dir",
+    "temp_dir_name",
+    "dir_identity",
+    "check_reported_files",
+    "check_save_target",
+    "replace_problem",
+    "replace_problem_at",
+    "head_problem",
+    "commit_dir",
+    "is_checkpoint",
+    "recover",
+    "recover_path",
+    "Recovery",
+    "save_root",
+    "save_root_iterations",
+    "root_checkpoint",
+    "read_location",
+    "locate",
+    "checkpoint_location",
+    "why_not_checkpoint",
+    "foreign_format",
+    "foreign_hint",
+    "CheckpointFiles",
+    "MANIFEST_DIGEST_NAME",
+    "cleanup_stale_temps",
+    "OWNER_NAME",
+    "write_tracker",
+    "read_tracker",
+    "iteration_dir_name",
+    "parse_iteration_dir_name",
+    "apply_retention",
+    "remove_checkpoint",
+    "DEFAULT_STALE_AGE_S",
+    "DirectorySave",
+    "check_member_name",
+    "checkpoint_files",
+    "is_url",
+    "leftover_kind",
+    "local_path",
+    "location",
+    "manifest_digest",
+    "max_manifest_bytes",
+    "rename_new_only",
+    "save_target",
+]
