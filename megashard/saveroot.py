@@ -1,8 +1,10 @@
 """Megatron's save-root layout: the tracker file and the ``iter_N`` / ``release`` directory names.
 
-Pure naming (no I/O), beside the Megatron adapter (:mod:`megashard.megatron`) but outside that
-package, whose import loads megatron-core: :mod:`megashard.storage` (clean-up of the tracker's
-temporaries, save roots) and the adapter both use it.
+A save root (what ``--save``/``--load`` take) holds ``iter_0000100/`` ... checkpoints and
+``latest_checkpointed_iteration.txt``, the tracker, naming the latest. Pure naming and parsing (no
+I/O): every store reads and writes the tracker with these rules (:mod:`megashard.storage`), and the
+Megatron adapter names its checkpoints with them. Beside the adapter rather than inside
+``megashard/megatron/``, whose import loads megatron-core.
 """
 from __future__ import annotations
 
@@ -14,14 +16,13 @@ from .errors import CheckpointError
 #: Megatron's tracker file name, kept so Megatron tooling finds the latest iteration.
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 
+#: The largest tracker file read (a larger one is garbage, refused).
+TRACKER_MAX = 4096
 _ITER_RE = re.compile(r"iter_(\d{7,})\Z")
-_TRACKER_MAX = 4096
 
 
-# --------------------------------------------------------------------------- tracker
-
-
-def _check_iteration(iteration: Union[int, str]) -> Union[int, str]:
+def check_iteration(iteration: Union[int, str]) -> Union[int, str]:
+    """``iteration`` when it is an int >= 0 or ``"release"``; a CheckpointError otherwise."""
     if iteration == "release":
         return "release"
     if type(iteration) is int and iteration >= 0:
@@ -31,7 +32,7 @@ def _check_iteration(iteration: Union[int, str]) -> Union[int, str]:
 
 def iteration_dir_name(iteration: Union[int, str]) -> str:
     """Megatron's directory name: ``iter_0000100`` (7+ digits) or ``release``."""
-    it = _check_iteration(iteration)
+    it = check_iteration(iteration)
     return "release" if it == "release" else f"iter_{it:07d}"
 
 
@@ -43,14 +44,16 @@ def parse_iteration_dir_name(name: str) -> Optional[Union[int, str]]:
     return int(m.group(1)) if m else None
 
 
-def _parse_tracker(raw: bytes, path: str) -> Union[int, str]:
+def parse_tracker(raw: bytes, path: str) -> Union[int, str]:
+    """The iteration (or ``"release"``) tracker bytes ``raw`` name; garbage raises a CheckpointError
+    naming ``path``: guessing would load the wrong checkpoint."""
     try:
         text = raw.decode("ascii").strip()
     except UnicodeDecodeError:
         text = None
     if text == "release":
         return "release"
-    if text is not None and len(raw) <= _TRACKER_MAX and text.isdigit():
+    if text is not None and len(raw) <= TRACKER_MAX and text.isdigit():
         return int(text)
     shown = raw[:60].decode("ascii", "backslashreplace")
     raise CheckpointError(

@@ -1,6 +1,7 @@
-"""What every store shares: the names inside a checkpoint, the manifest size limit, URLs vs paths.
+"""What every store shares: the names inside a checkpoint, the manifest size limit, URLs vs paths,
+and the interface each store's module implements (:class:`Store`).
 
-No store's code here (no file system, no object store client): :mod:`megashard.storage.posix` and
+No store's code here (no file system, no object-store client): :mod:`megashard.storage.posix` and
 :mod:`megashard.storage.s3` both build on it.
 """
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from typing import Union
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from ..errors import CheckpointError
 
@@ -70,15 +72,63 @@ def local_path(path: PathLike) -> str:
 
 
 
+# --------------------------------------------------------------------------- the interface of a store
 
-def location(path: PathLike) -> str:
-    """A checkpoint's location: an object-store URL (checked, without a trailing slash) or
-    an absolute local path. A URL is never taken for a relative path."""
-    p = os.fspath(path)
-    if is_url(p):
-        from .s3.url import parse_url
 
-        parse_url(p)
-        return p.rstrip("/")
-    return os.path.abspath(p)
+@dataclass
+class Recovery:
+    """What :func:`megashard.storage.recover` / :func:`megashard.storage.recover_path` did: checkpoints put
+    back from an interrupted re-save's copy (``(checkpoint, copy)``) and leftovers removed (paths or URLs)."""
 
+    restored: List[Tuple[str, str]] = field(default_factory=list)
+    removed: List[str] = field(default_factory=list)
+    found: Optional[str] = None  # the complete checkpoint (for a checkpoint path)
+    root: Optional[Dict[str, Any]] = None  # the Megatron save root (save_root()), re-read after recovery
+
+
+class Store(Protocol):
+    """What one store's module provides (:mod:`megashard.storage.posix` for paths,
+    :mod:`megashard.storage.s3.checkpoint` for ``s3://`` and ``msc://``): :mod:`megashard.storage`
+    picks the module by location and calls only these. Every function takes a location as the
+    user gave it (a path, or a URL of this store) and normalises it itself."""
+
+    def location(self, path: PathLike) -> str:
+        """The location normalised: an absolute path, or the URL checked, without a trailing slash."""
+
+    def locate(self, path: PathLike) -> Optional[str]:
+        """Where the complete checkpoint called ``path`` is (read-only), or None."""
+
+    def is_checkpoint(self, path: PathLike) -> bool:
+        """``path`` holds a committed megashard checkpoint."""
+
+    def checkpoint_location(self, path: PathLike) -> str:
+        """:meth:`locate`, or a CheckpointError that says why ``path`` is not a checkpoint."""
+
+    def why_not_checkpoint(self, path: PathLike) -> str:
+        """One line: why ``path`` is not a readable checkpoint (for error messages)."""
+
+    def recover(self, path: PathLike, older_than_s: float, into: Recovery) -> Optional[str]:
+        """Repair checkpoint ``path`` after a crash and remove dead saves' leftovers older than
+        ``older_than_s`` (recorded in ``into``); return where the checkpoint is, or None."""
+
+    def save_target(self, path: PathLike, new_only: bool = False) -> Any:
+        """The save seam of :mod:`megashard.saving` (``validate``, ``check``, ``create``,
+        ``temp_location``, ``writer``, ``write_file``, ``commit``, ``after_commit``, ``discard``)."""
+
+    def checkpoint_files(self, path: PathLike, index: Any = None) -> Any:
+        """The read seam: ``read_manifest_bytes``, ``open``, ``size``, ``read_into``, ``read_files``,
+        ``read_bytes``, ``tensor_reader``, ``path``, ``close``; ``descriptor`` where ``passes_descriptors``."""
+
+    def child(self, root: str, name: str) -> str:
+        """The location of ``name`` directly under ``root`` (a save root's ``iter_N``)."""
+
+    def iteration_names(self, root: str, kinds: Sequence[str] = ("old",)) -> List[str]:
+        """The ``iter_N`` / ``release`` names under save root ``root``, sorted (``kinds``: which
+        leftovers of a file system's interrupted saves also count)."""
+
+    def write_tracker(self, root: PathLike, text: str) -> None:
+        """Write Megatron's tracker file of save root ``root`` (readers see the old or the new)."""
+
+    def read_tracker(self, root: PathLike) -> Optional[Union[int, str]]:
+        """The iteration save root ``root``'s tracker names (:func:`megashard.saveroot.parse_tracker`),
+        or None when there is none."""

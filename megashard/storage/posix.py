@@ -1,6 +1,8 @@
-"""Checkpoint directories on disk: temp names, fsync, atomic commit, tracker, retention.
+"""The file-system store: checkpoint directories, temp names, fsync, atomic commit, recovery, retention.
 
-Pure filesystem code (no torch, no torch.distributed); the save orchestration calls it.
+Pure filesystem code (no torch, no torch.distributed); :mod:`megashard.storage` calls it for every
+location that is not a URL (the :class:`~megashard.storage.base.Store` functions), and the local
+tier, replication and ``convert`` use its directory operations directly.
 
 What a save may replace
 -----------------------
@@ -34,7 +36,7 @@ For a checkpoint whose final directory is ``<parent>/<name>/``:
    (:func:`dir_identity`).
 3. rank 0 checks that every reported file is in the temp dir with its reported size
    (:func:`check_reported_files`), writes the index with :func:`write_file_atomic` and
-   calls :func:`commit_dir` (below), then writes the tracker last (:func:`write_tracker`).
+   calls :func:`commit_dir` (below), then writes the tracker last (:func:`megashard.storage.write_tracker`).
    A save that fails removes its own temp dir.
 
 Commit (:func:`commit_dir`, lock-free; needs only POSIX ``rename`` of directories, which
@@ -62,7 +64,7 @@ Recovery rule (:func:`recover`; :func:`locate` finds the same checkpoint read-on
 * otherwise there is no checkpoint called ``<name>``.
 
 :func:`recover` then removes the leftovers of dead saves of ``<name>`` (the rule below);
-:func:`recover_path` (``megashard recover``) applies both to every iteration of a Megatron save root.
+:func:`megashard.storage.recover_path` (``megashard recover``) applies both to every iteration of a Megatron save root.
 
 Deleting a directory (:func:`remove_checkpoint`) works through descriptors: it opens the
 directory (``O_NOFOLLOW``), checks that directory, adds the deleting process's owner record
@@ -98,14 +100,13 @@ import socket
 import stat
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import CheckpointError, CommitConflictError
-from ..saveroot import TRACKER_NAME
-from .base import (MANIFEST_DIGEST_NAME, MANIFEST_NAME, PathLike, check_member_name, is_url, local_path, location,
-                   max_manifest_bytes)
-from .ownership import DEFAULT_STALE_AGE_S, OWNER_NAME, _host_identity, _owner_alive, _read_small, _write_owner
+from ..saveroot import TRACKER_MAX, TRACKER_NAME, iteration_dir_name, parse_iteration_dir_name, parse_tracker
+from .base import (MANIFEST_DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, check_member_name, is_url, local_path,
+                   manifest_digest, max_manifest_bytes)
+from .ownership import DEFAULT_STALE_AGE_S, OWNER_NAME, host_identity, owner_alive, read_small, why_kept, write_owner
 
 logger = logging.getLogger(__name__)
 
@@ -383,7 +384,7 @@ def make_temp_dir(final_dir: PathLike, token: str) -> str:
         raise CheckpointError(f"{tmp} already exists: another save uses the token {token!r}") from None
     dfd = _open_dir(tmp)
     try:
-        _write_owner(dfd)
+        write_owner(dfd)
     finally:
         os.close(dfd)
     fsync_path(tmp)
@@ -424,7 +425,7 @@ def dir_identity(path: PathLike) -> List[Any]:
     """``[machine, st_dev, st_ino]`` of a directory: equal on two ranks of one machine (and
     mount namespace) iff they see the same directory."""
     st = os.stat(path)
-    ident = _host_identity()
+    ident = host_identity()
     return [f"{ident['host']}/{ident['boot_id']}/{ident['mntns']}", st.st_dev, st.st_ino]
 
 
@@ -541,10 +542,6 @@ def is_checkpoint(path: PathLike) -> bool:
     Parsing (not just stat) guards against manifests damaged after the fact and a user's own
     ``manifest.json``; the commit protocol itself never exposes a partial manifest.
     """
-    if is_url(path):
-        from .s3 import checkpoint as objck
-
-        return objck.locate(os.fspath(path)) is not None
     try:
         dfd = _open_dir(path, follow=True)
     except OSError:
@@ -677,7 +674,7 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
     m = _AUX_RE.match(base)
     if not (m and m.group("kind") == "del"):
         try:  # names who deletes it, so a clean-up leaves a deletion still running and ends a dead one's
-            _write_owner(dfd)
+            write_owner(dfd)
         except FileExistsError:
             pass  # a save's temp dir: its save owns it (the save discarding it, or a dead one)
         except OSError as e:  # a clean-up then goes by age
@@ -870,12 +867,12 @@ def _put_back(old: str, final: str) -> None:
 def _drop_superseded(olds: List[str], final: str) -> None:
     """After a failed commit: this save's moved-aside copies are garbage once ``final`` is a
     checkpoint again (another save's); otherwise they stay for :func:`recover`."""
-    if olds and _has_manifest(final):
+    if olds and has_manifest(final):
         for old in olds:
             remove_checkpoint(old, check=replace_problem_at)
 
 
-def _has_manifest(path: str) -> bool:
+def has_manifest(path: str) -> bool:
     """``path`` holds a regular ``manifest.json`` (opened safely; not parsed)."""
     if not os.path.isdir(path):
         return False
@@ -887,6 +884,19 @@ def _has_manifest(path: str) -> bool:
     return True
 
 
+def refuse_object_layout(head: bytes, base: str) -> None:
+    """A head naming a save prefix in a directory: objects of an object store's checkpoint
+    copied as plain files (its files are one directory down, its index unreadable here)."""
+    from ..manifest import parse_head  # one definition; imported late (storage stays torch-free)
+
+    prefix = parse_head(head, os.path.join(base, MANIFEST_NAME)).get("data_prefix")
+    if prefix is not None:
+        raise CheckpointError(
+            f"{base}: its {MANIFEST_NAME} names the object-store save prefix {str(prefix)[:80]!r}: the objects "
+            "of an s3:// checkpoint copied as plain files (e.g. `aws s3 cp --recursive`), which is not a checkpoint "
+            "on a file system. Copy it with `megashard copy s3://BUCKET/PREFIX DIR` instead")
+
+
 def locate(final_dir: PathLike) -> Optional[str]:
     """Where the complete checkpoint called ``final_dir`` is, without changing anything.
 
@@ -896,17 +906,13 @@ def locate(final_dir: PathLike) -> Optional[str]:
     loading or inspecting never renames or deletes. A commit running meanwhile moves
     ``final_dir`` aside and back in: looking again then finds it.
     """
-    if is_url(final_dir):
-        from .s3 import checkpoint as objck
-
-        return objck.locate(os.fspath(final_dir))
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
     # A commit running meanwhile renames <name> and its copies: a look may miss both (a
     # listing can skip an entry renamed during it), so only three looks that find nothing
     # mean there is nothing.
     for look in range(3):
-        if _has_manifest(final):
+        if has_manifest(final):
             return final  # parsed (once) by the caller, which reports damage precisely
         if not os.path.lexists(final):
             candidates = _newest_first([o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)])
@@ -931,11 +937,6 @@ def _newest_first(checkpoints: List[str]) -> List[str]:
 def checkpoint_location(checkpoint_dir: PathLike) -> str:
     """The directory that holds the complete checkpoint ``checkpoint_dir`` (read-only: an
     interrupted re-save's ``.old-*`` copy is read in place, never renamed)."""
-    if is_url(checkpoint_dir):
-        found = locate(location(checkpoint_dir))
-        if found is None:
-            raise CheckpointError(f"{checkpoint_dir} is not a megashard checkpoint ({why_not_checkpoint(checkpoint_dir)})")
-        return found
     path = local_path(checkpoint_dir)
     found = locate(path)
     if found is None:
@@ -958,7 +959,7 @@ def foreign_format(path: PathLike) -> Optional[str]:
     if is_url(path):
         return None
     path = os.fspath(path)
-    meta = _read_small(os.path.join(path, "metadata.json"), 1 << 16)
+    meta = read_small(os.path.join(path, "metadata.json"), 1 << 16)
     if meta is not None:
         try:
             doc = json.loads(meta)
@@ -987,10 +988,6 @@ def foreign_hint(path: PathLike, fmt: Optional[str] = None) -> Optional[str]:
 
 def why_not_checkpoint(path: PathLike) -> str:
     """A one-line reason why ``path`` is not a readable checkpoint (for error messages)."""
-    if is_url(path):
-        from .s3 import checkpoint as objck
-
-        return objck.why_not_checkpoint(os.fspath(path))
     path = os.fspath(path)
     if not os.path.isdir(path):
         return f"{path} does not exist or is not a directory"
@@ -1008,8 +1005,7 @@ def why_not_checkpoint(path: PathLike) -> str:
     return f"{path} is a checkpoint"
 
 
-def recover(final_dir: PathLike, older_than_s: Optional[float] = None,
-            into: Optional["Recovery"] = None) -> Optional[str]:
+def recover(final_dir: PathLike, older_than_s: float, into: Recovery) -> Optional[str]:
     """Apply the recovery rule; return the path of the complete checkpoint, or None.
 
     The one function that repairs a checkpoint's directory (``megashard recover DIR``);
@@ -1021,22 +1017,13 @@ def recover(final_dir: PathLike, older_than_s: Optional[float] = None,
     save's commit applies; ``older_than_s`` as there). ``into`` records what it restored
     and removed.
     """
-    into = into if into is not None else Recovery()
-    age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
-    if is_url(final_dir):
-        from .s3 import checkpoint as objck
-
-        for gone in objck.cleanup(location(final_dir), older_than_s=age):
-            logger.warning("removed %s", gone)
-            into.removed.append(gone)
-        return objck.locate(location(final_dir))
     parent, name = _split_final(final_dir)
     found = _recover_local(parent, name, into)
-    into.removed.extend(cleanup_stale_temps(parent, name, older_than_s=age))
+    into.removed.extend(cleanup_stale_temps(parent, name, older_than_s=older_than_s))
     return found
 
 
-def _recover_local(parent: str, name: str, into: "Recovery") -> Optional[str]:
+def _recover_local(parent: str, name: str, into: Recovery) -> Optional[str]:
     final = os.path.join(parent, name)
     olds = _aux_dirs(parent, name, "old")  # listed before <name> is checked (see above)
     if is_checkpoint(final):
@@ -1065,18 +1052,6 @@ def _recover_local(parent: str, name: str, into: "Recovery") -> Optional[str]:
     into.restored.append((final, best))
     into.removed.extend(_remove_superseded([o for o in olds if o != best]))
     return final
-
-
-@dataclass
-class Recovery:
-    """What :func:`recover` / :func:`recover_path` did: checkpoints put back from an interrupted
-    re-save's copy (``(checkpoint, copy)``) and leftovers removed (paths or URLs)."""
-
-    restored: List[Tuple[str, str]] = field(default_factory=list)
-    removed: List[str] = field(default_factory=list)
-    found: Optional[str] = None  # the complete checkpoint (for a checkpoint path)
-    root: Optional[Dict[str, Any]] = None  # the Megatron save root (save_root()), re-read after recovery
-
 
 
 def _remove_superseded(olds: List[str]) -> List[str]:
@@ -1121,22 +1096,15 @@ def _members_only(dfd: int) -> bool:
 
 
 def _abandoned(older_than_s: float) -> RemoveCheck:
-    """The owner rule of a save's temp dir and of a deletion's ``.del-*`` directory, as a
-    :data:`RemoveCheck`: removable when its owner record names a process of this machine that
-    is gone, or (no record of this machine) when it holds only megashard's names and nothing
-    in it changed for ``older_than_s``."""
+    """The owner rule (:func:`~megashard.storage.ownership.why_kept`) of a save's temp dir and of a
+    deletion's ``.del-*`` directory, as a :data:`RemoveCheck`: removable when its owner record names a
+    process of this machine that is gone, or (no record of this machine) when it holds only
+    megashard's names and nothing in it changed for ``older_than_s``."""
     now = time.time()
 
     def check(dfd: int, where: str) -> Optional[str]:
-        alive = _owner_alive(dfd)
-        if alive:
-            return "its owner still runs"
-        if alive is None:
-            if not _members_only(dfd):
-                return "it has no owner record of this machine and holds names megashard does not write"
-            if now - _newest_mtime(dfd) < older_than_s:
-                return f"it has no owner record of this machine and changed within {older_than_s:.0f} s"
-        return None
+        return why_kept(owner_alive(dfd), functools.partial(_members_only, dfd),
+                        functools.partial(_newest_mtime, dfd), older_than_s, now)
 
     return check
 
@@ -1201,7 +1169,135 @@ def cleanup_stale_temps(
 
 
 
+# --------------------------------------------------------------------------- save roots, tracker, retention
+
+
+def location(path: PathLike) -> str:
+    """A local checkpoint's location: the path made absolute."""
+    return os.path.abspath(os.fspath(path))
+
+
+def child(root: str, name: str) -> str:
+    return os.path.join(root, name)
+
+
+def iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> List[str]:
+    """``iter_N`` / ``release`` names in local directory ``root``, also those only present as
+    ``.<name>.<kind>-*`` entries of the given kinds; sorted."""
+    try:
+        entries = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    names = set()
+    for e in entries:
+        m = _AUX_RE.match(e)
+        n = m.group("name") if m and m.group("kind") in kinds else e
+        if parse_iteration_dir_name(n) is not None:
+            names.add(n)
+    return sorted(names)
+
+
+def leftover_kind(path: str) -> str:
+    """What a path :func:`megashard.storage.recover_path` removed was, in words (for its report)."""
+    m = _AUX_RE.match(os.path.basename(path.rstrip("/")))
+    kind = m.group("kind") if m else None
+    if kind == "old":
+        return "a copy an interrupted re-save left, superseded by the checkpoint"
+    if kind == "del":
+        return "an interrupted deletion"
+    if kind == "tmp" and not os.path.basename(path).startswith(f".{TRACKER_NAME}."):
+        return "a save that is no longer running left it"
+    return "left by a save that did not finish"
+
+
+def write_tracker(save_root: PathLike, text: str) -> None:
+    """Megatron's tracker file in directory ``save_root`` (created), written atomically."""
+    os.makedirs(save_root, exist_ok=True)
+    write_file_atomic(os.path.join(os.fspath(save_root), TRACKER_NAME), text)
+
+
+def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
+    """The iteration the tracker file in directory ``load_root`` names (:func:`~megashard.saveroot.parse_tracker`),
+    or None when there is none."""
+    path = os.path.join(os.fspath(load_root), TRACKER_NAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TRACKER_MAX + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CheckpointError(f"cannot read tracker file {path}: {e}") from e
+    return parse_tracker(raw, path)
+
+
+def apply_retention(
+    save_root: PathLike, keep_last: int, protect: Iterable[str] = ()
+) -> List[str]:
+    """Delete the oldest ``iter_*`` checkpoints beyond the newest ``keep_last``.
+
+    Never deletes the checkpoint the tracker names, nor any in ``protect`` (directory
+    names or paths), nor directories that are not checkpoints or hold files megashard
+    did not write (not ours to judge).
+    A garbage tracker raises CheckpointError rather than risk deleting the latest.
+    Returns the deleted paths, oldest first.
+    """
+    if type(keep_last) is not int or keep_last < 0:
+        raise CheckpointError(f"keep_last must be an int >= 0, got {keep_last!r}")
+    root = os.path.abspath(os.fspath(save_root))
+    protected = set()
+    for p in protect:
+        p = os.fspath(p)
+        protected.add(os.path.basename(os.path.normpath(p)))
+    tracked = read_tracker(root)
+    if tracked is not None:
+        protected.add(iteration_dir_name(tracked))
+
+    found: List[Tuple[int, str]] = []
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        it = parse_iteration_dir_name(e)
+        if isinstance(it, int) and is_checkpoint(os.path.join(root, e)):
+            why = replace_problem(os.path.join(root, e))
+            if why is not None:
+                logger.warning("retention: keeping %s: %s", os.path.join(root, e), why)
+                continue
+            found.append((it, e))
+    found.sort()
+    doomed = found[: max(0, len(found) - keep_last)]
+    deleted: List[str] = []
+    for _, e in doomed:
+        if e in protected:
+            continue
+        p = os.path.join(root, e)
+        olds = _aux_dirs(root, e, "old")
+        why = remove_checkpoint(p, check=replace_problem_at)
+        if why is not None:
+            logger.warning("retention: keeping %s: %s", p, why)
+            continue
+        _remove_superseded(olds)
+        logger.info("retention: deleted %s", p)
+        deleted.append(p)
+    if deleted:
+        fsync_path(root)
+    return deleted
+
+
 # --------------------------------------------------------------------------- the save seam
+
+
+def write_index(directory: str, head: bytes, sections: bytes) -> int:
+    """Write an index (see :class:`~megashard.manifest.IndexBuilder`) into ``directory``:
+    sections first, then the digest, then the head (a checkpoint is one once its head
+    exists). Returns the bytes written."""
+    from ..manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
+
+    write_file_atomic(os.path.join(directory, INDEX_NAME), sections)
+    write_file_atomic(os.path.join(directory, MANIFEST_DIGEST_NAME), manifest_digest(head))
+    write_file_atomic(os.path.join(directory, MANIFEST_NAME), head)
+    return len(head) + len(sections)
 
 
 class DirectorySave:
@@ -1242,8 +1338,6 @@ class DirectorySave:
 
     def commit(self, token: str, files: Mapping[int, Mapping[str, Mapping[str, Any]]],
                where: Mapping[int, Any], head: bytes, sections: bytes) -> None:
-        from ..index import write_index
-
         tmp = temp_dir_name(self.final, token)
         check_reported_files(tmp, {r: {n: f["bytes"] for n, f in fs.items()} for r, fs in files.items()}, where)
         write_index(tmp, head, sections)
@@ -1268,24 +1362,12 @@ class DirectorySave:
         remove_checkpoint(created)
 
 
-def save_target(checkpoint_dir: PathLike, new_only: bool = False) -> Any:
-    """The save seam for ``checkpoint_dir``: a directory, or an object-store URL. ``new_only``:
-    the commit creates it or fails (CommitConflictError), never replacing what is there."""
-    p = os.fspath(checkpoint_dir)
-    if is_url(p):
-        from .s3.checkpoint import ObjectSave
-
-        return ObjectSave(p, new_only)
-    return DirectorySave(p, new_only)
+def save_target(checkpoint_dir: PathLike, new_only: bool = False) -> DirectorySave:
+    """The save seam for directory ``checkpoint_dir``."""
+    return DirectorySave(checkpoint_dir, new_only)
 
 
-def checkpoint_files(base: PathLike, index: Any = None) -> Any:
-    """The files object a load reads members through (``read_into``; ``descriptor`` where
-    ``passes_descriptors``): :class:`CheckpointFiles` of a directory, or the object-store
-    equivalent of a URL (``index``: the checkpoint's index, whose ETags pin every read)."""
-    p = os.fspath(base)
-    if is_url(p):
-        from .s3.checkpoint import ObjectCheckpointFiles
-
-        return ObjectCheckpointFiles(p, index)
-    return CheckpointFiles(p)
+def checkpoint_files(base: PathLike, index: Any = None) -> CheckpointFiles:
+    """The files object a load reads the checkpoint in directory ``base`` through (``index``: unused
+    here; an object store pins its reads to the ETags it records)."""
+    return CheckpointFiles(base)
