@@ -139,7 +139,8 @@ def _refused_body(rank, world, target):
     return ("saved", False, "")
 
 
-def test_refusal_reaches_every_rank_before_anything_is_written(tmp_path):
+def test_refusal_reaches_every_rank_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "1")  # refusals wait this long for a lagging mount
     root = tmp_path / "run1"
     megatron_root(root)
     before, parent_before = tree(root), sorted(os.listdir(tmp_path))
@@ -190,8 +191,9 @@ def _different_dirs_body(rank, world, dirs):
     return out
 
 
-def test_ranks_that_do_not_share_the_directory_are_refused(tmp_path):
+def test_ranks_that_do_not_share_the_directory_are_refused(tmp_path, monkeypatch):
     """Sync and async saves; the previous checkpoint stays bit-exact, nothing is left behind."""
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "1")  # refusals wait this long for a lagging mount
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
@@ -208,7 +210,8 @@ def test_ranks_that_do_not_share_the_directory_are_refused(tmp_path):
     assert torch.equal(out["w"].data, torch.arange(64, dtype=torch.float32).reshape(8, 8) + 1.0)
 
 
-def test_commit_checks_every_reported_file(tmp_path):
+def test_commit_checks_every_reported_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "1")  # refusals wait this long for a lagging mount
     tmp = Path(storage.make_temp_dir(tmp_path / "ckpt", "tok"))
     (tmp / "m-r00000.tensors").write_bytes(b"x" * 10)
     (tmp / "m-r00001.tensors").write_bytes(b"x" * 7)
@@ -454,3 +457,49 @@ def test_convert_refuses_a_destination_inside_the_source(tmp_path, where):
     msg = str(ei.value)
     assert "inside" in msg and str(dst) in msg and str(source) in msg, msg
     assert tree(tmp_path) == before
+
+
+def test_commit_waits_for_files_a_network_filesystem_shows_late(tmp_path, monkeypatch):
+    """A shared mount whose metadata cache lags (``weed mount``, NFS attribute caches) shows rank 0 a
+    file another node wrote only after a moment: the commit check waits for it (bounded by
+    ``MEGASHARD_FS_WAIT_S``) instead of refusing a good save; a file that never appears still fails."""
+    import threading
+
+    tmp = Path(storage.make_temp_dir(tmp_path / "ckpt", "tok"))
+    (tmp / "m-r00000.tensors").write_bytes(b"x" * 10)
+    late = tmp / "m-r00001.tensors"
+
+    def arrive() -> None:
+        late.write_bytes(b"y" * 3)          # written short first: the size is not final yet either
+        time.sleep(0.3)
+        with open(late, "ab") as f:
+            f.write(b"y" * 5)
+
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "5")
+    t = threading.Timer(0.3, arrive)
+    t.start()
+    try:
+        storage.check_reported_files(tmp, {0: {"m-r00000.tensors": 10}, 1: {"m-r00001.tensors": 8}})
+    finally:
+        t.join()
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.5")
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"rank\(s\) 2 .*m-r00002.tensors \(missing here"):
+        storage.check_reported_files(tmp, {0: {"m-r00000.tensors": 10}, 2: {"m-r00002.tensors": 4}})
+    assert 0.5 <= time.monotonic() - t0 < 5
+
+
+def test_a_rank_waits_for_the_temp_dir_a_network_filesystem_shows_late(tmp_path, monkeypatch):
+    """The temp dir rank 0 created appears late on another node's mount: the joining rank waits for
+    it within ``MEGASHARD_FS_WAIT_S``."""
+    import threading
+
+    final = tmp_path / "ckpt"
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "5")
+    t = threading.Timer(1.5, lambda: storage.make_temp_dir(final, "tok"))
+    t.start()
+    try:
+        got = storage.join_temp_dir(final, "tok")
+    finally:
+        t.join()
+    assert got == storage.temp_dir_name(final, "tok") and os.path.isdir(got)

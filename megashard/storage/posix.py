@@ -392,27 +392,51 @@ def make_temp_dir(final_dir: PathLike, token: str) -> str:
     return tmp
 
 
-#: How long a rank waits for rank 0's temp dir to appear (a cache of a network filesystem).
-JOIN_WAIT_S = 1.0
+#: How long a rank waits, by default, for what another node wrote to show in its view of a shared
+#: filesystem (a mount whose metadata cache lags: ``weed mount``, NFS attribute caches). Only a save
+#: that is about to be refused waits this long.
+FS_WAIT_S = 10.0
 
 
-def join_temp_dir(final_dir: PathLike, token: str, wait_s: float = JOIN_WAIT_S) -> str:
+def fs_wait_s() -> float:
+    """The wait for another node's writes to show (``MEGASHARD_FS_WAIT_S``, else :data:`FS_WAIT_S`)."""
+    raw = os.environ.get("MEGASHARD_FS_WAIT_S", "")
+    try:
+        return max(0.0, float(raw)) if raw else FS_WAIT_S
+    except ValueError:
+        raise CheckpointError(f"MEGASHARD_FS_WAIT_S={raw!r} is not a number of seconds; unset it or give one, e.g. 10") from None
+
+
+def _poll(ready: Callable[[], bool], wait_s: float) -> bool:
+    """Call ``ready`` until it is true or ``wait_s`` has passed (polling 50 ms, backing off to 0.5 s)."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.05
+    while True:
+        if ready():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.5)
+
+
+def join_temp_dir(final_dir: PathLike, token: str, wait_s: Optional[float] = None) -> str:
     """The temp dir rank 0 created for this save, as this rank sees it (never created here).
 
-    Not finding it means this rank's ``final_dir`` is another directory than rank 0's:
-    the save is refused (a commit would lack this rank's files).
+    Not finding it within ``wait_s`` (default :func:`fs_wait_s`) means this rank's ``final_dir``
+    is another directory than rank 0's: the save is refused (a commit would lack this rank's files).
     """
     tmp = temp_dir_name(final_dir, token)
-    deadline = time.monotonic() + wait_s
-    while True:
+
+    def there() -> bool:
         try:
-            if stat.S_ISDIR(os.stat(tmp).st_mode):
-                return tmp
+            return stat.S_ISDIR(os.stat(tmp).st_mode)
         except FileNotFoundError:
-            pass
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
+            return False
+
+    if _poll(there, fs_wait_s() if wait_s is None else wait_s):
+        return tmp
     raise CheckpointError(
         f"{tmp}: the temporary directory rank 0 created for this save is not here; "
         f"{os.fspath(final_dir)} on this host ({socket.gethostname()}) is another directory than on rank 0 "
@@ -460,19 +484,28 @@ def check_reported_files(temp_dir: PathLike, files: Mapping[int, Mapping[str, in
             return f"{name} ({st.st_size} bytes here, {size} bytes written)"
         return None
 
-    try:
-        if len(wanted) > 256:  # one stat per rank's file: in parallel on a network filesystem
+    def problems(items: List[Tuple[int, str, int]]) -> List[Tuple[Tuple[int, str, int], str]]:
+        if len(items) > 256:  # one stat per rank's file: in parallel on a network filesystem
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(32) as pool:
-                found = list(pool.map(problem, wanted))
+                found = list(pool.map(problem, items))
         else:
-            found = [problem(w) for w in wanted]
+            found = [problem(w) for w in items]
+        return [(w, why) for w, why in zip(items, found) if why is not None]
+
+    try:
+        left = problems(wanted)
+        if left and not bad:  # another node's files may show late on a shared mount: wait for them
+            def settled() -> bool:
+                left[:] = problems([w for w, _ in left])
+                return not left
+
+            _poll(settled, fs_wait_s())
     finally:
         os.close(dfd)
-    for (r, _name, _size), why in zip(wanted, found):
-        if why is not None:
-            bad.setdefault(r, []).append(why)
+    for (r, _name, _size), why in left:
+        bad.setdefault(r, []).append(why)
     if bad:
         order = sorted(bad)
         ranks = ", ".join(str(r) for r in order[:20]) + (f", ... ({len(order)} ranks)" if len(order) > 20 else "")
