@@ -80,11 +80,7 @@ class CopyResult:
 
 
 def _join(root: str, name: str) -> str:
-    if storage.is_url(root):
-        from .storage.s3.url import child
-
-        return child(root, name)
-    return os.path.join(root, name)
+    return storage.store(root).child(root, name)
 
 
 def _iterations(root: str) -> List[Iteration]:
