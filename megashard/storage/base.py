@@ -14,13 +14,13 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from ..errors import CheckpointError
 
-MANIFEST_NAME = "manifest.json"
-
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-# --------------------------------------------------------------------------- reading safely
+# --------------------------------------------------------------------------- names inside a checkpoint
 
+#: The head of a checkpoint's index (``manifest.index`` holds the sections it points to).
+MANIFEST_NAME = "manifest.json"
 #: Written beside the manifest: the SHA-256 (hex) of ``manifest.json``'s bytes.
 MANIFEST_DIGEST_NAME = "manifest.sha256"
 DEFAULT_MAX_MANIFEST_BYTES = 1 << 30
@@ -46,11 +46,12 @@ def check_member_name(name: object, where: str) -> str:
 
 
 def manifest_digest(text: Union[str, bytes]) -> str:
+    """What ``manifest.sha256`` holds for a head: its SHA-256 in hex and a newline."""
     data = text.encode() if isinstance(text, str) else text
     return hashlib.sha256(data).hexdigest() + "\n"
 
 
-# --------------------------------------------------------------------------- naming
+# --------------------------------------------------------------------------- a URL or a path
 
 _URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
