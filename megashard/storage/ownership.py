@@ -18,11 +18,9 @@ from typing import Any, Callable, Dict, Optional
 
 from .. import procinfo
 
-# --------------------------------------------------------------------------- ownership
-
 #: The owner record inside a save's temp dir (removed right after the commit renames it).
 OWNER_NAME = ".megashard-owner.json"
-#: How long a temp dir that cannot be proven abandoned must sit unchanged before removal.
+#: How long a leftover that cannot be proven abandoned must sit unchanged before removal.
 DEFAULT_STALE_AGE_S = 24 * 3600.0
 
 
