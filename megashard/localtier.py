@@ -14,9 +14,10 @@ Layout under the directory the user names (``--non-persistent-local-ckpt-dir DIR
 
 ``<layout>`` names the world size and parallel layout that saved it (``w16-tp2-pp2-ep1-vp1``): a
 job restarted with another layout finds no version of its own and falls back to the persistent
-checkpoint instead of reading bytes laid out for other ranks. A rank's directory is created
-``0700`` and its files are made ``0600``; at most :data:`KEEP` versions are kept per rank, the
-oldest removed by the save that commits a newer one (:func:`after_commit`). A version is
+checkpoint instead of reading bytes laid out for other ranks (the line saying why names the change:
+:func:`layout_changed`). A rank's directory is created ``0700`` and its files are made ``0600``; at
+most :data:`KEEP` versions are kept per rank, the oldest removed by the save that commits a newer one
+(:func:`after_commit`). A version is
 complete iff it is a committed megashard checkpoint (:func:`megashard.storage.is_checkpoint`):
 a save killed mid-write leaves only a ``.iter_N.tmp-*`` directory, never a version.
 """
@@ -94,15 +95,55 @@ def complete_replica_iterations(root: Optional[str], layout: str, source: int) -
     return complete_in(replica_dir(root, layout, source))
 
 
-def complete_in(d: str) -> List[int]:
-    """The iterations with a committed megashard checkpoint ``iter_N`` in directory ``d``."""
+def _listdir(d: str) -> List[str]:
     try:
-        names = os.listdir(d)
+        return os.listdir(d)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def complete_in(d: str) -> List[int]:
+    """The iterations with a committed megashard checkpoint ``iter_N`` in directory ``d``."""
+    names = _listdir(d)
     its = [storage.parse_iteration_dir_name(n) for n in names]
     return sorted(it for it, n in zip(its, names)
                   if isinstance(it, int) and storage.is_checkpoint(os.path.join(d, n)))
+
+
+def other_layouts(root: Optional[str], layout: str) -> Dict[str, int]:
+    """{layout name: newest iteration} of the complete versions (own or replicas) this node holds under
+    layouts other than ``layout``: what a job whose world size or parallel layout changed cannot
+    use, named in the line saying why it falls back (read-only)."""
+    if not root:
+        return {}
+    base = os.path.abspath(root)
+    out: Dict[str, int] = {}
+    for name in sorted(_listdir(base)):
+        if not name.startswith(PREFIX) or name == PREFIX + layout:
+            continue
+        d, held = os.path.join(base, name), os.path.join(base, name, REPLICAS)
+        subs = [os.path.join(d, n) for n in _listdir(d) if n != REPLICAS]
+        subs += [os.path.join(held, n) for n in _listdir(held)]
+        its = [it for sub in subs for it in complete_in(sub)]
+        if its:
+            out[name[len(PREFIX):]] = max(its)
+    return out
+
+
+def layout_changed(others: Sequence[Mapping[str, int]], layout: str, persistent: int) -> Optional[str]:
+    """Why a job finds no usable version in its own ``layout`` while the ranks' nodes hold newer
+    ones than ``persistent`` under another (``others``: each rank's :func:`other_layouts`), or None.
+    Versions are one rank's bytes in the layout that saved them: they are not resharded."""
+    newest: Dict[str, int] = {}
+    for o in others:
+        for name, it in o.items():
+            newest[name] = max(newest.get(name, -1), int(it))
+    newer = {n: it for n, it in newest.items() if it > persistent}
+    if not newer:
+        return None
+    old = max(newer, key=lambda n: (newer[n], n))
+    return (f"layout changed from {old} (local iteration {newer[old]}) to {layout}: local versions are "
+            f"not resharded")
 
 
 def after_commit(root: str, layout: str, rank: int, iteration: int) -> List[str]:

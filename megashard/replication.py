@@ -294,7 +294,7 @@ class Replicator:
         self.rank = comm.rank
         self.group = replica_group(comm.rank, comm.world_size, self.jump, self.factor)
         self.peers = [p for p in self.group if p != comm.rank]
-        self.side = Comm(side_group())
+        self.side = Comm(side_group(), timeout=comm.timeout)  # the job's, not the side group's 30 min
         check_peers(comm, self.side, self.group, self.jump)
         self.thread: Optional[threading.Thread] = None
         self.broken: Optional[str] = None
@@ -351,10 +351,12 @@ class Replicator:
 # --------------------------------------------------------------------------------------
 # restart
 # --------------------------------------------------------------------------------------
-def decide(reports: List[Dict[str, Any]], persistent: int) -> List[Dict[str, Any]]:
+def decide(reports: List[Dict[str, Any]], persistent: int, layout: str) -> List[Dict[str, Any]]:
     """Rank 0: from each rank's report (``own``: complete iterations; ``replicas``: {source rank:
-    complete iterations this rank holds replicas of}), the iteration every rank resumes from and who
-    sends whom its version; one reply per rank."""
+    complete iterations this rank holds replicas of}; ``other``: :func:`localtier.other_layouts`),
+    the iteration every rank resumes from and who sends whom its version; one reply per rank.
+    None, with why, when no iteration is complete for every rank in this job's ``layout`` (a
+    changed layout is named: versions of another are not resharded)."""
     world = len(reports)
     holders: Dict[int, Dict[int, List[int]]] = {}  # source -> iteration -> holder ranks
     for h, rep in enumerate(reports):
@@ -366,6 +368,7 @@ def decide(reports: List[Dict[str, Any]], persistent: int) -> List[Dict[str, Any
     available = [sorted(set(rep["own"]) | set(holders.get(r, {}))) for r, rep in enumerate(reports)]
     it, why = localtier.choose(available, persistent)
     if it is None:
+        why = localtier.layout_changed([rep.get("other") or {} for rep in reports], layout, persistent) or why
         return [{"iteration": None, "why": why}] * world
     fetch = {r: min(holders[r][it]) for r, rep in enumerate(reports) if it not in rep["own"]}
     serve: Dict[int, List[int]] = {}
@@ -383,7 +386,8 @@ def resolve(comm: Comm, root: str, layout: str, persistent: int,
     replicas it holds of its replica group's ranks; rank 0 picks the newest iteration complete for
     every rank (own or replica) newer than ``persistent``; each rank missing its own copy then gets
     it from a rank holding the replica (over the side group) into its own directory. On return
-    every rank holds its own committed version of the iteration (or the job falls back: None)."""
+    every rank holds its own committed version of the iteration (or the job falls back: None).
+    Versions saved in another world size or parallel layout are never used (why names the change)."""
     group: List[int] = []
     if replication is not None and replication[1] > 1:
         group = replica_group(comm.rank, comm.world_size, resolve_jump(replication[0]), int(replication[1]))
@@ -391,18 +395,19 @@ def resolve(comm: Comm, root: str, layout: str, persistent: int,
     def report() -> Dict[str, Any]:
         return {"own": localtier.complete_iterations(root, layout, comm.rank),
                 "replicas": {str(s): localtier.complete_replica_iterations(root, layout, s)
-                             for s in group if s != comm.rank}}
+                             for s in group if s != comm.rank},
+                "other": localtier.other_layouts(root, layout)}
 
     rep, err = comm.run("load/local", report)
     reply = comm.coordinate("load (local checkpoint lookup)", err, rep,
-                            lambda reports: decide(reports, persistent))
+                            lambda reports: decide(reports, persistent, layout))
     it = reply["iteration"]
     if it is None or not group:
         return it, reply["why"]
     # collective on every rank (same answer everywhere): whether anyone needs a peer's replica
     if not comm.all_reduce_max(1 if reply["fetch_from"] is not None or reply["serve"] else 0):
         return it, ""
-    side = Comm(side_group())
+    side = Comm(side_group(), timeout=comm.timeout)
     t0 = time.perf_counter()
 
     def fetch() -> None:

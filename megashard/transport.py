@@ -81,8 +81,11 @@ class Comm:
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
-            raise DistributedError({self.rank: f"{what}: a peer rank failed or exited "
-                                    f"({type(e).__name__}: {str(e)[:300]})"}, what) from None
+            # gloo raises on its timeout ("Timed out waiting 3000ms for ..."), NCCL returns False
+            why = (f"no answer within {self.timeout:.0f} s (a peer rank died or hangs)"
+                   if "timed out" in str(e).lower() else "a peer rank failed or exited")
+            raise DistributedError({self.rank: f"{what}: {why} ({type(e).__name__}: {str(e)[:300]})"},
+                                   what) from None
         if ok is False:
             raise DistributedError({self.rank: f"{what}: no answer within {self.timeout:.0f} s "
                                     "(a peer rank died or hangs)"}, what)

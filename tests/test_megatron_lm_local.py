@@ -6,7 +6,8 @@ Each rank is its own node (``MEGASHARD_NODE_ID``) with its own local directory. 
 step 7 (persistent save at 4, local saves every step, each replicated to the other node) resumes with
 node 1's local directory emptied: rank 1's version of 6 comes from node 0's replica; with both
 nodes' directories emptied, the same killed run falls back to the persistent checkpoint at 4; both
-reach the same state at step 8, bit for bit.
+reach the same state at step 8, bit for bit. Restarted with TP=1, the TP=2 versions are not resharded:
+one line names the layout change and the job loads the persistent checkpoint at 4.
 """
 from __future__ import annotations
 
@@ -85,6 +86,19 @@ def test_resume_from_local_tier_and_peer_replica_after_sigkill_then_fallback(mlm
     assert re.search(r"loaded local checkpoint \S+rank0000\d/iter_0000006 at iteration 6 "
                      r"\(optimizer loaded, rng loaded\)", resumed.output), resumed.output[-3000:]
     assert sorted(losses) == [7, 8]
+
+    # restarted with another layout (TP=1, the same 2 nodes, their versions of 5 and 6 kept): the versions
+    # hold TP=2 shards and are not resharded; one line on rank 0 says so, the job loads --save at 4
+    shutil.rmtree(nodes)
+    shutil.copytree(keep, nodes)
+    moved, moved_losses = mlm(mlm_tree, [*local_args(tmp_path / "d", load=save), "--tensor-model-parallel-size", "1"],
+                              env=env)
+    line = (f"local checkpoint tier local/megashard-w2-tp1-pp1-ep1-vp1: layout changed from w2-tp2-pp1-ep1-vp1 "
+            f"(local iteration 6) to w2-tp1-pp1-ep1-vp1: local versions are not resharded; loading --load {save} "
+            f"at iteration 4")
+    assert moved.output.count("layout changed from") == 1 and line in moved.output, moved.output[-3000:]
+    # (the RNG state is ignored after a change of (TP, PP), as Megatron does)
+    assert "at iteration 4 (optimizer loaded, rng not loaded)" in moved.output and sorted(moved_losses) == [5, 6, 7, 8]
 
     shutil.rmtree(nodes)  # both nodes' local copies lost
     shutil.copytree(keep, nodes)

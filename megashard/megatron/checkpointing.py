@@ -481,9 +481,11 @@ def resolve_local(args: Any, ddp_model: Any, persistent: LoadTarget) -> Optional
     before = persistent.iteration if persistent.checkpoint and not persistent.release else -1
     iteration, why = replication.resolve(comm, root, name, before, _replication(args))
     if iteration is None:
-        if comm.rank == 0:
-            log.info("local checkpoint tier %s: %s; loading --load %s", os.path.join(root, localtier.PREFIX + name),
-                     why, persistent.root)
+        if comm.rank == 0:  # the one line saying why
+            at = "" if not persistent.checkpoint else " (release)" if persistent.release else \
+                f" at iteration {persistent.iteration}"
+            log.info("local checkpoint tier %s: %s; loading --load %s%s", os.path.join(root, localtier.PREFIX + name),
+                     why, persistent.root, at)
         return None
     return localtier.version_dir(root, name, comm.rank, iteration), int(iteration)
 
