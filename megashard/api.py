@@ -1,18 +1,16 @@
 """The public entry points, re-exported from the modules that implement them.
 
 ``save`` (:mod:`megashard.saving`), ``load`` / ``load_common`` (:mod:`megashard.loading`),
-``read_manifest`` (:mod:`megashard.index`), and the checkpoint-directory checks of
-:mod:`megashard.storage`.
+and ``read_manifest`` and the checkpoint-directory checks of :mod:`megashard.storage`.
 """
 from __future__ import annotations
 
 import os
 
 from . import storage
-from .index import read_manifest
 from .loading import DEFAULT_SCATTER_CHUNK, LoadStats, load, load_common
 from .saving import save
-from .storage import checkpoint_location
+from .storage import checkpoint_location, read_manifest
 
 __all__ = ["save", "load", "load_common", "read_manifest", "checkpoint_location", "is_checkpoint", "LoadStats",
            "DEFAULT_SCATTER_CHUNK"]

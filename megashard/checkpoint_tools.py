@@ -5,14 +5,14 @@ import os
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from . import jsonstate, storage
+from . import jsonstate, saveroot, storage
 from .errors import MegashardError
 from .manifest import Manifest, dtype_name
 from .plan import Box, coverage_problems, numel
 
 
 def _manifest(path: str) -> Manifest:
-    from .index import read_manifest
+    from .storage import read_manifest
 
     return read_manifest(path)
 
@@ -79,7 +79,7 @@ def _totals(path: str, m: Manifest) -> Dict[str, Any]:
     top = _top_level(m)
     iteration = top.get("iteration")
     if type(iteration) is not int:
-        iteration = storage.parse_iteration_dir_name(os.path.basename(storage.location(path)))
+        iteration = saveroot.parse_iteration_dir_name(os.path.basename(storage.location(path)))
     names = [str(k) for k in top] + [str(o).split("/", 1)[0] for o in m.objects]
     holds = {
         "model": f"{len(model_keys)} global tensors, {nbytes(model_keys)} bytes" if model_keys else None,

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any, Sequence, TextIO
 
-from . import storage
+from . import saveroot, storage
 from .errors import MegashardError
 
 
@@ -193,7 +193,7 @@ def _is_checkpoint_arg(path: str) -> bool:
 def _print_save_root(root: dict[str, Any], out: TextIO) -> None:
     its = ", ".join(str(i) for i in root["iterations"]) or "none"
     named = (f"the tracker names {root['tracker']}" if root["tracker"] is not None
-             else f"no {storage.TRACKER_NAME}")
+             else f"no {saveroot.TRACKER_NAME}")
     print(f"save root:    {root['path']}", file=out)
     print(f"iterations:   {its} ({named})", file=out)
 
@@ -396,7 +396,7 @@ def _cmd_recover(args: argparse.Namespace) -> int:
     root = rec.root
     if root is not None and root["iterations"]:
         tracked = (f"tracker names iteration {root['tracker']}" if root["tracker"] is not None
-                   else f"no {storage.TRACKER_NAME}")
+                   else f"no {saveroot.TRACKER_NAME}")
         print(f"OK: {root['path']}: save root, {tracked}; iterations {', '.join(map(str, root['iterations']))}")
         return 0
     if rec.found is None:

@@ -20,10 +20,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .index import read_manifest
 from .loading import LoadStats, _LoadWork, _plan_sharded
 from .readers import read_own, verify_delivered
-from .storage import read_location
+from .storage import read_location, read_manifest
 from .errors import CheckpointError
 from .manifest import Manifest, TensorRecord, itemsize
 from .plan import numel

@@ -59,7 +59,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from . import storage
+from . import saveroot, storage
 from .errors import CheckpointError, CommitConflictError, MegashardError
 from .consolidated import DEFAULT_BATCH_BYTES
 from .manifest import Manifest, itemsize
@@ -124,16 +124,16 @@ def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str
     if fmt is not None:
         if iteration is not None:
             raise ConvertInputError(f"{src} is a single checkpoint; --iteration applies to a Megatron save directory")
-        return src, fmt, storage.parse_iteration_dir_name(os.path.basename(src)), False
+        return src, fmt, saveroot.parse_iteration_dir_name(os.path.basename(src)), False
     tracked = storage.read_tracker(src)
     it = iteration if iteration is not None else tracked
     if it is None:
-        iters = sorted(n for n in os.listdir(src) if storage.parse_iteration_dir_name(n) is not None)
+        iters = sorted(n for n in os.listdir(src) if saveroot.parse_iteration_dir_name(n) is not None)
         if iters:
-            raise ConvertInputError(f"{src}: no {storage.TRACKER_NAME}; pass --iteration N (found {', '.join(iters[:5])})")
+            raise ConvertInputError(f"{src}: no {saveroot.TRACKER_NAME}; pass --iteration N (found {', '.join(iters[:5])})")
         raise ConvertInputError(f"{src} is not a checkpoint: no {storage.MANIFEST_NAME} (megashard), no "
                                 f"metadata.json (torch_dist), no iter_XXXXXXX subdirectories")
-    ckpt = os.path.join(src, storage.iteration_dir_name(it))
+    ckpt = os.path.join(src, saveroot.iteration_dir_name(it))
     fmt = detect_format(ckpt)
     if fmt is None:
         raise ConvertInputError(f"{ckpt}: iteration {it} is not a megashard or torch_dist checkpoint")
@@ -143,19 +143,19 @@ def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str
 def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, str, Optional[int | str], bool]:
     """SRC at an object-store URL: a megashard checkpoint (its head), or a Megatron save root whose
     tracker (or ``iteration``) names one. Only megashard checkpoints are read from a URL."""
-    from .objstore.url import child
+    from .storage.s3.url import child
 
     src = storage.location(src)  # checked; no trailing slash
     if storage.locate(src) is not None:
         if iteration is not None:
             raise ConvertInputError(f"{src} is a single checkpoint; --iteration applies to a Megatron save directory")
-        return src, "megashard", storage.parse_iteration_dir_name(src.rsplit("/", 1)[-1]), False
+        return src, "megashard", saveroot.parse_iteration_dir_name(src.rsplit("/", 1)[-1]), False
     it = iteration if iteration is not None else storage.read_tracker(src)
     if it is None:
         raise ConvertInputError(
             f"{src} is not a megashard checkpoint ({storage.why_not_checkpoint(src)}) and holds no "
-            f"{storage.TRACKER_NAME}; for a Megatron save root pass --iteration N{_torch_dist_hint(src)}")
-    ckpt = child(src, storage.iteration_dir_name(it))
+            f"{saveroot.TRACKER_NAME}; for a Megatron save root pass --iteration N{_torch_dist_hint(src)}")
+    ckpt = child(src, saveroot.iteration_dir_name(it))
     if storage.locate(ckpt) is None:
         raise ConvertInputError(f"{ckpt}: iteration {it} is not a megashard checkpoint "
                                 f"({storage.why_not_checkpoint(ckpt)}){_torch_dist_hint(ckpt)}")
@@ -164,7 +164,7 @@ def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, 
 
 def _torch_dist_hint(url: str) -> str:
     """What to do when ``url`` holds a torch_dist checkpoint (one HEAD, on the error path only)."""
-    from .objstore.client import ObjectStore
+    from .storage.s3.client import ObjectStore
 
     store, key = ObjectStore.for_url(url)
     if key and store.head(f"{key}/metadata.json") is not None:
@@ -175,7 +175,7 @@ def _torch_dist_hint(url: str) -> str:
 
 def _url_occupied(url: str) -> bool:
     """Anything at or under ``url`` (an object named like it, or any key below it): one HEAD, one LIST."""
-    from .objstore.client import ObjectStore
+    from .storage.s3.client import ObjectStore
 
     store, key = ObjectStore.for_url(url)
     if not key:
@@ -310,7 +310,7 @@ class _Output:
         if self.single_file:
             return os.path.join(self.tmp, os.path.basename(self.final))
         if self.megatron_root:
-            return os.path.join(self.tmp, storage.iteration_dir_name(self.iteration))
+            return os.path.join(self.tmp, saveroot.iteration_dir_name(self.iteration))
         return os.path.join(self.tmp, "checkpoint")
 
     def scratch_dir(self) -> str:
@@ -353,9 +353,9 @@ class _ObjectOutput:
 
     @property
     def target(self) -> str:
-        from .objstore.url import child
+        from .storage.s3.url import child
 
-        return child(self.final, storage.iteration_dir_name(self.iteration)) if self.megatron_root else self.final
+        return child(self.final, saveroot.iteration_dir_name(self.iteration)) if self.megatron_root else self.final
 
     def scratch_dir(self) -> str:
         if self._scratch is None:
@@ -363,7 +363,7 @@ class _ObjectOutput:
         return self._scratch
 
     def commit(self) -> None:
-        from .objstore import checkpoint as objck
+        from .storage.s3 import checkpoint as objck
 
         self.cleanup()
         if self.megatron_root:  # only where no tracker is: never one another writer wrote meanwhile
@@ -428,7 +428,7 @@ def _single_file_specs(m: Manifest, keys: Sequence[str], fmt: str) -> Tuple[List
 
 def _to_single_file(src: str, out: _Output, fmt: str, patterns: Optional[Sequence[str]], batch_bytes: int,
                     bar: Callable[[int], Any], res: ConvertResult) -> None:
-    from .index import read_manifest
+    from .storage import read_manifest
     from .storage import checkpoint_location
     from .consolidated import iter_global_tensors
     from .format.stream import StreamWriter
@@ -537,7 +537,7 @@ def _picklable(value: Any) -> Any:
 
 def _megashard_to_torch_dist(src: str, out: _Output, patterns: Optional[Sequence[str]],
                              bar: Callable[[int], Any], res: ConvertResult) -> None:
-    from .index import read_manifest
+    from .storage import read_manifest
     from .storage import checkpoint_location
     from .consolidated import read_global_tensors
 

@@ -40,7 +40,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
-from . import index as index_mod, storage
+from . import index as index_mod, saveroot, storage
 from .errors import CheckpointError
 from .manifest import Manifest, parse_head, with_files
 
@@ -80,17 +80,13 @@ class CopyResult:
 
 
 def _join(root: str, name: str) -> str:
-    if storage.is_url(root):
-        from .objstore.url import child
-
-        return child(root, name)
-    return os.path.join(root, name)
+    return storage.store(root).child(root, name)
 
 
 def _iterations(root: str) -> List[Iteration]:
     """The committed ``iter_XXXXXXX`` / ``release`` checkpoints of a save root."""
     if storage.is_url(root):
-        from .objstore.client import ObjectStore
+        from .storage.s3.client import ObjectStore
 
         store, key = ObjectStore.for_url(root)
         _, prefixes = store.list(key + "/", delimiter="/")
@@ -100,7 +96,7 @@ def _iterations(root: str) -> List[Iteration]:
             names = os.listdir(root)
         except OSError:
             names = []
-    found = [(storage.parse_iteration_dir_name(n), n) for n in names]
+    found = [(saveroot.parse_iteration_dir_name(n), n) for n in names]
     its = [it for it, n in found if it is not None and storage.locate(_join(root, n)) is not None]
     return sorted(its, key=lambda it: (isinstance(it, str), it if isinstance(it, int) else 0))
 
@@ -125,13 +121,13 @@ def _plan(src: str, dst: str, iteration: Optional[Iteration], all_iterations: bo
         it = iteration if iteration is not None else tracked
         if it is None:
             its = _iterations(src)
-            found = ", ".join(storage.iteration_dir_name(i) for i in its[:5])
+            found = ", ".join(saveroot.iteration_dir_name(i) for i in its[:5])
             hint = f"; pass --iteration N or --all (found {found})" if its else ""
             raise CopyInputError(f"{src} is not a megashard checkpoint ({storage.why_not_checkpoint(src)}) and holds no "
-                                 f"{storage.TRACKER_NAME}{hint}")
+                                 f"{saveroot.TRACKER_NAME}{hint}")
         its = [it]
         tracker = it
-    pairs = [(_join(src, storage.iteration_dir_name(it)), _join(dst, storage.iteration_dir_name(it))) for it in its]
+    pairs = [(_join(src, saveroot.iteration_dir_name(it)), _join(dst, saveroot.iteration_dir_name(it))) for it in its]
     for s, _ in pairs:
         if storage.locate(s) is None:
             raise CopyInputError(f"{s}: not a megashard checkpoint ({storage.why_not_checkpoint(s)})")
@@ -215,7 +211,7 @@ def _copy_file(src: str, index: Any, name: str, size: int, want: Mapping[str, Tu
     from .format.streamverify import StreamVerifier
 
     if storage.is_url(src):
-        from .objstore.client import connections
+        from .storage.s3.client import connections
 
         threads = connections()
     else:
@@ -227,8 +223,8 @@ def _copy_file(src: str, index: Any, name: str, size: int, want: Mapping[str, Tu
         verifier = StreamVerifier(cf.path(name), size, sha256=sha256)
         extra: Dict[str, Any] = {}
         if storage.is_url(dst_dir):
-            from .objstore.client import ObjectStore, part_bytes, single_put_bytes
-            from .objstore.url import child
+            from .storage.s3.client import ObjectStore, part_bytes, single_put_bytes
+            from .storage.s3.url import child
 
             part = part_bytes(size) if size > single_put_bytes() else max(1, size)  # one PUT: one chunk
             chunk = max(part, -(-chunk // part) * part)  # whole parts per chunk
@@ -271,7 +267,7 @@ def copy_checkpoint(src: str, dst: str, *, sha256: bool = False, jobs: int = DEF
     """Copy the committed checkpoint ``src`` to ``dst`` (see the module docstring); returns
     (files, bytes). On any failure ``dst`` is as it was."""
     loc = storage.checkpoint_location(src)
-    head, sections = index_mod.read_index_bytes(loc)
+    head, sections = storage.read_index_bytes(loc)
     where = f"{loc}/{storage.MANIFEST_NAME}"
     doc = parse_head(head, where)
     idx = index_mod.index_from_bytes(head, sections, where)

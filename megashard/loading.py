@@ -30,7 +30,8 @@ from .format import empty_buffer
 from .format.fastio import default_read_threads, tensor_memoryview
 from .format.layout import zeroed_header_crcs
 from .format.reader import MAX_HEADER
-from .index import Index, check_file_size, index_from_bytes, open_index, read_index_bytes
+from .index import Index, index_from_bytes
+from .storage import check_file_size, open_index, read_index_bytes
 from .logs import log_summary, rank_prefix
 from .manifest import dtype_from_name, dtype_name, itemsize
 from .plan import Box

@@ -88,7 +88,7 @@ class _FileSizes:
     """Real file sizes, checked before memory is allocated for a file's contents: the index's
     own claims (``files[*].bytes``) only bound offsets, a forged one could claim 64 GiB.
     ``check_file(name, claimed bytes)`` raises CheckpointError when the file differs; it is
-    set where the directory can be seen (:func:`megashard.index.open_index`)."""
+    set where the directory can be seen (:func:`megashard.storage.open_index`)."""
 
     check_file: Optional[Callable[[str, int], None]] = None
     _confirmed: Optional[set] = None

@@ -58,7 +58,7 @@ import megashard  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 from distributed import all_ok, run_ranks  # noqa: E402  (the tests' gloo launcher)
 from seaweedfs import SeaweedFS, seaweedfs  # noqa: E402  (the tests' SeaweedFS process)
-from megashard.objstore.client import ObjectStore, clear_store_cache  # noqa: E402
+from megashard.storage.s3.client import ObjectStore, clear_store_cache  # noqa: E402
 from megashard.sharded import ShardedTensor  # noqa: E402
 
 MiB = 1 << 20
@@ -486,7 +486,7 @@ def _run(args: argparse.Namespace, sw: SeaweedFS, t_start: float) -> Dict[str, A
             "note": "children_cpu_s (RUSAGE_CHILDREN) covers the whole spawned processes incl. torch import; "
                     "the per-mode cpu figures are each rank's RUSAGE_SELF around its load call"}
 
-    from megashard.objstore import client as oc
+    from megashard.storage.s3 import client as oc
     import tensorizer
 
     def best(prefix: str) -> Tuple[str, Dict[str, Any]]:

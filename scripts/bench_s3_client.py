@@ -49,7 +49,7 @@ def main() -> None:
                           AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
         import boto3
 
-        from megashard.objstore import ObjectStore
+        from megashard.storage.s3 import ObjectStore
 
         bucket = "bench-s3-client"
         server.request("PUT", f"/{bucket}")

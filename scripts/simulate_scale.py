@@ -439,7 +439,7 @@ def _pages(n: int) -> int:
 
 
 def s3_save_requests(file_bytes: Sequence[int], part_bytes: int = S3_PART_BYTES) -> Dict[str, Dict[str, int]]:
-    """Requests of one save of these data files, by step (megashard.objstore.checkpoint):
+    """Requests of one save of these data files, by step (megashard.storage.s3.checkpoint):
     rank 0's plan (LIST of the prefix), the writers' uploads (a PUT per file up to one part,
     else MPU create + ceil(size/part) parts + complete), rank 0's commit (LIST of the save's
     prefix, PUT of index, digest and head), the clean-up (LIST of the prefix, upload listing),

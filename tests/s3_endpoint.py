@@ -176,6 +176,6 @@ def s3(s3_endpoint_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterato
 
 def _forget_stores() -> None:
     """Stores cache boto3 clients made with the previous test's environment."""
-    client = sys.modules.get("megashard.objstore.client")
+    client = sys.modules.get("megashard.storage.s3.client")
     if client is not None:
         client.clear_store_cache()

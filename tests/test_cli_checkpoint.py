@@ -95,11 +95,11 @@ def test_verify_reports_a_truncated_file_once(tmp_path, capsys):
 # ---------------------------------------------------------------------------------- Megatron save roots
 def _save_root(root, iterations=(3, 6), tracker=6):
     """A Megatron save root (what --save/--load take): iter_N checkpoints and the tracker."""
-    from megashard import storage
+    from megashard import saveroot, storage
 
     for it in iterations:
         megashard.save({"w": ShardedTensor("w", torch.full((4, 4), float(it)), (4, 4), (0, 0)), "iteration": it},
-                       os.path.join(root, storage.iteration_dir_name(it)), layout={"tp": 1, "pp": 1})
+                       os.path.join(root, saveroot.iteration_dir_name(it)), layout={"tp": 1, "pp": 1})
     if tracker is not None:
         storage.write_tracker(root, tracker)
     return root

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import megashard
-from megashard import storage
+from megashard import saveroot, storage
 from megashard.convert import ConvertInputError, _megatron_core, convert
 from megashard.sharded import is_main_replica
 
@@ -28,7 +28,7 @@ def megatron_root(tmp_path_factory):
     for it in (5, 10):
         sd = union_state(Layout(tp=2, dp=2), distopt=True)
         sd.update(iteration=it, args=argparse.Namespace(lr=3e-4, name="toy"), rng=torch.arange(5) + it)
-        megashard.save(sd, os.path.join(root, storage.iteration_dir_name(it)))
+        megashard.save(sd, os.path.join(root, saveroot.iteration_dir_name(it)))
     storage.write_tracker(root, 10)
     return root
 
@@ -89,7 +89,7 @@ def test_megashard_torch_dist_megashard_round_trip(megatron_root, tmp_path):
     res = convert(megatron_root, td, to="torch_dist")
     assert res.tensors == 2 * len(GLOBALS)
     assert storage.read_tracker(td) == 10
-    assert sorted(os.listdir(td)) == ["iter_0000010", storage.TRACKER_NAME]
+    assert sorted(os.listdir(td)) == ["iter_0000010", saveroot.TRACKER_NAME]
     ck = os.path.join(td, "iter_0000010")
     with _megatron_core() as dc:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -268,7 +268,7 @@ def test_killed_conversion_leaves_a_temp_dir_that_cleanup_knows_is_dead(megatron
     assert sorted(os.listdir(tmp_path)) == []
     res = convert(str(megatron_root), str(dst), to="torch_dist", iteration=10)
     assert res.iteration == 10 and storage.read_tracker(str(dst)) == 10
-    assert sorted(os.listdir(dst)) == ["iter_0000010", storage.TRACKER_NAME] and sorted(os.listdir(tmp_path)) == ["out"]
+    assert sorted(os.listdir(dst)) == ["iter_0000010", saveroot.TRACKER_NAME] and sorted(os.listdir(tmp_path)) == ["out"]
 
 
 def test_inspect_and_load_of_a_real_torch_dist_checkpoint_name_convert(megatron_root, tmp_path, capsys):
@@ -277,7 +277,7 @@ def test_inspect_and_load_of_a_real_torch_dist_checkpoint_name_convert(megatron_
 
     dst = str(tmp_path / "td")
     convert(megatron_root, dst, to="torch_dist")
-    ckpt = os.path.join(dst, storage.iteration_dir_name(10))
+    ckpt = os.path.join(dst, saveroot.iteration_dir_name(10))
     command = f"`megashard convert {ckpt} NEW_DIR`"
     assert cli_main(["inspect", ckpt]) == 1
     err = capsys.readouterr().err

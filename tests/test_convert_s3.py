@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import megashard
-from megashard import storage
+from megashard import saveroot, storage
 from megashard.cli import main as cli_main
 from megashard.convert import ConvertInputError, _megatron_core, convert
-from megashard.objstore.client import ObjectStore
+from megashard.storage.s3.client import ObjectStore
 
 from layouts import EXP_AVG, GLOBALS, Layout, bit_equal, expected_global, full, union_state
 from test_convert import _torch_dist_shards
@@ -21,7 +21,7 @@ from test_hf_convert import write_hf
 
 pytest.importorskip("megatron.core")
 
-IT = storage.iteration_dir_name(10)
+IT = saveroot.iteration_dir_name(10)
 
 
 def _save_root(root: str) -> None:
@@ -80,7 +80,7 @@ def test_s3_source_to_torch_dist(s3, in_tmp):
     td = str(in_tmp / "td")
     res = convert(url, td, to="torch_dist")
     assert res.tensors == 2 * len(GLOBALS)
-    assert sorted(os.listdir(td)) == [IT, storage.TRACKER_NAME] and storage.read_tracker(td) == 10
+    assert sorted(os.listdir(td)) == [IT, saveroot.TRACKER_NAME] and storage.read_tracker(td) == 10
     with _megatron_core() as dc:
         from megatron.core.dist_checkpointing import serialization
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -101,7 +101,7 @@ def test_torch_dist_to_s3_megashard_loads_bit_exact(s3, in_tmp):
     """A torch_dist Megatron save root -> s3://: DST/iter_0000003 committed by megashard's save (head
     written last, conditionally), then the tracker; nothing written locally."""
     root = in_tmp / "td"
-    ck = str(root / storage.iteration_dir_name(3))
+    ck = str(root / saveroot.iteration_dir_name(3))
     os.makedirs(ck)
     with _megatron_core() as dc:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -115,17 +115,17 @@ def test_torch_dist_to_s3_megashard_loads_bit_exact(s3, in_tmp):
     res = convert(str(root), url)
     assert (res.dst, res.source_format, res.tensors) == (url, "torch_dist", len(GLOBALS))
     assert storage.read_tracker(url) == 3
-    got = megashard.load_consolidated(f"{url}/{storage.iteration_dir_name(3)}")
+    got = megashard.load_consolidated(f"{url}/{saveroot.iteration_dir_name(3)}")
     assert set(got) == set(GLOBALS)
     for k, t in got.items():
         assert bit_equal(t, full(k)), k
-    common = megashard.load_common(f"{url}/{storage.iteration_dir_name(3)}", ["iteration", "args"])
+    common = megashard.load_common(f"{url}/{saveroot.iteration_dir_name(3)}", ["iteration", "args"])
     assert common["iteration"] == 3 and common["args"].tensor_model_parallel_size == 2
     heads = [r for r in s3.requests() if r["method"] == "PUT" and r["key"].endswith("iter_0000003/manifest.json")]
     assert len(heads) == 1 and heads[0]["if_none_match"] == "*"  # the commit point, written once, new only
     names = _objects(url)
-    assert storage.TRACKER_NAME in names and "iter_0000003/manifest.json" in names
-    assert all(n in (storage.TRACKER_NAME, "iter_0000003/manifest.json")
+    assert saveroot.TRACKER_NAME in names and "iter_0000003/manifest.json" in names
+    assert all(n in (saveroot.TRACKER_NAME, "iter_0000003/manifest.json")
                or n.startswith("iter_0000003/.megashard-save-") for n in names), names
     assert sorted(os.listdir(in_tmp)) == ["td"]  # no local temporaries, no ./s3:/ directory
 
@@ -206,7 +206,7 @@ def test_a_checkpoint_created_at_the_s3_dst_during_the_convert_is_never_replaced
     """Another writer commits DST/release after convert's existence check, before the save plans (``check``)
     or before it commits: the conversion's save is "new only" (If-None-Match on the head), so it fails
     naming DST and theirs stands."""
-    from megashard.objstore import checkpoint as objck
+    from megashard.storage.s3 import checkpoint as objck
 
     write_hf(in_tmp / "hf")
     url = s3.url("raced")
@@ -230,7 +230,7 @@ def test_a_checkpoint_created_at_the_s3_dst_during_the_convert_is_never_replaced
 
 def test_save_new_only_refuses_a_checkpoint_that_exists_or_appears_in_s3(s3, monkeypatch):
     from megashard.errors import CommitConflictError
-    from megashard.objstore import checkpoint as objck
+    from megashard.storage.s3 import checkpoint as objck
 
     url = s3.url("newonly/iter_0000001")
     megashard.save({"w": torch.arange(3.0)}, url)

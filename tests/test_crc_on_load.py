@@ -10,7 +10,7 @@ import torch
 
 import megashard
 from megashard import ChecksumError
-from megashard.index import open_index
+from megashard.storage import open_index
 from megashard.plan import Box
 from megashard.sharded import ShardedTensor
 

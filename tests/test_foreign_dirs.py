@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import megashard
-from megashard import storage
+from megashard import saveroot, storage
 from megashard.errors import CheckpointError
 from megashard.sharded import ShardedTensor
 
@@ -136,7 +136,7 @@ def test_retention_keeps_a_tensorizer_directory_named_like_an_iteration(tmp_path
     storage.write_tracker(tmp_path, 3)
     assert storage.apply_retention(tmp_path, keep_last=1) == [str(tmp_path / "iter_0000002")]
     assert tree(user) == before
-    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000003", storage.TRACKER_NAME]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", "iter_0000003", saveroot.TRACKER_NAME]
 
 
 # --------------------------------------------------------------------------- a swapped-in link is never followed

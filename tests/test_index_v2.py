@@ -10,7 +10,7 @@ import torch
 import megashard
 from megashard import manifest, storage
 from megashard.errors import CheckpointError, MegashardError
-from megashard.index import open_index
+from megashard.storage import open_index
 from megashard.plan import Box
 from megashard.sharded import ShardedTensor
 from tamper import read_manifest_doc, write_manifest_doc, write_manifest_text

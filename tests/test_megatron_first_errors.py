@@ -35,7 +35,7 @@ def test_resume_with_another_hidden_size_fails_in_one_line(saved):
 def test_flipped_bit_fails_the_resume_unless_opted_out(saved, tmp_path):
     import shutil
 
-    from megashard.index import open_index
+    from megashard.storage import open_index
     from megashard.plan import Box
 
     root = tmp_path / "damaged"

@@ -268,7 +268,7 @@ def test_save_to_and_resume_from_s3(tp2, s3):
     fetches, streams to rank 1; both ranks' object-store clients ran in the save): each load mode over
     S3 is test_s3_checkpoint.py::test_two_ranks_save_and_reshard_with_exact_request_counts, each mode
     inside Megatron a local resume above (own: test_pp2_vp2_same_layout_resume_is_bit_exact)."""
-    from megashard.objstore.client import ObjectStore
+    from megashard.storage.s3.client import ObjectStore
 
     _, base = tp2
     root = s3.url("megatron/run")

@@ -18,7 +18,7 @@ from test_hf_convert import write_hf
 @pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "mkdir-then-rename"])
 def test_rename_new_only_never_replaces(tmp_path, monkeypatch, fallback):
     if fallback:  # a kernel or file system without RENAME_NOREPLACE
-        monkeypatch.setattr(storage, "_renameat2", lambda *a: None)
+        monkeypatch.setattr(storage.posix, "_renameat2", lambda *a: None)
     src = tmp_path / "src"
     src.mkdir()
     (src / "manifest.json").write_text("mine")

@@ -1,4 +1,4 @@
-"""megashard.objstore against a real S3 endpoint on 127.0.0.1 (SeaweedFS behind a proxy, tests/s3_endpoint.py).
+"""megashard.storage.s3 against a real S3 endpoint on 127.0.0.1 (SeaweedFS behind a proxy, tests/s3_endpoint.py).
 
 Asserts the bytes (bit-exact), the requests the endpoint saw (ranges, If-Match, retries), and the exact
 error types and the s3:// names in their messages.
@@ -14,8 +14,8 @@ from typing import List, Tuple
 import pytest
 
 from megashard.errors import CheckpointError, CommitConflictError, ObjectChangedError
-from megashard.objstore import ObjectStore, check_object_name, child, parse_url
-from megashard.objstore import client as objclient
+from megashard.storage.s3 import ObjectStore, check_object_name, child, parse_url
+from megashard.storage.s3 import client as objclient
 
 MiB = 1 << 20
 
@@ -593,7 +593,7 @@ def test_fork_gets_fresh_stores_and_connections(s3) -> None:
 
 def test_boto3_is_imported_only_when_a_url_is_used() -> None:
     import subprocess
-    code = ("import sys, megashard.objstore as o; o.parse_url('s3://bkt/x'); o.ObjectStore('bkt'); "
+    code = ("import sys, megashard.storage.s3 as o; o.parse_url('s3://bkt/x'); o.ObjectStore('bkt'); "
             "assert 'boto3' not in sys.modules and 'botocore' not in sys.modules, 'imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -16,8 +16,8 @@ import torch
 import megashard
 from megashard import CheckpointError, MegashardError, storage
 from megashard.errors import CommitConflictError
-from megashard.objstore import checkpoint as objck
-from megashard.objstore.client import ObjectStore
+from megashard.storage.s3 import checkpoint as objck
+from megashard.storage.s3.client import ObjectStore
 
 from bitexact import assert_same
 from distributed import all_ok, run_ranks
@@ -114,7 +114,7 @@ def test_tensorizer_reads_a_shard_object_from_s3(s3):
 def _save_and_load_ranks(rank, world, url, mode):
     import torch.distributed as dist
 
-    from megashard.objstore.client import ObjectStore
+    from megashard.storage.s3.client import ObjectStore
     from megashard.sharded import ShardedTensor
 
     full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
@@ -544,7 +544,7 @@ def _gets_meet_in_pairs(monkeypatch) -> list:
     GETs one at a time fails (BrokenBarrierError) instead of finishing."""
     import threading
 
-    from megashard.objstore import client as objclient
+    from megashard.storage.s3 import client as objclient
 
     barrier = threading.Barrier(2, timeout=20)
     keys: list = []
@@ -596,7 +596,7 @@ def test_a_save_sends_parts_while_the_tensors_are_still_hashed(s3, monkeypatch):
     import threading
 
     from megashard.format import writer
-    from megashard.objstore import client as objclient
+    from megashard.storage.s3 import client as objclient
 
     sent = threading.Event()
     real_hash, real_put = writer._hash_item, objclient.ObjectStore._put_views
@@ -623,7 +623,7 @@ def test_a_save_sends_parts_while_the_tensors_are_still_hashed(s3, monkeypatch):
 
 
 def _load_replicated_scatter(rank, world, url, n):
-    from megashard.objstore.client import ObjectStore
+    from megashard.storage.s3.client import ObjectStore
 
     store, _ = ObjectStore.for_url(url)
     store.stats.clear()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import megashard
-from megashard import storage
+from megashard import saveroot, storage
 from megashard.convert import ConvertInputError, convert
 from megashard.errors import CheckpointError, DistributedError, MegashardError
 from megashard.sharded import ShardedTensor
@@ -412,7 +412,7 @@ def test_temporaries_that_are_not_provably_ours_stay(tmp_path):
     (other / "blob").write_bytes(b"x")
     stray = tmp_path / ".notes.txt.tmp-abc"  # a file that is not one of our atomic writes
     stray.write_text("x")
-    ours = tmp_path / f".{storage.TRACKER_NAME}.tmp-{'a' * 32}"  # an interrupted tracker write
+    ours = tmp_path / f".{saveroot.TRACKER_NAME}.tmp-{'a' * 32}"  # an interrupted tracker write
     ours.write_text("5")
     for p in (other, other / "blob", stray, ours):
         os.utime(p, (old, old))

@@ -24,11 +24,10 @@ import torch
 
 from ..consolidated import read_boxes
 from ..errors import CheckpointError
-from ..index import read_manifest
 from ..loading import load_common
 from ..manifest import Manifest, itemsize
 from ..plan import numel
-from ..storage import checkpoint_location
+from ..storage import checkpoint_location, read_manifest
 from . import mapping as M
 from .mapping import HFMappingError, LlamaSpec
 from .safetensors import SafetensorsWriter

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megashard import storage
+from megashard import saveroot, storage
 from megashard.errors import CheckpointError, StateDictError
 from megashard.sharded import looks_like_sharded_tensor
 
@@ -37,7 +37,7 @@ from .state import get_logger
 
 log = get_logger(__name__)
 
-TRACKER_FILENAME = storage.TRACKER_NAME
+TRACKER_FILENAME = saveroot.TRACKER_NAME
 
 
 # --------------------------------------------------------------------------------------
@@ -49,7 +49,7 @@ def tracker_path(root: str) -> str:
 
 def checkpoint_dir(root: str, iteration: int, release: bool = False) -> str:
     """``<root>/iter_{:07d}`` (or ``<root>/release``), as Megatron-LM names it."""
-    return os.path.join(root, storage.iteration_dir_name("release" if release else int(iteration)))
+    return os.path.join(root, saveroot.iteration_dir_name("release" if release else int(iteration)))
 
 
 def read_tracker(root: Optional[str]) -> Tuple[int, bool]:

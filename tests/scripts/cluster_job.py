@@ -99,7 +99,7 @@ def _together(action: Optional[Callable[[], Any]]) -> None:
 
 
 def _s3(rank: int, url: str) -> Dict[str, Any]:
-    from megashard.objstore.client import ObjectStore
+    from megashard.storage.s3.client import ObjectStore
 
     _together((lambda: _make_bucket(url)) if rank == 0 else None)
     megashard.save(model_state(SAVED, rank), url)

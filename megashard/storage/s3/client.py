@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import urlsplit
 
-from ..errors import CheckpointError, CommitConflictError, ObjectChangedError
+from ...errors import CheckpointError, CommitConflictError, ObjectChangedError
 from .url import ObjectURL, join_key, parse_url
 
 log = logging.getLogger(__name__)

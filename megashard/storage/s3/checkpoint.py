@@ -32,30 +32,27 @@ import json
 import logging
 import re
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
+from ...errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
+from ...saveroot import TRACKER_MAX, TRACKER_NAME, parse_iteration_dir_name, parse_tracker
+from ..base import MANIFEST_DIGEST_NAME as DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, manifest_digest
+from ..base import max_manifest_bytes as _max_head
+from ..ownership import DEFAULT_STALE_AGE_S, why_kept
 from .client import ObjectInfo, ObjectStore
-from .url import check_object_name, parse_url
+from .url import check_object_name, child, parse_url
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
-DIGEST_NAME = "manifest.sha256"
-INDEX_NAME = "manifest.index"
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
+__all__ = ["ObjectCheckpointFiles", "ObjectSave", "checkpoint_files", "checkpoint_location", "child", "cleanup",
+           "is_checkpoint", "iteration_names", "locate", "location", "read_tracker", "recover", "save_target",
+           "why_not_checkpoint", "write_tracker"]
+
+INDEX_NAME = "manifest.index"  # megashard.manifest.INDEX_NAME (that module imports torch)
 DATA_PREFIX = ".megashard-save-"
 HEAD_FIELD = "data_prefix"
 _DATA_PREFIX_RE = re.compile(r"\.megashard-save-[A-Za-z0-9_-]{1,64}\Z")
 _DIGEST_RE = re.compile(rb"[0-9a-f]{64}\n")
-DEFAULT_STALE_AGE_S = 24 * 3600.0
-_TRACKER_MAX = 4096
-
-
-def _max_head() -> int:
-    from ..storage import max_manifest_bytes
-
-    return max_manifest_bytes()
 
 
 def _location(url: str) -> Tuple[ObjectStore, str, str]:
@@ -76,7 +73,7 @@ def check_data_prefix(name: Any, where: str) -> str:
 
 
 def _parse_head(data: bytes, where: str) -> Dict[str, Any]:
-    from ..manifest import parse_head
+    from ...manifest import parse_head
 
     return parse_head(data, where)
 
@@ -143,7 +140,7 @@ class ObjectSave:
         would write; multipart above one part), hashing its tensors (``threads`` hashing
         threads) while the parts clear of their headers are already sent; connections are
         the store's (``MEGASHARD_S3_CONNECTIONS``). Durable once the PUT returns."""
-        from ..format.writer import file_segments_deferred
+        from ...format.writer import file_segments_deferred
 
         size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads)
         try:
@@ -181,8 +178,7 @@ class ObjectSave:
         doc["index"]["etag"] = index_etag
         doc[HEAD_FIELD] = DATA_PREFIX + token
         head = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-        store.put_bytes(f"{prefix}/{DIGEST_NAME}", (hashlib.sha256(head).hexdigest() + "\n").encode(),
-                        if_none_match=True)
+        store.put_bytes(f"{prefix}/{DIGEST_NAME}", manifest_digest(head).encode(), if_none_match=True)
         try:
             if self.prev_etag is None:
                 store.put_bytes(f"{key}/{MANIFEST_NAME}", head, if_none_match=True)
@@ -284,6 +280,11 @@ def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAU
     prefixes are another client's and never touched. Returns the prefixes/uploads removed."""
     store, key, url = _location(url)
     now = time.time()
+
+    def kept(newest: float) -> bool:
+        """The clean-up rule of every store (no owner records here; a save prefix is megashard's by its name)."""
+        return why_kept(None, lambda: True, lambda: newest, older_than_s, now) is not None
+
     current = keep
     if current is None:
         info = store.head(f"{key}/{MANIFEST_NAME}")
@@ -299,19 +300,18 @@ def cleanup(url: str, *, keep: Optional[str] = None, older_than_s: float = DEFAU
         if not _DATA_PREFIX_RE.match(name) or name == current:
             continue
         objects, _ = store.list(f"{key}/{name}/")
-        newest = max((o.last_modified for o in objects), default=0.0)
-        if objects and now - newest < older_than_s:
+        if objects and kept(max(o.last_modified for o in objects)):
             live.add(name)
             continue  # possibly a save in progress
         store.delete([o.key for o in objects])
         removed.append(f"{url}/{name}/")
     for k, upload_id, started in store.list_uploads(key + "/"):
         save = _save_of_upload(k[len(key) + 1:])
-        if save is None or save in live or now - started < older_than_s:
+        if save is None or save in live or kept(started):
             continue  # another client's upload, or a save that may still run
         if "/" in save:  # a save of a checkpoint under a save root (iter_N/.megashard-save-*): its own age
             objects, _ = store.list(f"{key}/{save}/")
-            if objects and now - max(o.last_modified for o in objects) < older_than_s:
+            if objects and kept(max(o.last_modified for o in objects)):
                 live.add(save)
                 continue
         store.abort_upload(k, upload_id)
@@ -475,8 +475,8 @@ class ObjectCheckpointFiles:
         anonymous memory file (what checking every hash needs; one object at a time)."""
         import os
 
-        from ..format import TensorFileReader
-        from ..format.fastio import tensor_memoryview
+        from ...format import TensorFileReader
+        from ...format.fastio import tensor_memoryview
 
         size = self.open(name).size
         fd = os.memfd_create(f"megashard-{name}"[:200], os.MFD_CLOEXEC)
@@ -495,37 +495,79 @@ class ObjectCheckpointFiles:
             os.close(fd)
 
 
-def locate(url: str) -> Optional[str]:
+# --------------------------------------------------------------------------- the store's interface
+# (megashard.storage.base.Store: megashard.storage calls these for s3:// and msc:// locations)
+
+
+def location(path: PathLike) -> str:
+    """The URL checked (a CheckpointError naming the rule it breaks), without a trailing slash."""
+    url = str(path)
+    parse_url(url)
+    return url.rstrip("/")
+
+
+def locate(url: PathLike) -> Optional[str]:
     """``url`` when a committed head is there (one HEAD), else None."""
-    store, key, url = _location(url)
+    store, key, url = _location(str(url))
     return url if store.head(f"{key}/{MANIFEST_NAME}") is not None else None
 
 
-def why_not_checkpoint(url: str) -> str:
+def is_checkpoint(url: PathLike) -> bool:
+    return locate(url) is not None
+
+
+def checkpoint_location(url: PathLike) -> str:
+    found = locate(location(url))
+    if found is None:
+        raise CheckpointError(f"{url} is not a megashard checkpoint ({why_not_checkpoint(url)})")
+    return found
+
+
+def why_not_checkpoint(url: PathLike) -> str:
     try:
-        with ObjectCheckpointFiles(url) as f:
+        with ObjectCheckpointFiles(str(url)) as f:
             f.read_manifest_bytes()
     except CheckpointError as e:
         return str(e)
     return f"{url} is a checkpoint"
 
 
-def child_names(url: str) -> List[str]:
-    """The names directly under ``url`` that hold objects (a save root's ``iter_N``), one LIST."""
-    store, key, _ = _location(url)
-    _, prefixes = store.list(key + "/", delimiter="/")
-    return [p[len(key) + 1:].rstrip("/") for p in prefixes]
+def recover(url: PathLike, older_than_s: float, into: Recovery) -> Optional[str]:
+    """No rename to undo on an object store: remove what dead saves left (:func:`cleanup`)."""
+    loc = location(url)
+    for gone in cleanup(loc, older_than_s=older_than_s):
+        log.warning("removed %s", gone)
+        into.removed.append(gone)
+    return locate(loc)
 
 
-def write_tracker(root: str, text: str, new_only: bool = False) -> None:
-    """``new_only``: only where there is none yet (If-None-Match), else CommitConflictError."""
+def save_target(url: PathLike, new_only: bool = False) -> ObjectSave:
+    return ObjectSave(str(url), new_only)
+
+
+def checkpoint_files(url: PathLike, index: Any = None) -> ObjectCheckpointFiles:
+    """``index``: the checkpoint's index, whose ETags pin every read."""
+    return ObjectCheckpointFiles(str(url), index)
+
+
+def iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> List[str]:
+    """The ``iter_N`` / ``release`` names directly under ``root`` that hold objects, sorted (one LIST;
+    ``kinds`` does not apply: an object store has no renamed-aside copies)."""
     store, key, _ = _location(root)
+    _, prefixes = store.list(key + "/", delimiter="/")
+    return sorted(n for n in (p[len(key) + 1:].rstrip("/") for p in prefixes) if parse_iteration_dir_name(n) is not None)
+
+
+def write_tracker(root: PathLike, text: str, new_only: bool = False) -> None:
+    """``new_only``: only where there is none yet (If-None-Match), else CommitConflictError."""
+    store, key, _ = _location(str(root))
     store.put_bytes(f"{key}/{TRACKER_NAME}", text.encode(), if_none_match=new_only)
 
 
-def read_tracker_bytes(root: str) -> Optional[bytes]:
-    store, key, _ = _location(root)
+def read_tracker(root: PathLike) -> Optional[Union[int, str]]:
+    store, key, url = _location(str(root))
     if store.head(f"{key}/{TRACKER_NAME}") is None:
         return None
-    data, _ = store.get_bytes(f"{key}/{TRACKER_NAME}", _TRACKER_MAX + 1)
-    return data
+    data, _ = store.get_bytes(f"{key}/{TRACKER_NAME}", TRACKER_MAX + 1)
+    return parse_tracker(data, f"{url}/{TRACKER_NAME}")
+

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 SCHEMES = ("s3", "msc")
 # S3 allows 1024 bytes; keep room for the names megashard appends under a checkpoint prefix.

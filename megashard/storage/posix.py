@@ -1,6 +1,8 @@
-"""Checkpoint directories on disk: temp names, fsync, atomic commit, tracker, retention.
+"""The file-system store: checkpoint directories, temp names, fsync, atomic commit, recovery, retention.
 
-Pure filesystem code (no torch, no torch.distributed); the save orchestration calls it.
+Pure filesystem code (no torch, no torch.distributed); :mod:`megashard.storage` calls it for every
+location that is not a URL (the :class:`~megashard.storage.base.Store` functions), and the local
+tier, replication and ``convert`` use its directory operations directly.
 
 What a save may replace
 -----------------------
@@ -34,7 +36,7 @@ For a checkpoint whose final directory is ``<parent>/<name>/``:
    (:func:`dir_identity`).
 3. rank 0 checks that every reported file is in the temp dir with its reported size
    (:func:`check_reported_files`), writes the index with :func:`write_file_atomic` and
-   calls :func:`commit_dir` (below), then writes the tracker last (:func:`write_tracker`).
+   calls :func:`commit_dir` (below), then writes the tracker last (:func:`megashard.storage.write_tracker`).
    A save that fails removes its own temp dir.
 
 Commit (:func:`commit_dir`, lock-free; needs only POSIX ``rename`` of directories, which
@@ -62,7 +64,7 @@ Recovery rule (:func:`recover`; :func:`locate` finds the same checkpoint read-on
 * otherwise there is no checkpoint called ``<name>``.
 
 :func:`recover` then removes the leftovers of dead saves of ``<name>`` (the rule below);
-:func:`recover_path` (``megashard recover``) applies both to every iteration of a Megatron save root.
+:func:`megashard.storage.recover_path` (``megashard recover``) applies both to every iteration of a Megatron save root.
 
 Deleting a directory (:func:`remove_checkpoint`) works through descriptors: it opens the
 directory (``O_NOFOLLOW``), checks that directory, adds the deleting process's owner record
@@ -98,92 +100,19 @@ import socket
 import stat
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from . import procinfo
-from .errors import CheckpointError, CommitConflictError
+from ..errors import CheckpointError, CommitConflictError
+from ..saveroot import TRACKER_MAX, TRACKER_NAME, iteration_dir_name, parse_iteration_dir_name, parse_tracker
+from .base import (MANIFEST_DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, check_member_name, is_url, local_path,
+                   manifest_digest, max_manifest_bytes)
+from .ownership import DEFAULT_STALE_AGE_S, OWNER_NAME, host_identity, owner_alive, read_small, why_kept, write_owner
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "MANIFEST_NAME",
-    "TRACKER_NAME",
-    "fsync_path",
-    "fsync_file",
-    "write_file_atomic",
-    "make_temp_dir",
-    "join_temp_dir",
-    "temp_dir_name",
-    "dir_identity",
-    "check_reported_files",
-    "check_save_target",
-    "replace_problem",
-    "replace_problem_at",
-    "head_problem",
-    "commit_dir",
-    "is_checkpoint",
-    "recover",
-    "recover_path",
-    "Recovery",
-    "save_root",
-    "save_root_iterations",
-    "root_checkpoint",
-    "read_location",
-    "locate",
-    "checkpoint_location",
-    "why_not_checkpoint",
-    "foreign_format",
-    "foreign_hint",
-    "CheckpointFiles",
-    "MANIFEST_DIGEST_NAME",
-    "cleanup_stale_temps",
-    "OWNER_NAME",
-    "write_tracker",
-    "read_tracker",
-    "iteration_dir_name",
-    "parse_iteration_dir_name",
-    "apply_retention",
-    "remove_checkpoint",
-]
-
-MANIFEST_NAME = "manifest.json"
-#: Megatron's tracker file name, kept so Megatron tooling finds the latest iteration.
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
-
-PathLike = Union[str, "os.PathLike[str]"]
 
 _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]+\Z")
 # .<name>.<kind>-<token>; tokens contain no '.', so the last '.' splits unambiguously.
 _AUX_RE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-(?P<token>[A-Za-z0-9_-]+)\Z")
-_ITER_RE = re.compile(r"iter_(\d{7,})\Z")
-_TRACKER_MAX = 4096
-
-
-# --------------------------------------------------------------------------- reading safely
-
-#: Written beside the manifest: the SHA-256 (hex) of ``manifest.json``'s bytes.
-MANIFEST_DIGEST_NAME = "manifest.sha256"
-DEFAULT_MAX_MANIFEST_BYTES = 1 << 30
-
-
-def max_manifest_bytes() -> int:
-    """Largest ``manifest.json`` a load accepts: ``MEGASHARD_MAX_MANIFEST_BYTES`` or 1 GiB."""
-    v = os.environ.get("MEGASHARD_MAX_MANIFEST_BYTES")
-    try:
-        return int(v) if v else DEFAULT_MAX_MANIFEST_BYTES
-    except ValueError:
-        raise CheckpointError(f"MEGASHARD_MAX_MANIFEST_BYTES={v!r} is not an integer") from None
-
-
-def check_member_name(name: object, where: str) -> str:
-    """A file name inside a checkpoint: one plain path component, never ``.``/``..``."""
-    from .manifest import is_plain_file_name  # one definition; imported late (storage stays torch-free)
-
-    if not is_plain_file_name(name):
-        raise CheckpointError(f"{where}: file name {str(name)[:100]!r} is not a plain file name inside the "
-                              "checkpoint directory; the manifest is damaged or hostile")
-    return name  # type: ignore[return-value]
 
 
 class CheckpointFiles:
@@ -262,7 +191,7 @@ class CheckpointFiles:
         :meth:`open`; offsets validated by the caller) with parallel, coalesced ``preadv``
         (the row runs of a :class:`~megashard.format.fastio.Requests` one ``preadv`` per
         IOV_MAX rows); returns the bytes read. With no requests: only the checks."""
-        from .format.fastio import read_requests  # imported late: storage stays torch-free
+        from ..format.fastio import read_requests  # imported late: storage stays torch-free
 
         fd = self.open(name, size)
         if not reqs:
@@ -298,7 +227,7 @@ class CheckpointFiles:
 
     def tensor_reader(self, name: str) -> Any:
         """A :class:`~megashard.format.TensorFileReader` of member ``name`` (no link followed)."""
-        from .format import TensorFileReader
+        from ..format import TensorFileReader
 
         check_member_name(name, self.base)
         return TensorFileReader(name, dir_fd=self.dir_fd, nofollow=True)
@@ -326,10 +255,6 @@ class CheckpointFiles:
 
 _DIGEST_LINE = re.compile(rb"[0-9a-f]{64}\n")
 
-
-def manifest_digest(text: Union[str, bytes]) -> str:
-    data = text.encode() if isinstance(text, str) else text
-    return hashlib.sha256(data).hexdigest() + "\n"
 
 
 # --------------------------------------------------------------------------- fsync
@@ -403,40 +328,6 @@ def write_file_atomic(path: PathLike, data: Union[bytes, str]) -> None:
     fsync_path(d)
 
 
-# --------------------------------------------------------------------------- naming
-
-_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_url(path: object) -> bool:
-    """``scheme://...``: an object-store or other URL, never a local path."""
-    return isinstance(path, str) and _URL_RE.match(path) is not None
-
-
-def local_path(path: PathLike) -> str:
-    """``path`` made absolute, refusing a URL where only a local path will do (file-system
-    code): ``os.path.abspath("s3://b/x")`` is the local directory ``./s3:/b/x``, where a write
-    would land silently."""
-    p = os.fspath(path)
-    if is_url(p):
-        raise CheckpointError(f"{p}: a URL, not a local path; this step reads and writes local directories "
-                              "only: use a local path (or a mounted bucket)")
-    return os.path.abspath(p)
-
-
-
-
-def location(path: PathLike) -> str:
-    """A checkpoint's location: an object-store URL (checked, without a trailing slash) or
-    an absolute local path. A URL is never taken for a relative path."""
-    p = os.fspath(path)
-    if is_url(p):
-        from .objstore.url import parse_url
-
-        parse_url(p)
-        return p.rstrip("/")
-    return os.path.abspath(p)
-
 
 def _split_final(final_dir: PathLike) -> Tuple[str, str]:
     final = local_path(final_dir)
@@ -493,7 +384,7 @@ def make_temp_dir(final_dir: PathLike, token: str) -> str:
         raise CheckpointError(f"{tmp} already exists: another save uses the token {token!r}") from None
     dfd = _open_dir(tmp)
     try:
-        _write_owner(dfd)
+        write_owner(dfd)
     finally:
         os.close(dfd)
     fsync_path(tmp)
@@ -558,7 +449,7 @@ def dir_identity(path: PathLike) -> List[Any]:
     """``[machine, st_dev, st_ino]`` of a directory: equal on two ranks of one machine (and
     mount namespace) iff they see the same directory."""
     st = os.stat(path)
-    ident = _host_identity()
+    ident = host_identity()
     return [f"{ident['host']}/{ident['boot_id']}/{ident['mntns']}", st.st_dev, st.st_ino]
 
 
@@ -627,75 +518,6 @@ def check_reported_files(temp_dir: PathLike, files: Mapping[int, Mapping[str, in
             "committed: save to a shared filesystem every rank sees, with an absolute path")
 
 
-# --------------------------------------------------------------------------- ownership
-
-#: The owner record inside a save's temp dir (removed right after the commit renames it).
-OWNER_NAME = ".megashard-owner.json"
-#: How long a temp dir that cannot be proven abandoned must sit unchanged before removal.
-DEFAULT_STALE_AGE_S = 24 * 3600.0
-
-
-def _read_small(name: str, limit: int = 4096, dir_fd: Optional[int] = None) -> Optional[str]:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        data = os.read(fd, limit + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return data.decode("utf-8", "replace") if len(data) <= limit else None
-
-
-def _host_identity() -> Dict[str, str]:
-    """What makes pids comparable: the same kernel boot, hostname and pid namespace."""
-    return {"host": socket.gethostname(), "boot_id": procinfo.boot_id(),
-            "pidns": procinfo.namespace("pid"), "mntns": procinfo.namespace("mnt")}
-
-
-def _owner_record() -> Dict[str, Any]:
-    ident = _host_identity()
-    return {"host": ident["host"], "boot_id": ident["boot_id"], "pidns": ident["pidns"], "pid": os.getpid(),
-            "start": procinfo.start_time(os.getpid()), "created": time.time()}
-
-
-def _write_owner(dfd: int) -> None:
-    """Create the owner record in the directory open as ``dfd`` (fails if there is one)."""
-    fd = os.open(OWNER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644,
-                 dir_fd=dfd)
-    try:
-        os.write(fd, json.dumps(_owner_record(), sort_keys=True).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _owner_alive(dfd: int) -> Optional[bool]:
-    """Whether the process that owns the directory open as ``dfd`` (a save's temp dir, a
-    deletion's ``.del-*``) may still run: True, False (its process on this machine is gone),
-    or None (no readable record, or another machine's)."""
-    text = _read_small(OWNER_NAME, dir_fd=dfd)
-    try:
-        rec = json.loads(text) if text is not None else None
-    except ValueError:
-        rec = None
-    if not isinstance(rec, dict):
-        return None
-    me = _host_identity()
-    if not me["boot_id"] or any(rec.get(k) != me[k] for k in ("host", "boot_id", "pidns")):
-        return None
-    pid, start = rec.get("pid"), rec.get("start")
-    if type(pid) is not int or pid <= 0 or not (start is None or type(start) is int):
-        return None
-    now = procinfo.start_time(pid)
-    if now == procinfo.GONE:
-        return False
-    return now is None or start is None or now == start  # hidden from us (hidepid): assume it runs
-
 
 # --------------------------------------------------------------------------- checkpoints
 
@@ -712,7 +534,7 @@ def head_problem(dfd: int, where: str) -> Optional[str]:
     ``manifest.json`` (a regular file of it, no link followed, at most
     :func:`max_manifest_bytes`) parses as megashard's head (:func:`megashard.manifest.parse_head`,
     the rule the object store applies too). Reads the head only, never the index or shards."""
-    from .manifest import parse_head  # one definition; imported late (storage stays torch-free)
+    from ..manifest import parse_head  # one definition; imported late (storage stays torch-free)
 
     try:
         fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
@@ -753,10 +575,6 @@ def is_checkpoint(path: PathLike) -> bool:
     Parsing (not just stat) guards against manifests damaged after the fact and a user's own
     ``manifest.json``; the commit protocol itself never exposes a partial manifest.
     """
-    if is_url(path):
-        from .objstore import checkpoint as objck
-
-        return objck.locate(os.fspath(path)) is not None
     try:
         dfd = _open_dir(path, follow=True)
     except OSError:
@@ -770,7 +588,7 @@ def is_checkpoint(path: PathLike) -> bool:
 def _megashard_member(name: str) -> bool:
     """A name megashard writes into a checkpoint directory (the owner record only stays
     there when a save is killed right after its commit's rename)."""
-    from .manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
+    from ..manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
 
     return name in (MANIFEST_NAME, MANIFEST_DIGEST_NAME, INDEX_NAME, OWNER_NAME) or (
         name.endswith(".tensors") and not name.startswith("."))
@@ -889,7 +707,7 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
     m = _AUX_RE.match(base)
     if not (m and m.group("kind") == "del"):
         try:  # names who deletes it, so a clean-up leaves a deletion still running and ends a dead one's
-            _write_owner(dfd)
+            write_owner(dfd)
         except FileExistsError:
             pass  # a save's temp dir: its save owns it (the save discarding it, or a dead one)
         except OSError as e:  # a clean-up then goes by age
@@ -1082,12 +900,12 @@ def _put_back(old: str, final: str) -> None:
 def _drop_superseded(olds: List[str], final: str) -> None:
     """After a failed commit: this save's moved-aside copies are garbage once ``final`` is a
     checkpoint again (another save's); otherwise they stay for :func:`recover`."""
-    if olds and _has_manifest(final):
+    if olds and has_manifest(final):
         for old in olds:
             remove_checkpoint(old, check=replace_problem_at)
 
 
-def _has_manifest(path: str) -> bool:
+def has_manifest(path: str) -> bool:
     """``path`` holds a regular ``manifest.json`` (opened safely; not parsed)."""
     if not os.path.isdir(path):
         return False
@@ -1099,6 +917,19 @@ def _has_manifest(path: str) -> bool:
     return True
 
 
+def refuse_object_layout(head: bytes, base: str) -> None:
+    """A head naming a save prefix in a directory: objects of an object store's checkpoint
+    copied as plain files (its files are one directory down, its index unreadable here)."""
+    from ..manifest import parse_head  # one definition; imported late (storage stays torch-free)
+
+    prefix = parse_head(head, os.path.join(base, MANIFEST_NAME)).get("data_prefix")
+    if prefix is not None:
+        raise CheckpointError(
+            f"{base}: its {MANIFEST_NAME} names the object-store save prefix {str(prefix)[:80]!r}: the objects "
+            "of an s3:// checkpoint copied as plain files (e.g. `aws s3 cp --recursive`), which is not a checkpoint "
+            "on a file system. Copy it with `megashard copy s3://BUCKET/PREFIX DIR` instead")
+
+
 def locate(final_dir: PathLike) -> Optional[str]:
     """Where the complete checkpoint called ``final_dir`` is, without changing anything.
 
@@ -1108,17 +939,13 @@ def locate(final_dir: PathLike) -> Optional[str]:
     loading or inspecting never renames or deletes. A commit running meanwhile moves
     ``final_dir`` aside and back in: looking again then finds it.
     """
-    if is_url(final_dir):
-        from .objstore import checkpoint as objck
-
-        return objck.locate(os.fspath(final_dir))
     parent, name = _split_final(final_dir)
     final = os.path.join(parent, name)
     # A commit running meanwhile renames <name> and its copies: a look may miss both (a
     # listing can skip an entry renamed during it), so only three looks that find nothing
     # mean there is nothing.
     for look in range(3):
-        if _has_manifest(final):
+        if has_manifest(final):
             return final  # parsed (once) by the caller, which reports damage precisely
         if not os.path.lexists(final):
             candidates = _newest_first([o for o in _aux_dirs(parent, name, "old") if is_checkpoint(o)])
@@ -1143,11 +970,6 @@ def _newest_first(checkpoints: List[str]) -> List[str]:
 def checkpoint_location(checkpoint_dir: PathLike) -> str:
     """The directory that holds the complete checkpoint ``checkpoint_dir`` (read-only: an
     interrupted re-save's ``.old-*`` copy is read in place, never renamed)."""
-    if is_url(checkpoint_dir):
-        found = locate(location(checkpoint_dir))
-        if found is None:
-            raise CheckpointError(f"{checkpoint_dir} is not a megashard checkpoint ({why_not_checkpoint(checkpoint_dir)})")
-        return found
     path = local_path(checkpoint_dir)
     found = locate(path)
     if found is None:
@@ -1170,7 +992,7 @@ def foreign_format(path: PathLike) -> Optional[str]:
     if is_url(path):
         return None
     path = os.fspath(path)
-    meta = _read_small(os.path.join(path, "metadata.json"), 1 << 16)
+    meta = read_small(os.path.join(path, "metadata.json"), 1 << 16)
     if meta is not None:
         try:
             doc = json.loads(meta)
@@ -1199,10 +1021,6 @@ def foreign_hint(path: PathLike, fmt: Optional[str] = None) -> Optional[str]:
 
 def why_not_checkpoint(path: PathLike) -> str:
     """A one-line reason why ``path`` is not a readable checkpoint (for error messages)."""
-    if is_url(path):
-        from .objstore import checkpoint as objck
-
-        return objck.why_not_checkpoint(os.fspath(path))
     path = os.fspath(path)
     if not os.path.isdir(path):
         return f"{path} does not exist or is not a directory"
@@ -1220,8 +1038,7 @@ def why_not_checkpoint(path: PathLike) -> str:
     return f"{path} is a checkpoint"
 
 
-def recover(final_dir: PathLike, older_than_s: Optional[float] = None,
-            into: Optional["Recovery"] = None) -> Optional[str]:
+def recover(final_dir: PathLike, older_than_s: float, into: Recovery) -> Optional[str]:
     """Apply the recovery rule; return the path of the complete checkpoint, or None.
 
     The one function that repairs a checkpoint's directory (``megashard recover DIR``);
@@ -1233,22 +1050,13 @@ def recover(final_dir: PathLike, older_than_s: Optional[float] = None,
     save's commit applies; ``older_than_s`` as there). ``into`` records what it restored
     and removed.
     """
-    into = into if into is not None else Recovery()
-    age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
-    if is_url(final_dir):
-        from .objstore import checkpoint as objck
-
-        for gone in objck.cleanup(location(final_dir), older_than_s=age):
-            logger.warning("removed %s", gone)
-            into.removed.append(gone)
-        return objck.locate(location(final_dir))
     parent, name = _split_final(final_dir)
     found = _recover_local(parent, name, into)
-    into.removed.extend(cleanup_stale_temps(parent, name, older_than_s=age))
+    into.removed.extend(cleanup_stale_temps(parent, name, older_than_s=older_than_s))
     return found
 
 
-def _recover_local(parent: str, name: str, into: "Recovery") -> Optional[str]:
+def _recover_local(parent: str, name: str, into: Recovery) -> Optional[str]:
     final = os.path.join(parent, name)
     olds = _aux_dirs(parent, name, "old")  # listed before <name> is checked (see above)
     if is_checkpoint(final):
@@ -1277,58 +1085,6 @@ def _recover_local(parent: str, name: str, into: "Recovery") -> Optional[str]:
     into.restored.append((final, best))
     into.removed.extend(_remove_superseded([o for o in olds if o != best]))
     return final
-
-
-@dataclass
-class Recovery:
-    """What :func:`recover` / :func:`recover_path` did: checkpoints put back from an interrupted
-    re-save's copy (``(checkpoint, copy)``) and leftovers removed (paths or URLs)."""
-
-    restored: List[Tuple[str, str]] = field(default_factory=list)
-    removed: List[str] = field(default_factory=list)
-    found: Optional[str] = None  # the complete checkpoint (for a checkpoint path)
-    root: Optional[Dict[str, Any]] = None  # the Megatron save root (save_root()), re-read after recovery
-
-
-def recover_path(path: PathLike, older_than_s: Optional[float] = None) -> Recovery:
-    """``megashard recover PATH``: a checkpoint (:func:`recover`), or a Megatron save root (a
-    directory or URL holding a tracker or ``iter_N`` checkpoints): every iteration of it
-    recovered, the leftovers of dead saves in it removed by the same rule
-    (:func:`cleanup_stale_temps`; at a URL, :func:`megashard.objstore.checkpoint.cleanup` of each
-    iteration). A local directory that is not a checkpoint is handled as a root."""
-    rec = Recovery()
-    loc = location(path)
-    root = save_root(loc)
-    if root is None and not (not is_url(loc) and os.path.isdir(loc) and not os.path.islink(loc)
-                             and not _has_manifest(loc)):
-        rec.found = recover(loc, older_than_s, rec)
-        return rec
-    age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
-    if is_url(loc):
-        from .objstore import checkpoint as objck
-
-        for name in objck.child_names(loc):
-            if parse_iteration_dir_name(name) is not None:
-                recover(_child(loc, name), age, rec)
-    else:
-        for name in sorted(_iteration_names(loc, kinds=("old", "tmp", "del"))):
-            recover(os.path.join(loc, name), age, rec)
-        rec.removed.extend(cleanup_stale_temps(loc, older_than_s=age))  # e.g. the tracker's temporaries
-    rec.root = save_root(loc)
-    return rec
-
-
-def leftover_kind(path: str) -> str:
-    """What a path :func:`recover_path` removed was, in words (for its report)."""
-    m = _AUX_RE.match(os.path.basename(path.rstrip("/")))
-    kind = m.group("kind") if m else None
-    if kind == "old":
-        return "a copy an interrupted re-save left, superseded by the checkpoint"
-    if kind == "del":
-        return "an interrupted deletion"
-    if kind == "tmp" and not os.path.basename(path).startswith(f".{TRACKER_NAME}."):
-        return "a save that is no longer running left it"
-    return "left by a save that did not finish"
 
 
 def _remove_superseded(olds: List[str]) -> List[str]:
@@ -1373,22 +1129,15 @@ def _members_only(dfd: int) -> bool:
 
 
 def _abandoned(older_than_s: float) -> RemoveCheck:
-    """The owner rule of a save's temp dir and of a deletion's ``.del-*`` directory, as a
-    :data:`RemoveCheck`: removable when its owner record names a process of this machine that
-    is gone, or (no record of this machine) when it holds only megashard's names and nothing
-    in it changed for ``older_than_s``."""
+    """The owner rule (:func:`~megashard.storage.ownership.why_kept`) of a save's temp dir and of a
+    deletion's ``.del-*`` directory, as a :data:`RemoveCheck`: removable when its owner record names a
+    process of this machine that is gone, or (no record of this machine) when it holds only
+    megashard's names and nothing in it changed for ``older_than_s``."""
     now = time.time()
 
     def check(dfd: int, where: str) -> Optional[str]:
-        alive = _owner_alive(dfd)
-        if alive:
-            return "its owner still runs"
-        if alive is None:
-            if not _members_only(dfd):
-                return "it has no owner record of this machine and holds names megashard does not write"
-            if now - _newest_mtime(dfd) < older_than_s:
-                return f"it has no owner record of this machine and changed within {older_than_s:.0f} s"
-        return None
+        return why_kept(owner_alive(dfd), functools.partial(_members_only, dfd),
+                        functools.partial(_newest_mtime, dfd), older_than_s, now)
 
     return check
 
@@ -1452,154 +1201,66 @@ def cleanup_stale_temps(
     return removed
 
 
-# --------------------------------------------------------------------------- tracker
+
+# --------------------------------------------------------------------------- save roots, tracker, retention
 
 
-def _check_iteration(iteration: Union[int, str]) -> Union[int, str]:
-    if iteration == "release":
-        return "release"
-    if type(iteration) is int and iteration >= 0:
-        return iteration
-    raise CheckpointError(f"bad iteration {iteration!r}: use an int >= 0 or 'release'")
+def location(path: PathLike) -> str:
+    """A local checkpoint's location: the path made absolute."""
+    return os.path.abspath(os.fspath(path))
 
 
-def iteration_dir_name(iteration: Union[int, str]) -> str:
-    """Megatron's directory name: ``iter_0000100`` (7+ digits) or ``release``."""
-    it = _check_iteration(iteration)
-    return "release" if it == "release" else f"iter_{it:07d}"
-
-
-def parse_iteration_dir_name(name: str) -> Optional[Union[int, str]]:
-    """Inverse of :func:`iteration_dir_name`; None for any other name."""
-    if name == "release":
-        return "release"
-    m = _ITER_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def write_tracker(save_root: PathLike, iteration: Union[int, str]) -> None:
-    """Write Megatron's ``latest_checkpointed_iteration.txt`` atomically (the last save step)."""
-    it = _check_iteration(iteration)
-    if is_url(save_root):
-        from .objstore import checkpoint as objck
-
-        objck.write_tracker(location(save_root), str(it))
-        return
-    os.makedirs(save_root, exist_ok=True)
-    write_file_atomic(os.path.join(os.fspath(save_root), TRACKER_NAME), str(it))
-
-
-def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
-    """The iteration named by the tracker file, ``"release"``, or None if there is none.
-
-    Garbage content raises CheckpointError naming the file: guessing would load the
-    wrong checkpoint.
-    """
-    if is_url(load_root):
-        from .objstore import checkpoint as objck
-
-        raw = objck.read_tracker_bytes(location(load_root))
-        if raw is None:
-            return None
-        return _parse_tracker(raw, f"{location(load_root)}/{TRACKER_NAME}")
-    path = os.path.join(os.fspath(load_root), TRACKER_NAME)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(_TRACKER_MAX + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise CheckpointError(f"cannot read tracker file {path}: {e}") from e
-    return _parse_tracker(raw, path)
-
-
-def _parse_tracker(raw: bytes, path: str) -> Union[int, str]:
-    try:
-        text = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        text = None
-    if text == "release":
-        return "release"
-    if text is not None and len(raw) <= _TRACKER_MAX and text.isdigit():
-        return int(text)
-    shown = raw[:60].decode("ascii", "backslashreplace")
-    raise CheckpointError(
-        f"tracker file {path} holds {shown!r}, not an iteration number or 'release'; "
-        "fix or delete it, or load an explicit checkpoint directory"
-    )
-
-
-def _child(root: str, name: str) -> str:
-    if is_url(root):
-        from .objstore.url import child
-
-        return child(root, name)
+def child(root: str, name: str) -> str:
     return os.path.join(root, name)
 
 
-def _iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> set[str]:
+def iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> List[str]:
     """``iter_N`` / ``release`` names in local directory ``root``, also those only present as
-    ``.<name>.<kind>-*`` entries of the given kinds."""
+    ``.<name>.<kind>-*`` entries of the given kinds; sorted."""
     try:
         entries = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
-        return set()
+        return []
     names = set()
     for e in entries:
         m = _AUX_RE.match(e)
         n = m.group("name") if m and m.group("kind") in kinds else e
         if parse_iteration_dir_name(n) is not None:
             names.add(n)
-    return names
+    return sorted(names)
 
 
-def save_root_iterations(root: PathLike) -> List[Union[int, str]]:
-    """The iterations a Megatron save root holds as megashard checkpoints (``iter_N``, or
-    ``release``; locally also one that only an interrupted re-save's complete copy holds,
-    as :func:`locate` finds it), ascending, ``release`` last. Read-only."""
-    loc = location(root)
-    if is_url(loc):
-        from .objstore import checkpoint as objck
-
-        names = [n for n in objck.child_names(loc) if parse_iteration_dir_name(n) is not None]
-    else:
-        names = sorted(_iteration_names(loc))
-    its = [parse_iteration_dir_name(n) for n in names if locate(_child(loc, n)) is not None]
-    return sorted(its, key=lambda it: (it == "release", it if isinstance(it, int) else 0))
+def leftover_kind(path: str) -> str:
+    """What a path :func:`megashard.storage.recover_path` removed was, in words (for its report)."""
+    m = _AUX_RE.match(os.path.basename(path.rstrip("/")))
+    kind = m.group("kind") if m else None
+    if kind == "old":
+        return "a copy an interrupted re-save left, superseded by the checkpoint"
+    if kind == "del":
+        return "an interrupted deletion"
+    if kind == "tmp" and not os.path.basename(path).startswith(f".{TRACKER_NAME}."):
+        return "a save that is no longer running left it"
+    return "left by a save that did not finish"
 
 
-def save_root(path: PathLike) -> Optional[Dict[str, Any]]:
-    """``{"path", "tracker", "iterations"}`` when ``path`` is a Megatron save root (what
-    ``--save``/``--load`` take: not itself a checkpoint, holding a tracker or ``iter_N``
-    checkpoints); None otherwise. ``tracker`` is the iteration the tracker names, or None."""
-    loc = location(path)
-    if locate(loc) is not None:
+def write_tracker(save_root: PathLike, text: str) -> None:
+    """Megatron's tracker file in directory ``save_root`` (created), written atomically."""
+    os.makedirs(save_root, exist_ok=True)
+    write_file_atomic(os.path.join(os.fspath(save_root), TRACKER_NAME), text)
+
+
+def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
+    """The iteration the tracker file in directory ``load_root`` names (:func:`~megashard.saveroot.parse_tracker`),
+    or None when there is none."""
+    path = os.path.join(os.fspath(load_root), TRACKER_NAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(TRACKER_MAX + 1)
+    except FileNotFoundError:
         return None
-    tracker = read_tracker(loc)
-    iterations = save_root_iterations(loc)
-    if tracker is None and not iterations:
-        return None
-    return {"path": loc, "tracker": tracker, "iterations": iterations}
-
-
-def root_checkpoint(root: Mapping[str, Any]) -> str:
-    """The checkpoint a save root's tracker names; a root without a tracker is a CheckpointError
-    that names its checkpoints (guessing would read the wrong one)."""
-    if root["tracker"] is None:
-        shown = ", ".join(_child(root["path"], iteration_dir_name(i)) for i in root["iterations"])
-        raise CheckpointError(f"{root['path']} is a Megatron save root without {TRACKER_NAME}; "
-                              f"name one of its checkpoints: {shown}")
-    return _child(root["path"], iteration_dir_name(root["tracker"]))
-
-
-def read_location(path: PathLike) -> str:
-    """:func:`checkpoint_location`, following a Megatron save root's tracker to the checkpoint it
-    names (``load_consolidated``, ``megashard inspect|verify``). Read-only."""
-    root = save_root(path)
-    return checkpoint_location(path if root is None else root_checkpoint(root))
-
-
-# --------------------------------------------------------------------------- retention
+    except OSError as e:
+        raise CheckpointError(f"cannot read tracker file {path}: {e}") from e
+    return parse_tracker(raw, path)
 
 
 def apply_retention(
@@ -1660,10 +1321,22 @@ def apply_retention(
 # --------------------------------------------------------------------------- the save seam
 
 
+def write_index(directory: str, head: bytes, sections: bytes) -> int:
+    """Write an index (see :class:`~megashard.manifest.IndexBuilder`) into ``directory``:
+    sections first, then the digest, then the head (a checkpoint is one once its head
+    exists). Returns the bytes written."""
+    from ..manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
+
+    write_file_atomic(os.path.join(directory, INDEX_NAME), sections)
+    write_file_atomic(os.path.join(directory, MANIFEST_DIGEST_NAME), manifest_digest(head))
+    write_file_atomic(os.path.join(directory, MANIFEST_NAME), head)
+    return len(head) + len(sections)
+
+
 class DirectorySave:
     """Where one save writes, on a file system (the protocol of the module docstring).
 
-    ``saving`` talks only to this interface; :class:`megashard.objstore.checkpoint.ObjectSave`
+    ``saving`` talks only to this interface; :class:`megashard.storage.s3.checkpoint.ObjectSave`
     is the same for an object store. Rank 0 calls :meth:`check`, :meth:`create`,
     :meth:`commit` (and :meth:`discard` on failure); every rank calls :meth:`writer`.
     """
@@ -1698,8 +1371,6 @@ class DirectorySave:
 
     def commit(self, token: str, files: Mapping[int, Mapping[str, Mapping[str, Any]]],
                where: Mapping[int, Any], head: bytes, sections: bytes) -> None:
-        from .index import write_index
-
         tmp = temp_dir_name(self.final, token)
         check_reported_files(tmp, {r: {n: f["bytes"] for n, f in fs.items()} for r, fs in files.items()}, where)
         write_index(tmp, head, sections)
@@ -1724,24 +1395,12 @@ class DirectorySave:
         remove_checkpoint(created)
 
 
-def save_target(checkpoint_dir: PathLike, new_only: bool = False) -> Any:
-    """The save seam for ``checkpoint_dir``: a directory, or an object-store URL. ``new_only``:
-    the commit creates it or fails (CommitConflictError), never replacing what is there."""
-    p = os.fspath(checkpoint_dir)
-    if is_url(p):
-        from .objstore.checkpoint import ObjectSave
-
-        return ObjectSave(p, new_only)
-    return DirectorySave(p, new_only)
+def save_target(checkpoint_dir: PathLike, new_only: bool = False) -> DirectorySave:
+    """The save seam for directory ``checkpoint_dir``."""
+    return DirectorySave(checkpoint_dir, new_only)
 
 
-def checkpoint_files(base: PathLike, index: Any = None) -> Any:
-    """The files object a load reads members through (``read_into``; ``descriptor`` where
-    ``passes_descriptors``): :class:`CheckpointFiles` of a directory, or the object-store
-    equivalent of a URL (``index``: the checkpoint's index, whose ETags pin every read)."""
-    p = os.fspath(base)
-    if is_url(p):
-        from .objstore.checkpoint import ObjectCheckpointFiles
-
-        return ObjectCheckpointFiles(p, index)
-    return CheckpointFiles(p)
+def checkpoint_files(base: PathLike, index: Any = None) -> CheckpointFiles:
+    """The files object a load reads the checkpoint in directory ``base`` through (``index``: unused
+    here; an object store pins its reads to the ETags it records)."""
+    return CheckpointFiles(base)

@@ -1,0 +1,56 @@
+"""megashard.storage picks a store by location; every store's module provides the same functions."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from megashard import storage
+from megashard.errors import CheckpointError
+from megashard.storage import posix
+from megashard.storage.base import Store
+from megashard.storage.s3 import checkpoint as s3_store
+
+INTERFACE = sorted(n for n in vars(Store) if not n.startswith("_"))
+
+
+@pytest.mark.parametrize("module", [posix, s3_store], ids=["posix", "s3"])
+def test_every_store_provides_the_whole_interface(module: types.ModuleType) -> None:
+    missing = [n for n in INTERFACE if not callable(getattr(module, n, None))]
+    assert missing == []
+
+
+def test_a_path_goes_to_the_file_system_and_a_url_to_the_store_of_its_scheme() -> None:
+    assert storage.store("/some/dir") is posix
+    assert storage.store("relative/dir") is posix
+    assert storage.store("s3://bkt/run") is s3_store
+    assert storage.store("MSC://profile/run") is s3_store
+    # a scheme no store takes goes to the S3 store, whose URL check refuses it by name
+    with pytest.raises(CheckpointError, match="not an object-store URL"):
+        storage.location("gs://bkt/run")
+
+
+def test_a_new_store_is_one_module_and_one_line(monkeypatch, tmp_path) -> None:
+    """Registering a module for a scheme routes every call of the interface to it: what adding GCS,
+    Azure Blob or another store amounts to."""
+    calls = []
+    fake = types.ModuleType("fake_store")
+    for name in INTERFACE:
+        def fn(*args, _name=name, **kwargs):
+            calls.append((_name, args[0]))
+            return {"location": "mem://b/run", "locate": "mem://b/run", "is_checkpoint": True,
+                    "read_tracker": 7, "iteration_names": ["iter_0000007"], "child": "mem://b/run/iter_0000007",
+                    "checkpoint_location": "mem://b/run"}.get(_name)
+        setattr(fake, name, fn)
+    monkeypatch.setitem(sys.modules, "fake_store", fake)
+    monkeypatch.setitem(storage.STORES, "mem", "fake_store")
+
+    assert storage.is_checkpoint("mem://b/run") is True
+    assert storage.read_tracker("mem://b/root") == 7
+    storage.write_tracker("mem://b/root", 7)
+    assert storage.save_root_iterations("mem://b/root") == [7]
+    assert ("write_tracker", "mem://b/root") in calls and ("is_checkpoint", "mem://b/run") in calls
+    assert all(url.startswith("mem://") for _, url in calls)
+    # paths still go to the file system
+    assert storage.is_checkpoint(str(tmp_path)) is False
