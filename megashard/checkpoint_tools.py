@@ -134,7 +134,7 @@ def _check_ref(m: Manifest, ref: Any, path: str) -> None:
     from .loading import _checked_ref
 
     if isinstance(ref, dict) and ref.get("kind") in ("tensor", "bytes"):
-        _checked_ref(ref, m, path)
+        _checked_ref(ref, m, path[len("state "):] if path.startswith("state ") else path)  # it says "state"
 
 
 def _int(v: Any) -> int:
@@ -229,8 +229,8 @@ def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] 
                                               for k, v in m.objects.items()]:
         try:  # every state tree decodes (tags, nesting, integer sizes, registered enums, valid refs)
             jsonstate.decode(tree, path=f"state {tid}", resolver=partial(_check_ref, m), strict=True)
-        except MegashardError as e:
-            problems.append(str(e))
+        except MegashardError as e:  # named by the index that holds it: the message names a key only
+            problems.append(f"{cf.path(storage.MANIFEST_NAME)}: {e}")
     for fname, names in sorted(entries.items()):
         extra = sorted(set(names) - set(listed.get(fname, ())))
         if extra:

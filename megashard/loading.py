@@ -768,7 +768,7 @@ def load(
     stats = LoadStats()
 
     info, err = comm.run("load/probe", lambda: _probe(base))
-    probe = comm.coordinate("load", err, info, lambda infos: plan_probe(infos, base, mode))  # collective 1
+    probe = comm.coordinate(f"load of {base}", err, info, lambda infos: plan_probe(infos, base, mode))  # collective 1
     base = probe["base"] or base  # an interrupted re-save's copy is read where it is
     chosen = stats.mode = probe["mode"]
     node = {int(r): rd for r, rd in probe["node"].items()}
@@ -788,7 +788,7 @@ def load(
     try:
         if err is None:
             result, err = comm.run("load/plan", torch.no_grad()(plan_local))
-        comm.agree(err, "load")
+        comm.agree(err, f"load of {base}")
         if chosen == "own":
             nread, err = comm.run("load/read", lambda: readers.read_own(base, index, work.ops, work.view_ops,
                                                                           work.row_jobs, threads))
@@ -817,7 +817,7 @@ def load(
                 if verify and (chosen == "own" or node.get(comm.rank, comm.rank) == comm.rank):
                     readers.verify_delivered(base, work.touched, index)
             _, err = comm.run("load/finish", fin)
-        comm.agree(err, "load")  # final: all succeeded or all raise
+        comm.agree(err, f"load of {base}")  # final: all succeeded or all raise
     finally:
         if index is not None:
             stats.index_bytes_read = index.bytes_read
@@ -874,7 +874,7 @@ def load_common(
         return jsonstate.encode(out)
 
     encoded, err = comm.run("load_common", read)
-    comm.agree(err, "load_common")
+    comm.agree(err, f"load_common of {base}")
     encoded = comm.broadcast_json(encoded, 0)
     return jsonstate.decode(encoded)
 

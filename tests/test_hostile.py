@@ -455,3 +455,317 @@ def test_bit_flips_caught_in_scatter_mode(tmp_path):
 def test_load_common_skips_tensor_only_subtrees(ckpt):
     out = megashard.load_common(ckpt)
     assert set(out) == {"args"}, out  # "w0"/"w1" (sharded), "local" and "blob" (file-backed) are left out
+
+
+# --------------------------------------------------------------------------- the same on S3
+# A checkpoint in an object store is untrusted the same way: its head, index and digest are objects
+# anyone with write access to the bucket may have edited (rewriting the digest and ETags too). Every
+# attack below ends in a MegashardError naming the object, requests no key outside the checkpoint's
+# prefix, and allocates nothing sized by a claim before the object's real size is known.
+
+S3_ROOT = "run"
+S3_CKPT = f"{S3_ROOT}/iter_0000007"
+
+
+class _S3Ckpt:
+    """A saved checkpoint in the test bucket and the means to rewrite it as a hostile author would."""
+
+    def __init__(self, s3, tmp_path) -> None:
+        from megashard.storage.s3.client import ObjectStore
+
+        self.s3, self.tmp = s3, tmp_path
+        self.url = s3.url(S3_CKPT)
+        _save(self.url)
+        self.store, self.key = ObjectStore.for_url(self.url)
+        self.head = json.loads(self.get("manifest.json"))
+        self.prefix = self.head["data_prefix"]
+
+    def get(self, name: str) -> bytes:
+        return self.store.get_bytes(f"{self.key}/{name}", 1 << 26)[0]
+
+    def data(self, name: str) -> bytes:
+        return self.get(f"{self.prefix}/{name}")
+
+    def put(self, name: str, data: bytes) -> str:
+        return self.store.put_bytes(f"{self.key}/{name}", data)
+
+    def put_data(self, name: str, data: bytes) -> str:
+        return self.put(f"{self.prefix}/{name}", data)
+
+    def shard(self) -> str:
+        return next(n for n in self.doc()["files"] if n.endswith(".tensors"))
+
+    def doc(self) -> dict:
+        """The logical document (tamper.read_manifest_doc of a local copy of head and index)."""
+        d = self.tmp / "doc"
+        d.mkdir(exist_ok=True)
+        (d / "manifest.json").write_bytes(self.get("manifest.json"))
+        (d / "manifest.index").write_bytes(self.data("manifest.index"))
+        return read_manifest_doc(str(d))
+
+    def write_head(self, head: dict) -> None:
+        """The head as given, with a digest that matches it."""
+        data = json.dumps(head).encode()
+        self.put("manifest.json", data)
+        self.put_data(storage.MANIFEST_DIGEST_NAME, storage.manifest_digest(data).encode())
+
+    def write_doc(self, doc: dict) -> None:
+        """A (possibly damaged) logical document as index and head, ETags and digest consistent."""
+        from tamper import encode_doc
+
+        head, sections = encode_doc(doc)
+        head = json.loads(head)
+        head["index"]["etag"] = self.put_data("manifest.index", sections)
+        head["data_prefix"] = self.prefix
+        self.write_head(head)
+
+    def edit(self, fn) -> None:
+        doc = self.doc()
+        fn(doc)
+        self.write_doc(doc)
+
+    def edit_head(self, fn) -> None:
+        head = json.loads(self.get("manifest.json"))
+        fn(head)
+        self.write_head(head)
+
+
+def _s3_rename_file(c: _S3Ckpt, new: str, plant: bool = True) -> None:
+    """Every reference to the shard file renamed to ``new``; with ``plant``, the object ``new`` would
+    reach if it were resolved as a path (a copy of the shard: a load that reads it would succeed)."""
+    f = c.shard()
+    data = c.data(f)
+    if plant:
+        c.store.put_bytes(f"{c.key}/other/x", data)
+        c.store.put_bytes("other/x", data)
+
+    def fn(d):
+        d["files"][new] = d["files"].pop(f)
+        for t in d["tensors"].values():
+            for s in t["shards"]:
+                if s["file"] == f:
+                    s["file"] = new
+        for tree in d["trees"].values():
+            for v in tree.values():
+                if isinstance(v, dict) and isinstance(v.get("ref"), dict) and v["ref"].get("file") == f:
+                    v["ref"]["file"] = new
+    c.edit(fn)
+
+
+def _s3_dotdot_name(c):
+    _s3_rename_file(c, "../other/x")
+
+
+def _s3_dotdot_to_root(c):
+    _s3_rename_file(c, "../../../other/x")
+
+
+def _s3_absolute_name(c):
+    _s3_rename_file(c, "/other/x")
+
+
+def _s3_url_encoded_dotdot(c):
+    _s3_rename_file(c, "..%2F..%2Fother%2Fx")
+
+
+def _s3_url_encoded_dots(c):
+    _s3_rename_file(c, "%2e%2e")
+
+
+def _s3_query_name(c):
+    _s3_rename_file(c, "x.tensors?versionId=1")
+
+
+def _s3_fragment_name(c):
+    _s3_rename_file(c, "x.tensors#../../other")
+
+
+def _s3_backslash_name(c):
+    _s3_rename_file(c, "..\\other\\x")
+
+
+def _s3_dotdot_data_prefix(c):
+    c.edit_head(lambda h: h.update(data_prefix="../other"))
+
+
+def _s3_file_larger_than_claimed(c):
+    f = c.shard()
+    c.edit(lambda d: d["files"][f].update(bytes=d["files"][f]["bytes"] - 100))
+
+
+def _s3_file_smaller_than_claimed(c):
+    f = c.shard()
+    c.edit(lambda d: d["files"][f].update(bytes=d["files"][f]["bytes"] + 100))
+
+
+def _s3_file_claims_a_terabyte(c):
+    f = c.shard()
+    c.edit(lambda d: d["files"][f].update(bytes=1 << 40))
+
+
+def _s3_index_longer_than_object(c):
+    c.edit_head(lambda h: h["index"].update(bytes=h["index"]["bytes"] + 4096))
+
+
+def _s3_index_shorter_than_object(c):
+    c.edit_head(lambda h: h["index"].update(bytes=h["index"]["bytes"] - 10))
+
+
+def _s3_section_past_index(c):
+    """Every section reference of the head points past the index object (index.bytes honest)."""
+    def fn(h):
+        for table in ("files", "tensors", "trees"):
+            for e in h[table]:
+                e[1] = h["index"]["bytes"] + 10
+    c.edit_head(fn)
+
+
+def _s3_huge_index_and_sections(c):
+    """The head claims a 16 TiB index and sections of that length: nothing may be allocated for them."""
+    def fn(h):
+        h["index"]["bytes"] = 1 << 44
+        for table in ("files", "tensors", "trees"):
+            for e in h[table]:
+                e[2] = (1 << 44) - e[1]
+    c.edit_head(fn)
+
+
+def _s3_large_index_and_sections(c):
+    """The same at 256 MiB (a claim the machine could satisfy: the tracemalloc bound catches it)."""
+    def fn(h):
+        h["index"]["bytes"] = 1 << 28
+        for table in ("files", "tensors", "trees"):
+            for e in h[table]:
+                e[2] = (1 << 28) - e[1]
+    c.edit_head(fn)
+
+
+def _s3_huge_index_bytes(c):
+    c.edit_head(lambda h: h["index"].update(bytes=1 << 44))
+
+
+def _s3_index_object_huge(c):
+    """An index object far larger than the head says (the head's ETag updated to match)."""
+    def fn(h):
+        h["index"]["etag"] = c.put_data("manifest.index", c.data("manifest.index") + b"\0" * (8 << 20))
+    c.edit_head(fn)
+
+
+def _s3_huge_shape(c):
+    c.edit(lambda d: _ref(d, "local").update(shape=[1 << 40, 1 << 20]))
+
+
+def _s3_offset_past_object(c):
+    c.edit(lambda d: _first_shard(d).update(data_offset=1 << 40))
+
+
+def _s3_digest_truncated(c):
+    c.put_data(storage.MANIFEST_DIGEST_NAME, c.data(storage.MANIFEST_DIGEST_NAME)[:32])
+
+
+def _s3_digest_garbled(c):
+    c.put_data(storage.MANIFEST_DIGEST_NAME, c.data(storage.MANIFEST_DIGEST_NAME).upper())
+
+
+def _s3_digest_of_other_bytes(c):
+    c.put_data(storage.MANIFEST_DIGEST_NAME, storage.manifest_digest(b"something else").encode())
+
+
+def _s3_digest_empty(c):
+    c.put_data(storage.MANIFEST_DIGEST_NAME, b"")
+
+
+def _s3_digest_huge(c):
+    c.put_data(storage.MANIFEST_DIGEST_NAME, c.data(storage.MANIFEST_DIGEST_NAME) * (1 << 16))
+
+
+def _s3_digest_missing(c):
+    c.store.delete([f"{c.key}/{c.prefix}/{storage.MANIFEST_DIGEST_NAME}"])
+
+
+def _s3_shard_truncated_mid_tensor(c):
+    """The object cut short (its ETag changes with it: the index's no longer matches)."""
+    f = c.shard()
+    c.put_data(f, c.data(f)[:-300])
+
+
+def _s3_shard_truncated_and_index_rewritten(c):
+    """A hostile author truncates the object and rewrites size and ETag in the index to match."""
+    f = c.shard()
+    etag = c.put_data(f, c.data(f)[:-300])
+    c.edit(lambda d: d["files"][f].update(bytes=d["files"][f]["bytes"] - 300, etag=etag))
+
+
+def _s3_shard_missing(c):
+    c.store.delete([f"{c.key}/{c.prefix}/{c.shard()}"])
+
+
+def _s3_index_etag_stale(c):
+    c.edit_head(lambda h: h["index"].update(etag='"0123456789abcdef0123456789abcdef"'))
+
+
+S3_ATTACKS = [_s3_dotdot_name, _s3_dotdot_to_root, _s3_absolute_name, _s3_url_encoded_dotdot, _s3_url_encoded_dots,
+              _s3_query_name, _s3_fragment_name, _s3_backslash_name, _s3_dotdot_data_prefix,
+              _s3_file_larger_than_claimed, _s3_file_smaller_than_claimed, _s3_file_claims_a_terabyte,
+              _s3_index_longer_than_object, _s3_index_shorter_than_object, _s3_section_past_index,
+              _s3_huge_index_and_sections, _s3_large_index_and_sections, _s3_huge_index_bytes, _s3_index_object_huge,
+              _s3_huge_shape, _s3_offset_past_object, _s3_digest_truncated, _s3_digest_garbled,
+              _s3_digest_of_other_bytes, _s3_digest_empty, _s3_digest_huge, _s3_digest_missing,
+              _s3_shard_truncated_mid_tensor, _s3_shard_truncated_and_index_rewritten, _s3_shard_missing,
+              _s3_index_etag_stale]
+
+
+@pytest.mark.parametrize("attack", S3_ATTACKS, ids=lambda f: f.__name__.strip("_"))
+def test_hostile_s3_checkpoint(attack, s3, tmp_path, capsys):
+    import tracemalloc
+
+    c = _S3Ckpt(s3, tmp_path)
+    attack(c)
+    s3.reset()
+    outcomes = {}
+    tracemalloc.start()
+    try:
+        for name, call in [("load", lambda: megashard.load(_template(), c.url, verify=False)),
+                           ("load_strict_verify", lambda: megashard.load(_template(), c.url, verify=True)),
+                           ("load_common", lambda: megashard.load_common(c.url, ["args"], strict=True)),
+                           ("verify", lambda: verify_checkpoint(c.url) or None)]:
+            try:
+                outcomes[name] = call()
+            except MegashardError as e:
+                outcomes[name] = e
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(outcomes["verify"], (list, MegashardError)) and outcomes["verify"], outcomes
+    assert isinstance(outcomes["load"], MegashardError), outcomes
+    assert isinstance(outcomes["load_strict_verify"], MegashardError), outcomes
+    for v in outcomes.values():  # each message names the checkpoint's objects
+        text = str(v) if isinstance(v, MegashardError) else " ".join(map(str, v or []))
+        if isinstance(v, (MegashardError, list)):
+            assert c.url in text, f"{attack.__name__}: message does not name the checkpoint: {text[:500]}"
+    assert cli_main(["verify", c.url]) != 0
+    capsys.readouterr()
+    # no key outside the checkpoint was ever asked for
+    outside = sorted({r["key"] for r in s3.requests() if not r["key"].startswith(c.key + "/")})
+    assert not outside, f"{attack.__name__}: requests outside the checkpoint: {outside}"
+    assert peak < 32 << 20, f"{attack.__name__}: {peak} bytes allocated although every object is tiny"
+
+
+@pytest.mark.parametrize("text", [b"../other", b"7/../../other", b"iter_0000007", b"-1", b"1e3", b"0x7", b"7\x00",
+                                  b"\xd9\xa7", b"9" * 5000, b"s3://other-bucket/run/iter_0000007", b"release/.."])
+def test_hostile_s3_tracker(s3, tmp_path, text):
+    """A tracker object naming another prefix (or nothing readable) is refused naming it; a save
+    root's readers never follow it outside the root."""
+    c = _S3Ckpt(s3, tmp_path)
+    root = s3.url(S3_ROOT)
+    c.store.put_bytes("other/manifest.json", c.get("manifest.json"))
+    c.store.put_bytes(f"{S3_ROOT}/latest_checkpointed_iteration.txt", text)
+    s3.reset()
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt"):
+        storage.read_tracker(root)
+    problems = verify_checkpoint(root)
+    assert problems and "latest_checkpointed_iteration.txt" in problems[0], problems
+    with pytest.raises(MegashardError):
+        megashard.load_consolidated(root)
+    outside = sorted({r["key"] for r in s3.requests() if not r["key"].startswith(S3_ROOT + "/")})
+    assert not outside, outside

@@ -46,14 +46,16 @@ class TensorFileReader:
     _map: torch.Tensor | None = None  # the whole file, mapped copy-on-write (made on first mmap read)
 
     def __init__(self, path: str | os.PathLike[str], *, threads: int | None = None,
-                 dir_fd: int | None = None, nofollow: bool = False) -> None:
+                 dir_fd: int | None = None, nofollow: bool = False, shown: str | None = None) -> None:
         """``dir_fd``/``nofollow``: open ``path`` relative to an open directory and refuse a
-        symbolic link (checkpoint shards must not lead out of their directory)."""
-        self.path = os.fspath(path)
+        symbolic link (checkpoint shards must not lead out of their directory). ``shown``: the
+        name messages give the file (an object's URL when ``path`` is a copy of it in memory),
+        so even an error while opening names what the user has, not ``/proc/self/fd/N``."""
+        self.path = shown or os.fspath(path)
         self._threads = threads or default_read_threads()
         flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
         try:
-            self._fd = os.open(self.path, flags, dir_fd=dir_fd)
+            self._fd = os.open(os.fspath(path), flags, dir_fd=dir_fd)
         except OSError as e:
             why = "a symbolic link (refused)" if nofollow and e.errno == errno.ELOOP else e.strerror
             raise FormatError(f"{self.path}: cannot open: {why}") from e

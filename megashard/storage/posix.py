@@ -230,7 +230,7 @@ class CheckpointFiles:
         from ..format import TensorFileReader
 
         check_member_name(name, self.base)
-        return TensorFileReader(name, dir_fd=self.dir_fd, nofollow=True)
+        return TensorFileReader(name, dir_fd=self.dir_fd, nofollow=True, shown=self.path(name))
 
     def read_manifest_bytes(self) -> bytes:
         """``manifest.json``, checked against ``manifest.sha256`` when that exists."""

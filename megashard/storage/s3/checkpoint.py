@@ -442,7 +442,7 @@ class ObjectCheckpointFiles:
         where: List[int] = []  # jobs_s3's positions in jobs
         for i, (name, reqs, size) in enumerate(jobs):
             if name == INDEX_NAME:
-                n += self._read_index(reqs, size)
+                n += self._read_index(reqs, size)  # no requests: the check on open (size against the head)
             elif reqs:  # none: nothing to check here, every GET checks size (Content-Range) and ETag itself
                 if size is None:
                     size = self.open(name).size
@@ -454,14 +454,26 @@ class ObjectCheckpointFiles:
         return n + self.store.read_many(jobs_s3, done=None if done is None else (lambda j: done(where[j])))
 
     def _read_index(self, reqs: Sequence[Tuple[int, memoryview]], size: Optional[int]) -> int:
-        """The index's sections are small and many: the whole index in one GET, once."""
+        """The index's sections are small and many: the whole index in one GET, once. Read (and
+        its size checked against the head's ``size``) on the first call, even one without
+        requests: the index is opened that way (:class:`megashard.index._IndexFile`), before
+        any section's length, which the head claims, sizes a buffer."""
+        if self._index_bytes is None and (reqs or size is not None):
+            limit = _max_head() if size is None else min(size, _max_head())
+            try:
+                data = self.read_bytes(INDEX_NAME, limit)
+            except CheckpointError as e:
+                if size is None or "more than" not in str(e):
+                    raise
+                raise CheckpointError(f"{self.path(INDEX_NAME)}: larger than the {size} bytes the manifest says "
+                                      f"(or than MEGASHARD_MAX_MANIFEST_BYTES={_max_head()}); the checkpoint is "
+                                      "damaged or hostile") from None
+            if size is not None and len(data) != size:
+                raise CheckpointError(f"{self.path(INDEX_NAME)}: {len(data)} bytes, the manifest says {size}; "
+                                      "the checkpoint is damaged or hostile")
+            self._index_bytes = data
         if not reqs:
             return 0
-        if self._index_bytes is None:
-            self._index_bytes = self.read_bytes(INDEX_NAME, _max_head())
-            if size is not None and len(self._index_bytes) != size:
-                raise CheckpointError(f"{self.path(INDEX_NAME)}: {len(self._index_bytes)} bytes, the manifest "
-                                      f"says {size}; the checkpoint is damaged")
         data, n = self._index_bytes, 0
         for off, mv in reqs:
             if off < 0 or off + len(mv) > len(data):
@@ -488,9 +500,7 @@ class ObjectCheckpointFiles:
                 buf = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
                 self.read_into(name, [(0, tensor_memoryview(buf))], size=size)
                 del buf
-            reader = TensorFileReader(f"/proc/self/fd/{fd}")
-            reader.path = self.path(name)
-            return reader
+            return TensorFileReader(f"/proc/self/fd/{fd}", shown=self.path(name))
         finally:
             os.close(fd)
 
