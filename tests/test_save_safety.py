@@ -503,3 +503,108 @@ def test_a_rank_waits_for_the_temp_dir_a_network_filesystem_shows_late(tmp_path,
     finally:
         t.join()
     assert got == storage.temp_dir_name(final, "tok") and os.path.isdir(got)
+
+
+# --------------------------------------------------------------------------- loads on a lagging mount
+
+def _lagging(paths, delay: float):
+    """Hide ``paths`` (rename each aside) and bring them back after ``delay`` seconds on a timer: what
+    another node's fresh commit looks like on a mount whose metadata cache lags."""
+    import threading
+
+    for p in paths:
+        os.rename(p, str(p) + ".hidden")
+    t = threading.Timer(delay, lambda: [os.rename(str(p) + ".hidden", p) for p in paths])
+    t.start()
+    return t
+
+
+def _lag_state() -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {"w": ShardedTensor("w", torch.randn(16, 8, generator=g), (16, 8), (0, 0)),
+            "b": torch.randn(7, generator=g), "args": {"iteration": 3}}
+
+
+def _lag_template() -> dict:
+    return {"w": ShardedTensor("w", torch.zeros(16, 8), (16, 8), (0, 0)), "b": torch.zeros(7), "args": {}}
+
+
+@pytest.mark.parametrize("hidden", ["tensors", "index", "both"])
+def test_a_load_waits_for_files_its_index_names_that_a_lagging_mount_shows_late(tmp_path, monkeypatch, hidden):
+    """The committed index names the index and data files: one not visible yet is waited for
+    (bounded by ``MEGASHARD_FS_WAIT_S``) and the load is bit-exact; one that never shows fails
+    after the wait, naming it and what to run."""
+    ckpt = tmp_path / "iter_0000003"
+    want = _lag_state()
+    megashard.save(want, str(ckpt))
+    names = {"tensors": [n for n in os.listdir(ckpt) if n.endswith(".tensors")],
+             "index": ["manifest.index"]}
+    names["both"] = names["tensors"] + names["index"]
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "10")
+    t = _lagging([ckpt / n for n in names[hidden]], 0.4)
+    try:
+        got = megashard.load(_lag_template(), str(ckpt))
+    finally:
+        t.join()
+    assert torch.equal(got["w"], want["w"].data) and torch.equal(got["b"], want["b"]) and got["args"] == {"iteration": 3}
+    assert megashard.load_common(str(ckpt), ["args"]) == {"args": {"iteration": 3}}
+    # never shows: a clear failure once the (here short) wait is over
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.3")
+    gone = names[hidden][0]
+    os.rename(ckpt / gone, tmp_path / gone)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError) as e:
+        megashard.load(_lag_template(), str(ckpt))
+    assert time.monotonic() - t0 >= 0.3
+    msg = str(e.value)
+    assert str(ckpt / gone) in msg and "MEGASHARD_FS_WAIT_S" in msg and f"megashard verify {ckpt}" in msg, msg
+    problems = verify_checkpoint_problems(ckpt)
+    assert any(gone in p for p in problems), problems
+
+
+def verify_checkpoint_problems(path) -> list:
+    from megashard.checkpoint_tools import verify_checkpoint
+
+    return verify_checkpoint(str(path))
+
+
+def test_files_not_named_by_an_index_are_never_waited_for(tmp_path, monkeypatch):
+    """Only what a committed index or tracker names is waited for: a path that is no checkpoint,
+    a checkpoint without its head, a save root without a tracker fail at once (the wait is long)."""
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "30")
+    ckpt = tmp_path / "iter_0000003"
+    megashard.save(_lag_state(), str(ckpt))
+    os.rename(ckpt / "manifest.json", tmp_path / "manifest.json")
+    t0 = time.monotonic()
+    for bad in (ckpt, tmp_path / "nothing-here"):
+        with pytest.raises(CheckpointError):
+            megashard.load(_lag_template(), str(bad))
+        with pytest.raises(MegashardError):
+            storage.read_location(str(bad))
+    assert storage.locate(str(ckpt)) is None
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_checkpoint_the_tracker_names_is_waited_for(tmp_path, monkeypatch):
+    """A save root whose tracker names iter_N (another node just committed it) while this node's
+    mount does not show iter_N (or its head) yet: the reader follows the tracker after the wait; a
+    tracker naming a checkpoint that never shows fails after the wait, naming it."""
+    root = tmp_path / "root"
+    want = _lag_state()
+    megashard.save(want, str(root / "iter_0000003"))
+    storage.write_tracker(str(root), 3)
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "10")
+    for hide in (root / "iter_0000003", root / "iter_0000003" / "manifest.json"):
+        t = _lagging([hide], 0.4)
+        try:
+            found = storage.read_location(str(root))
+        finally:
+            t.join()
+        assert found == str(root / "iter_0000003")
+        assert torch.equal(megashard.load_consolidated(str(root))["w"], want["w"].data)
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.3")
+    storage.write_tracker(str(root), 4)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match="iter_0000004"):
+        storage.read_location(str(root))
+    assert time.monotonic() - t0 >= 0.3

@@ -162,10 +162,15 @@ def resolve_load(root: Optional[str], ckpt_step: Optional[int] = None, comm: Any
                           why=f"no tracker file {tracker_path(root)}" if root else "no load directory")
     path = root if direct else checkpoint_dir(root, iteration, release) if root else None
 
+    # the tracker this rank read names the checkpoint: it exists, though a mount that lags may not show
+    # it yet right after another node's commit (wait for it, bounded). A rank that saw no tracker (it
+    # does not see the root: scatter's blind ranks) or a --ckpt-step the user named: one look.
+    named = not direct and not ckpt_step and look is not None and look.get("tracker") is not None
+
     def look_checkpoint() -> Dict[str, Any]:
         if not path:
             return {"sees": False, "why": "no load directory on this rank"}
-        found = storage.locate(path)
+        found = storage.locate_named(path) if named else storage.locate(path)
         return {"sees": found is not None, "why": "" if found else storage.why_not_checkpoint(path)}
 
     def combine(sees: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -37,7 +37,7 @@ from .posix import (CheckpointFiles, DirectorySave, apply_retention, check_repor
 __all__ = [
     "STORES", "Store", "store",
     # the interface, by location
-    "location", "locate", "is_checkpoint", "checkpoint_location", "why_not_checkpoint", "recover", "Recovery",
+    "location", "locate", "locate_named", "is_checkpoint", "checkpoint_location", "why_not_checkpoint", "recover", "Recovery",
     "save_target", "checkpoint_files",
     # Megatron save roots in any store
     "write_tracker", "read_tracker", "save_root", "save_root_iterations", "root_checkpoint", "read_location",
@@ -86,6 +86,16 @@ def locate(path: PathLike) -> Optional[str]:
     """Where the complete checkpoint called ``path`` is, without changing anything (:func:`.posix.locate`:
     also an interrupted re-save's complete copy), or None."""
     return store(path).locate(path)
+
+
+def locate_named(path: PathLike) -> Optional[str]:
+    """:func:`locate` for a checkpoint that a committed tracker names: on a file system, one not
+    visible yet is looked for again up to ``MEGASHARD_FS_WAIT_S`` (:func:`.posix.locate_named`: a
+    load right after another node's commit, on a lagging shared mount). An object store shows a
+    committed object at once: one look."""
+    if is_url(os.fspath(path)):
+        return locate(path)
+    return posix.locate_named(path)
 
 
 def is_checkpoint(path: PathLike) -> bool:
@@ -187,7 +197,11 @@ def read_location(path: PathLike) -> str:
     """:func:`checkpoint_location`, following a Megatron save root's tracker to the checkpoint it
     names (``load_consolidated``, ``megashard inspect|verify``). Read-only."""
     root = save_root(path)
-    return checkpoint_location(path if root is None else root_checkpoint(root))
+    if root is None:
+        return checkpoint_location(path)
+    named = root_checkpoint(root)
+    locate_named(named)  # the tracker names it: it may show late on a lagging mount
+    return checkpoint_location(named)
 
 
 def recover_path(path: PathLike, older_than_s: Optional[float] = None) -> Recovery:

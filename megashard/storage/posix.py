@@ -138,6 +138,7 @@ class CheckpointFiles:
         except OSError as e:
             raise CheckpointError(f"{self.base}: cannot open the checkpoint directory ({e.strerror})") from None
         self._fds: dict = {}
+        self._wait_until: Optional[float] = None  # see _wait_left
 
     def __enter__(self) -> "CheckpointFiles":
         return self
@@ -158,17 +159,33 @@ class CheckpointFiles:
 
     def open(self, name: str, size: Optional[int] = None) -> int:
         """A read-only descriptor of member ``name`` (checked: plain name, regular file,
-        no symlink, and exactly ``size`` bytes when given)."""
+        no symlink, and exactly ``size`` bytes when given).
+
+        A ``size`` comes from the committed index, which names the member: one that does not
+        exist (yet) is waited for, up to :func:`fs_wait_s`, before it is reported missing (a
+        load started on another node right after the commit, on a mount whose metadata cache
+        lags). Without a size (the head, the digest, a probe) nothing is waited for."""
         fd = self._fds.get(name)
         if fd is not None:
             return fd
         check_member_name(name, self.base)
         where = self.path(name)
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self.dir_fd)
+            fd = os.open(name, flags, dir_fd=self.dir_fd)
         except OSError as e:
-            why = "it is a symbolic link (refused)" if e.errno == errno.ELOOP else e.strerror
-            raise CheckpointError(f"{where}: cannot open ({why})") from None
+            err: Optional[OSError] = e
+            wait = self._wait_left() if e.errno == errno.ENOENT and size is not None else 0.0
+            if wait:
+                fd, err = self._wait_for(name, flags, wait)
+            if err is not None:
+                why = "it is a symbolic link (refused)" if err.errno == errno.ELOOP else err.strerror
+                if wait and err.errno == errno.ENOENT:
+                    raise CheckpointError(
+                        f"{where}: cannot open ({why}), although the checkpoint's index names it ({size} bytes), "
+                        f"after waiting {wait:g} s for a shared file system to show it (MEGASHARD_FS_WAIT_S); the "
+                        f"checkpoint is incomplete: `megashard verify {self.base}` lists what is missing") from None
+                raise CheckpointError(f"{where}: cannot open ({why})") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -181,6 +198,39 @@ class CheckpointFiles:
             raise
         self._fds[name] = fd
         return fd
+
+    def _wait_left(self) -> float:
+        """What is left of this files object's one wait (:func:`fs_wait_s` from the first member
+        waited for): a checkpoint missing many files fails after one wait, not one per file."""
+        now = time.monotonic()
+        if self._wait_until is None:
+            self._wait_until = now + fs_wait_s()
+        return max(0.0, self._wait_until - now)
+
+    def _wait_for(self, name: str, flags: int, wait_s: float) -> Tuple[int, Optional[OSError]]:
+        """Member ``name`` opened once it shows, polling up to ``wait_s``: (descriptor, None), or
+        (-1, the last error: ENOENT when it never showed)."""
+        got: List[int] = []
+        last: List[OSError] = []
+        t0 = time.monotonic()
+
+        def there() -> bool:
+            try:
+                got.append(os.open(name, flags, dir_fd=self.dir_fd))
+            except FileNotFoundError as e:
+                last[:] = [e]
+                return False
+            except OSError as e:  # it showed, as something the open refuses: reported as such
+                last[:] = [e]
+                return True
+            return True
+
+        _poll(there, wait_s)
+        if not got:
+            return -1, last[0] if last else OSError(errno.ENOENT, os.strerror(errno.ENOENT))
+        logger.warning("%s: showed %.1f s after the load first looked for it (a shared file system whose metadata "
+                       "lags: MEGASHARD_FS_WAIT_S bounds the wait)", self.path(name), time.monotonic() - t0)
+        return got[0], None
 
     def size(self, name: str) -> int:
         return os.fstat(self.open(name)).st_size
@@ -965,6 +1015,25 @@ def _newest_first(checkpoints: List[str]) -> List[str]:
             return float("-inf")
 
     return sorted(checkpoints, key=mtime, reverse=True)
+
+
+def locate_named(final_dir: PathLike, wait_s: Optional[float] = None) -> Optional[str]:
+    """:func:`locate` for a checkpoint that something committed names (a save root's tracker):
+    when it is not there (yet), look again for up to ``wait_s`` (default :func:`fs_wait_s`)
+    before answering None. Another node's commit may show late on a mount whose metadata
+    cache lags (``weed mount``, NFS attribute caches): a load started right after it would
+    otherwise find no checkpoint, or its head not yet."""
+    found = locate(final_dir)
+    if found is not None:
+        return found
+    t0 = time.monotonic()
+    seen: List[str] = []
+    _poll(lambda: bool(seen.append(locate(final_dir)) or seen[-1]), fs_wait_s() if wait_s is None else wait_s)
+    if seen and seen[-1] is not None:
+        logger.warning("%s: showed %.1f s after the load first looked for it (a shared file system whose metadata "
+                       "lags: MEGASHARD_FS_WAIT_S bounds the wait)", final_dir, time.monotonic() - t0)
+        return seen[-1]
+    return None
 
 
 def checkpoint_location(checkpoint_dir: PathLike) -> str:
