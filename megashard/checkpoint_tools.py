@@ -229,8 +229,8 @@ def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] 
                                               for k, v in m.objects.items()]:
         try:  # every state tree decodes (tags, nesting, integer sizes, registered enums, valid refs)
             jsonstate.decode(tree, path=f"state {tid}", resolver=partial(_check_ref, m), strict=True)
-        except MegashardError as e:  # named by the index that holds it: the message names a key only
-            problems.append(f"{cf.path(storage.MANIFEST_NAME)}: {e}")
+        except MegashardError as e:  # a message naming only a key: named by the index that holds it
+            problems.append(str(e) if base in str(e) else f"{cf.path(storage.MANIFEST_NAME)}: {e}")
     for fname, names in sorted(entries.items()):
         extra = sorted(set(names) - set(listed.get(fname, ())))
         if extra:

@@ -61,7 +61,8 @@ def test_verify_reports_corrupt_byte(ckpt, capsys):
     assert shard.name in out.out + out.err
 
 
-def test_verify_reports_missing_file_and_coverage_hole(ckpt, capsys):
+def test_verify_reports_missing_file_and_coverage_hole(ckpt, capsys, monkeypatch):
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.2")  # the missing file is waited for this long
     doc = read_manifest_doc(ckpt)
     doc["tensors"]["w"]["shards"].pop()  # a hole in "w"
     write_manifest_doc(ckpt, doc)

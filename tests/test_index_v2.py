@@ -86,7 +86,8 @@ def _template() -> dict:
 
 @pytest.mark.parametrize("damage", ["flip_section_byte", "truncate_index", "symlink_index", "missing_index",
                                     "section_past_end", "chunk_ints_garbage"])
-def test_damaged_index_is_a_clear_error(tmp_path, damage):
+def test_damaged_index_is_a_clear_error(tmp_path, damage, monkeypatch):
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.2")  # a missing index is waited for this long
     path = str(tmp_path / "ckpt")
     _save(path)
     ipath = os.path.join(path, manifest.INDEX_NAME)

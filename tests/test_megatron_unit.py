@@ -221,3 +221,39 @@ def test_load_of_a_torch_dist_or_hf_directory_names_convert_not_random_init(tmp_
         hooks.make_load_wrapper(lambda *a, **k: calls.append(a))(None, None, None)
     assert str(e.value).startswith(want) and not calls
     assert ck.resolve_load(str(tmp_path / "new")).foreign is None  # an empty --load still starts fresh
+
+
+def test_resolve_load_waits_for_the_checkpoint_its_tracker_names(tmp_path, monkeypatch):
+    """Resume on a node whose shared mount lags another node's commit: the tracker it reads names
+    iter_N, which does not show yet; resolve_load waits for it (bounded by MEGASHARD_FS_WAIT_S)
+    instead of answering "no checkpoint". A --ckpt-step the user names is looked up once."""
+    import os
+    import threading
+    import time
+
+    import megashard
+
+    root = tmp_path / "root"
+    it = root / "iter_0000002"
+    megashard.save({"w": torch.arange(4.0)}, str(it))
+    (root / ck.TRACKER_FILENAME).write_text("2")
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "10")
+    os.rename(it, str(it) + ".hidden")
+    t = threading.Timer(0.4, lambda: os.rename(str(it) + ".hidden", it))
+    t.start()
+    try:
+        target = ck.resolve_load(str(root))
+    finally:
+        t.join()
+    assert target.checkpoint == str(it) and target.seen_by == 1 and target.iteration == 2
+    assert torch.equal(megashard.load({"w": torch.zeros(4)}, target.checkpoint)["w"], torch.arange(4.0))
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.3")
+    (root / ck.TRACKER_FILENAME).write_text("5")  # names a checkpoint that never shows
+    t0 = time.monotonic()
+    target = ck.resolve_load(str(root))
+    assert target.checkpoint is None and target.iteration == 5 and "iter_0000005" in target.why
+    assert time.monotonic() - t0 >= 0.3
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "30")
+    t0 = time.monotonic()
+    assert ck.resolve_load(str(root), ckpt_step=7).checkpoint is None
+    assert time.monotonic() - t0 < 10
