@@ -608,3 +608,19 @@ def test_a_checkpoint_the_tracker_names_is_waited_for(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="iter_0000004"):
         storage.read_location(str(root))
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_verify_and_inspect_of_a_save_root_wait_for_the_checkpoint_its_tracker_names(tmp_path, monkeypatch, capsys):
+    from megashard.cli import main as cli_main
+
+    root = tmp_path / "root"
+    megashard.save(_lag_state(), str(root / "iter_0000003"))
+    storage.write_tracker(str(root), 3)
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "10")
+    for cmd in ("verify", "inspect"):
+        t = _lagging([root / "iter_0000003" / "manifest.json"], 0.4)
+        try:
+            assert cli_main([cmd, str(root)]) == 0, capsys.readouterr()
+        finally:
+            t.join()
+    capsys.readouterr()

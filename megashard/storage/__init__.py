@@ -183,25 +183,24 @@ def save_root(path: PathLike) -> Optional[Dict[str, Any]]:
 
 
 def root_checkpoint(root: Mapping[str, Any]) -> str:
-    """The checkpoint a save root's tracker names; a root without a tracker is a CheckpointError
-    that names its checkpoints (guessing would read the wrong one)."""
+    """The checkpoint a save root's tracker names (waited for when not visible yet: :func:`locate_named`);
+    a root without a tracker is a CheckpointError that names its checkpoints (guessing would read the
+    wrong one)."""
     st = store(root["path"])
     if root["tracker"] is None:
         shown = ", ".join(st.child(root["path"], iteration_dir_name(i)) for i in root["iterations"])
         raise CheckpointError(f"{root['path']} is a Megatron save root without {TRACKER_NAME}; "
                               f"name one of its checkpoints: {shown}")
-    return st.child(root["path"], iteration_dir_name(root["tracker"]))
+    named = st.child(root["path"], iteration_dir_name(root["tracker"]))
+    locate_named(named)  # committed before the tracker named it, it may show late on a lagging mount: waited for
+    return named
 
 
 def read_location(path: PathLike) -> str:
     """:func:`checkpoint_location`, following a Megatron save root's tracker to the checkpoint it
     names (``load_consolidated``, ``megashard inspect|verify``). Read-only."""
     root = save_root(path)
-    if root is None:
-        return checkpoint_location(path)
-    named = root_checkpoint(root)
-    locate_named(named)  # the tracker names it: it may show late on a lagging mount
-    return checkpoint_location(named)
+    return checkpoint_location(path if root is None else root_checkpoint(root))
 
 
 def recover_path(path: PathLike, older_than_s: Optional[float] = None) -> Recovery:
