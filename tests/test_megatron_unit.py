@@ -49,7 +49,8 @@ def test_file_stems_one_file_per_chunk():
     assert ck.file_stems(chunks[:1], layout)["model"] == "model_tp01_pp001_vp0_ep001"
 
 
-def test_checkpoint_dir_and_tracker(tmp_path):
+def test_checkpoint_dir_and_tracker(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.2")  # the checkpoint the tracker names is waited for this long
     assert ck.checkpoint_dir(str(tmp_path), 10).endswith("iter_0000010")
     assert ck.read_tracker(str(tmp_path)) == (-1, False)
     ck.write_tracker(str(tmp_path), 42)

@@ -582,6 +582,12 @@ def test_files_not_named_by_an_index_are_never_waited_for(tmp_path, monkeypatch)
         with pytest.raises(MegashardError):
             storage.read_location(str(bad))
     assert storage.locate(str(ckpt)) is None
+    td = tmp_path / "td"  # a torch_dist save root: the tracker names a directory, not a megashard checkpoint
+    (td / "iter_0000003").mkdir(parents=True)
+    (td / "iter_0000003" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    storage.write_tracker(str(td), 3)
+    with pytest.raises(MegashardError, match="torch_dist"):
+        storage.read_location(str(td))
     assert time.monotonic() - t0 < 10
 
 

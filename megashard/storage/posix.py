@@ -1024,10 +1024,10 @@ def locate_named(final_dir: PathLike, wait_s: Optional[float] = None) -> Optiona
     cache lags (``weed mount``, NFS attribute caches): a load started right after it would
     otherwise find no checkpoint, or its head not yet."""
     found = locate(final_dir)
-    if found is not None:
-        return found
+    if found is not None or foreign_format(final_dir) is not None:
+        return found  # a torch_dist / Hugging Face directory there: no megashard checkpoint to wait for
     t0 = time.monotonic()
-    seen: List[str] = []
+    seen: List[Optional[str]] = []
     _poll(lambda: bool(seen.append(locate(final_dir)) or seen[-1]), fs_wait_s() if wait_s is None else wait_s)
     if seen and seen[-1] is not None:
         logger.warning("%s: showed %.1f s after the load first looked for it (a shared file system whose metadata "
