@@ -39,7 +39,7 @@ from ...saveroot import TRACKER_MAX, TRACKER_NAME, parse_iteration_dir_name, par
 from ..base import MANIFEST_DIGEST_NAME as DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, manifest_digest
 from ..base import max_manifest_bytes as _max_head
 from ..ownership import DEFAULT_STALE_AGE_S, why_kept
-from .client import ObjectInfo, ObjectStore
+from .client import ObjectInfo, ObjectStore, ObjectTooLargeError
 from .url import check_object_name, child, parse_url
 
 log = logging.getLogger(__name__)
@@ -462,8 +462,8 @@ class ObjectCheckpointFiles:
             limit = _max_head() if size is None else min(size, _max_head())
             try:
                 data = self.read_bytes(INDEX_NAME, limit)
-            except CheckpointError as e:
-                if size is None or "more than" not in str(e):
+            except ObjectTooLargeError:
+                if size is None:
                     raise
                 raise CheckpointError(f"{self.path(INDEX_NAME)}: larger than the {size} bytes the manifest says "
                                       f"(or than MEGASHARD_MAX_MANIFEST_BYTES={_max_head()}); the checkpoint is "

@@ -114,6 +114,10 @@ def _backoff(attempt: int) -> float:
     return delay / 2 + random.uniform(0, delay / 2)
 
 
+class ObjectTooLargeError(CheckpointError):
+    """An object is larger than what megashard reads of it (refused before its body is read)."""
+
+
 class _Retryable(Exception):
     """A transient failure (5xx, SlowDown, a dropped connection): the request may be sent again."""
 
@@ -454,7 +458,7 @@ class ObjectStore:
             try:
                 size = int(resp["ContentLength"])
                 if size > limit:
-                    raise CheckpointError(f"{self.url(key)} is {size} bytes, more than the {limit} bytes "
+                    raise ObjectTooLargeError(f"{self.url(key)} is {size} bytes, more than the {limit} bytes "
                                           f"megashard reads for this object; it is not a megashard file")
                 try:
                     data = body.read()
