@@ -308,3 +308,15 @@ def test_convert_and_copy_accept_crc32_only_checkpoints(tmp_path: Path) -> None:
     out = megashard.load(tmpl, tmp_path / "dst", verify=True)
     assert_same(out["w"], want["w"])
     assert [p.read_bytes() for p in _tensors_files(ckpt)] == [p.read_bytes() for p in _tensors_files(tmp_path / "dst")]
+
+
+def test_async_save_without_sha256(tmp_path: Path) -> None:
+    ckpt = tmp_path / "async"
+    want = _state()
+    handle = megashard.save(want, ckpt, async_save=True, sha256=False)
+    handle.result()
+    (f,) = _tensors_files(ckpt)
+    with open_file(f) as r:
+        assert {i.sha256 for i in r.infos()} == {""} and r.verify_all() == []
+    tmpl = {"w": torch.empty(64, 32), "b": torch.empty(32, dtype=torch.bfloat16), "step": None}
+    assert_same(megashard.load(tmpl, ckpt)["w"], want["w"])
