@@ -136,17 +136,31 @@ def test_megashard_reader_verifies_crc32_only_files(tmp_path: Path, align: int) 
         load_file(p, verify=True)
 
 
-def test_large_split_tensors_without_sha256(tmp_path: Path) -> None:
-    """Tensors above the split size (CRC32 in parallel chunks, no SHA-256 task) and small
-    grouped ones; the file equals the deferred (upload) path's bytes."""
+@pytest.mark.parametrize("sha256", [False, True])
+def test_large_split_tensors_without_sha256(tmp_path: Path, monkeypatch, sha256: bool) -> None:
+    """Tensors above the split size (CRC32 in parallel chunks joined by crc32_combine, no SHA-256
+    task without sha256) and small grouped ones; the file equals the deferred (upload) path's bytes."""
     from megashard.format import writer
+
+    monkeypatch.setattr(writer, "SPLIT_MIN", 1 << 20)
+    monkeypatch.setattr(writer, "COPY_TASK_BYTES", 3 << 20)
+    tasks = []
+    real_build = writer._build_tasks
+
+    def build(*a, **kw):  # type: ignore[no-untyped-def]
+        out = real_build(*a, **kw)
+        tasks.append((len(out[1]), sum(1 for t in out[0] if getattr(t, "__name__", "") == "sha_task")))
+        return out
+
+    monkeypatch.setattr(writer, "_build_tasks", build)
 
     g = torch.Generator().manual_seed(4)
     sd = {"big": torch.randn(5 << 20, generator=g), "mid": torch.randn(300_000, generator=g),
           "small": torch.randn(10, generator=g)}
     p = tmp_path / "x.tensors"
-    infos = write_file(sd, p, threads=4, sha256=False)
-    size, segments, got = writer.file_segments(sd, threads=3, sha256=False)
+    infos = write_file(sd, p, threads=4, sha256=sha256)
+    assert tasks == [(1, 1 if sha256 else 0)]  # "big" was split; a SHA-256 task only with sha256
+    size, segments, got = writer.file_segments(sd, threads=3, sha256=sha256)
     assert [(i.crc32, i.sha256) for i in got] == [(i.crc32, i.sha256) for i in infos]
     assert b"".join(bytes(v) for _, v in segments) == p.read_bytes() and size == p.stat().st_size
     with open_file(p) as r:
