@@ -3,7 +3,8 @@
 Why it is faster than tensorizer's writer on the same CPUs:
 
 * CRC32 with ISA-L (``isal.isal_zlib.crc32``, ~10 GiB/s vs zlib's ~2-3), so
-  SHA-256 (OpenSSL, GIL released) is the only expensive hash.
+  SHA-256 (OpenSSL, GIL released) is the only expensive hash; ``sha256=False``
+  leaves it out (CRC32-only headers, tensorizer's ``include_sha256=False`` variant).
 * Each large tensor is processed in cache-sized chunks: SHA-256, CRC32 and
   ``os.pwrite`` of a chunk run back-to-back while it is in L2, so tensor memory
   is read from DRAM once; tensors are spread over threads largest first.
