@@ -64,7 +64,7 @@ def _file_summary(path: str) -> dict[str, Any]:
                     "data_offset": i.data_offset,
                     "header_offset": i.header_offset,
                     "crc32": f"{i.crc32:08x}",
-                    "sha256": i.sha256,
+                    "sha256": i.sha256 or None,  # None: a CRC32-only header (saved with sha256=False)
                     "tensor_type": i.tensor_type,
                     "is_meta": i.is_meta,
                 }

@@ -108,7 +108,12 @@ class _Crc:
         got = [isal_zlib.crc32_combine(h, self.data_crc, self.nbytes) for h in heads]
         if self.crc32 in got:
             return None
-        what = f"CRC32 {got[0]:08x}, recorded {self.crc32:08x}" if got else "its header is not one megashard writes"
+        if not got:
+            what = "its header is not one megashard writes"
+        elif len(set(got)) == 1:
+            what = f"CRC32 {got[0]:08x}, recorded {self.crc32:08x}"
+        else:  # either header variant (with or without SHA-256) fits its size: neither matches
+            what = f"CRC32 {' or '.join(f'{g:08x}' for g in dict.fromkeys(got))}, recorded {self.crc32:08x}"
         return (f"{base}/{self.file}: tensor {self.name!r} ({self.what}) is damaged ({what}): bytes "
                 f"{self.data_offset}+{self.nbytes} are not what was saved. Load an earlier checkpoint or restore "
                 f"the file from a copy (`megashard verify {base}` lists every damaged tensor); check_crc=False "

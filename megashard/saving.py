@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from . import async_save as async_save_mod, jsonstate, plan, storage
-from .errors import DistributedError, NoSpaceError, StateDictError, distributed_error, no_space_error
+from .errors import (CheckpointError, DistributedError, NoSpaceError, StateDictError, distributed_error,
+                     no_space_error)
 from .format import write_file
 from .logs import log_summary, rank_prefix
 from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, IndexSkeleton, dtype_name, itemsize,
@@ -60,6 +61,22 @@ log = logging.getLogger(__name__)
 MODEL_CHUNK_PREFIX = "model"
 REST_STEM = "__rest__"
 BYTES_IN_FILE_THRESHOLD = 64 * 1024  # larger bytes values go into .tensors files, not JSON
+SHA256_ENV = "MEGASHARD_SHA256"
+_FALSE = ("0", "false", "no", "off")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def sha256_default() -> bool:
+    """Whether a save computes and stores tensorizer's per-tensor SHA-256 when ``save`` is not
+    told (``sha256=None``): ``MEGASHARD_SHA256`` (``0``/``false``/``no``/``off`` to leave it
+    out, ``1``/``true``/``yes``/``on`` or unset to keep it; default on)."""
+    raw = os.environ.get(SHA256_ENV, "").strip().lower()
+    if raw in ("",) + _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise CheckpointError(f"{SHA256_ENV}={os.environ[SHA256_ENV]!r} is not a yes/no value; set it to 0 (CRC32-only "
+                          "tensor headers) or 1 (CRC32 and SHA-256, the default), or unset it")
 
 
 @dataclass
@@ -440,6 +457,7 @@ def save(
     async_save: bool = False,
     direct_io: bool = False,
     new_only: bool = False,
+    sha256: Optional[bool] = None,
 ) -> Optional["async_save_mod.AsyncSaveHandle"]:
     """Save a (sharded) state dict to ``checkpoint_dir``; collective: every rank of
     ``process_group`` calls it with its own ``state_dict``.
@@ -474,6 +492,12 @@ def save(
     the page cache, which keeps a save from allocating and dirtying as much page cache as
     the checkpoint is large, but leaves nothing cached for a load on the same node
     afterwards (see :mod:`megashard.format.writer`). The files are identical.
+    ``sha256``: whether every tensor header also stores tensorizer's SHA-256 (the default,
+    ``None``: the ``MEGASHARD_SHA256`` environment variable, on unless ``0``). ``False``
+    writes CRC32-only headers, tensorizer's own one-hash variant (its readers verify them
+    with ``verify_hash=True``), and skips the SHA-256, most of a save's CPU time. Loads,
+    ``megashard verify`` and ``megashard copy`` check the CRC32 of such files, which detects
+    any flipped bit; a SHA-256 also guards against deliberate tampering, which a CRC32 does not.
 
     ``new_only``: create the checkpoint or fail, never replace one. Anything at
     ``checkpoint_dir`` when the save starts, or created there by another writer before
@@ -495,9 +519,13 @@ def save(
     final_dir = os.fspath(checkpoint_dir) if storage.is_url(checkpoint_dir) else os.path.abspath(checkpoint_dir)
     t0 = time.perf_counter()
     st = _SaveState(comm.rank)
+    opts: Dict[str, Any] = {}
 
     def prepare() -> Dict[str, Any]:
         target.validate()
+        if sha256 is not None and not isinstance(sha256, bool):
+            raise CheckpointError(f"sha256 must be True, False or None, got {sha256!r}")
+        opts["sha256"] = sha256_default() if sha256 is None else sha256
         if not isinstance(state_dict, Mapping):
             raise StateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         st.tree = jsonstate.encode(dict(state_dict), hook=_make_save_hook(st, file_stems))
@@ -524,7 +552,7 @@ def save(
     temp_dir = target.temp_location(reply["token"])
     finish = partial(_finish_save, keep=keep, target=target, token=reply["token"], final_dir=final_dir, layout=layout,
                      t0=t0, fsync=fsync, is_async=async_save, entry=entry, reused=reused)
-    write = partial(target.write_file or _write_tensors, direct=direct_io)
+    write = partial(target.write_file or _write_tensors, direct=direct_io, sha256=opts.get("sha256", True))
     if not async_save:
         result, err = comm.run("save/write", lambda: _write_into(_select(st, reply), target, reply["token"],
                                                                  comm.rank, align, fsync, threads, write))
@@ -706,8 +734,9 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
 
 
 def _write_tensors(tensors: Mapping[str, torch.Tensor], path: str, align: int, fsync: bool,
-                   threads: Optional[int], direct: bool = False) -> Tuple[List[Any], int, Dict[str, Any]]:
-    infos = write_file(tensors, path, align=align, fsync=fsync, threads=threads, direct=direct)
+                   threads: Optional[int], direct: bool = False,
+                   sha256: bool = True) -> Tuple[List[Any], int, Dict[str, Any]]:
+    infos = write_file(tensors, path, align=align, fsync=fsync, threads=threads, direct=direct, sha256=sha256)
     return infos, os.path.getsize(path), {}
 
 

@@ -24,7 +24,7 @@ SECRET = b"host secret: must never be loaded\n" * 4000  # > 64 KiB, so a bytes r
 SPY = "megashard_test_import_spy"
 
 
-def _save(path: str) -> None:
+def _save(path: str, sha256: bool = True) -> None:
     g = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     megashard.save({
         "w0": ShardedTensor("w", g[:4].clone(), (8, 8), (0, 0)),
@@ -32,7 +32,7 @@ def _save(path: str) -> None:
         "local": torch.arange(5, dtype=torch.int64),
         "blob": b"x" * 70_000,
         "args": {"lr": 0.1, "iteration": 7},
-    }, path)
+    }, path, sha256=sha256)
 
 
 def _template() -> dict:
@@ -322,11 +322,14 @@ def _flip_targets(path: str) -> list:
     return [(f, os.path.getsize(os.path.join(path, f))) for f in files]
 
 
-def test_bit_flip_campaign(tmp_path):
+@pytest.mark.parametrize("sha256", [True, False], ids=["crc32+sha256", "crc32-only"])
+def test_bit_flip_campaign(tmp_path, sha256):
     """Random single-bit flips over every file (structure, padding, data, manifest and its
-    digest): verify fails and load(verify=True) raises for every one."""
+    digest): verify fails and load(verify=True) raises for every one; with CRC32-only tensor
+    headers (``sha256=False``) too: the CRC32 covers each header but its own value, and a flip
+    in that value mismatches."""
     path = str(tmp_path / "ckpt")
-    _save(path)
+    _save(path, sha256)
     pristine = {f: open(os.path.join(path, f), "rb").read() for f in os.listdir(path)}
     rng = random.Random(1234)
     n = int(os.environ.get("MEGASHARD_BITFLIPS", "240"))

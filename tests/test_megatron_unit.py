@@ -28,10 +28,25 @@ def test_add_arguments_flags_and_defaults():
         "tensors", "scatter", True, False)
     assert p.parse_args(["--megashard-direct-io"]).megashard_direct_io is True
     assert a.megashard_direct_io is False
+    assert p.parse_args(["--megashard-no-sha256"]).megashard_sha256 is False
+    assert a.megashard_sha256 is None  # not given: MEGASHARD_SHA256 decides (default on)
     with pytest.raises(SystemExit):
         p.parse_args(["--save-format", "zarr"])
     # usable as extra_args_provider: returns the parser, safe to apply twice
     assert msm.add_arguments(p) is p
+
+
+@pytest.mark.parametrize("flag,want", [([], None), (["--megashard-no-sha256"], False)])
+def test_save_checkpoint_passes_the_sha256_flag(monkeypatch, tmp_path, flag, want):
+    calls = []
+    monkeypatch.setattr(ck, "_saved_state", lambda *a: ({"x": torch.ones(2)}, {}, {}))
+    monkeypatch.setattr(ck, "_api", lambda: types.SimpleNamespace(
+        save=lambda sd, ckpt, file_stems=None, layout=None, direct_io=False, sha256=None: calls.append(sha256)))
+    monkeypatch.setattr(ck, "commit_tracker", lambda *a: None)
+    args = msm.add_arguments(argparse.ArgumentParser()).parse_args(flag)
+    args.save = str(tmp_path)
+    ck.save_checkpoint(1, None, None, None, 0, args=args)
+    assert calls == [want]
 
 
 def test_model_keys_use_vp_stage():

@@ -111,6 +111,32 @@ def test_tensorizer_reads_a_shard_object_from_s3(s3):
         assert_same(v, want["w"] if v.dtype == torch.float32 else want["b"])
 
 
+def test_crc32_only_save_to_s3_equals_a_posix_one_and_tensorizer_verifies_it(s3, tmp_path):
+    """``sha256=False``: the uploaded objects are the file-system save's bytes (CRC32-only headers,
+    no SHA-256 computed), a default load checks their CRC32s and tensorizer verifies them."""
+    from tensorizer import TensorDeserializer
+
+    from megashard.format import open_file
+
+    want = state(big=True)
+    url = s3.url("crc/iter_0000003")
+    megashard.save(want, url, sha256=False)
+    megashard.save(want, tmp_path / "posix", sha256=False)
+    remote = _data_names(url)
+    local = {n: (tmp_path / "posix" / n).read_bytes() for n in os.listdir(tmp_path / "posix") if n.endswith(".tensors")}
+    assert remote.keys() == local.keys() and remote == local
+    (name,) = local
+    with open_file(tmp_path / "posix" / name) as r:
+        assert {i.sha256 for i in r.infos()} == {""} and r.verify_all() == []
+    with TensorDeserializer(str(tmp_path / "posix" / name), device="cpu", verify_hash=True) as d:
+        got = {k: d[k] for k in d.keys()}
+    assert_same(next(v for v in got.values() if v.numel() == want["big"].numel()), want["big"])
+    got, stats = megashard.load(template(want), url, return_stats=True)
+    check_loaded(got, want)
+    assert stats.crc_checked >= want["big"].numel() * 4
+    check_loaded(megashard.load(template(want), url, verify=True), want)
+
+
 def _save_and_load_ranks(rank, world, url, mode):
     import torch.distributed as dist
 

@@ -58,6 +58,7 @@ _SHA_SEG = struct.Struct("<BB32s")
 _DATA_LEN = struct.Struct("<q")
 _LOCATION = struct.Struct("<QQQ")
 HASH_SECTION_LEN = 1 + _CRC_SEG.size + _SHA_SEG.size  # 41: bytes after the "H" length
+HASH_SECTION_LEN_CRC32 = 1 + _CRC_SEG.size  # 7: a CRC32-only header (``sha256=False``)
 # smallest possible metadata entry: name(2+1) type(1) dtype(1+1) ndim(1) location(24)
 _MIN_ENTRY = 2 + 1 + 1 + 1 + 1 + 1 + _LOCATION.size
 
@@ -67,7 +68,8 @@ class TensorInfo:
     """One tensor of a `.tensors` file, as the checkpoint manifest records it.
 
     crc32/sha256 are tensorizer's per-tensor hashes over (header with hash
-    values zeroed) + data. ``is_meta``: stored without data (data version 4).
+    values zeroed) + data; ``sha256`` is ``""`` for a CRC32-only header (written with
+    ``sha256=False``). ``is_meta``: stored without data (data version 4).
     """
 
     name: str
@@ -135,7 +137,7 @@ class ParsedHeader:
     dtype_raw: bytes
     shape: tuple[int, ...]
     crc32: int | None
-    sha256: bytes | None
+    sha256: bytes | None  # None: a CRC32-only header
     data_length: int
     zeroed: bytes  # the header with hash values zeroed: the hashes' prefix
 
@@ -152,44 +154,59 @@ def pack_prologue(version: int, flags: int, tensor_size: int, tensor_count: int,
             + _U64.pack(metadata_len))
 
 
-def header_size(name_len: int, dtype_len: int, ndim: int, long_shape: bool, pad: int = 0) -> int:
-    """Header bytes from header_size through data_length (no encryption)."""
+def header_size(name_len: int, dtype_len: int, ndim: int, long_shape: bool, pad: int = 0,
+                sha256: bool = True) -> int:
+    """Header bytes from header_size through data_length (no encryption); ``sha256=False``:
+    the CRC32-only variant (34 bytes shorter)."""
     dim = 8 if long_shape else 4
     return (_START.size + name_len + 1 + dtype_len + 1 + dim * ndim
-            + _HASH_HEAD.size + _CRC_SEG.size + _SHA_SEG.size + pad + _DATA_LEN.size)
+            + _HASH_HEAD.size + _CRC_SEG.size + (_SHA_SEG.size if sha256 else 0) + pad + _DATA_LEN.size)
 
 
 @dataclass
 class HeaderPlan:
-    """A built tensor header with zeroed hashes and where to patch them."""
+    """A built tensor header with zeroed hashes and where to patch them (``sha_at`` None:
+    a CRC32-only header)."""
 
     buf: bytearray
     crc_at: int
-    sha_at: int
+    sha_at: int | None
 
-    def finish(self, crc32: int, sha256: bytes) -> bytearray:
+    def finish(self, crc32: int, sha256: bytes | None) -> bytearray:
         struct.pack_into("<I", self.buf, self.crc_at, crc32)
-        self.buf[self.sha_at:self.sha_at + 32] = sha256
+        if self.sha_at is not None:
+            assert sha256 is not None and len(sha256) == 32
+            self.buf[self.sha_at:self.sha_at + 32] = sha256
         return self.buf
 
 
 def build_header(module_idx: int, tensor_type: int, name: bytes, dtype: bytes,
                  shape: Sequence[int], long_shape: bool, data_length: int,
-                 pad: int = 0) -> HeaderPlan:
+                 pad: int = 0, sha256: bool = True) -> HeaderPlan:
     """Tensor header with hash values zeroed; `pad` zero bytes go before data_length.
 
     Readers take data_length from the header's last 8 bytes, so padding there
-    aligns the data without confusing any tensorizer release.
+    aligns the data without confusing any tensorizer release. ``sha256=False``: one hash
+    (CRC32, hash_count 1), the header tensorizer's own serializer builds with
+    ``include_sha256=False``; every tensorizer 2.x reader decodes and verifies it.
     """
-    size = header_size(len(name), len(dtype), len(shape), long_shape, pad)
-    fmt = (f"<QHBH{len(name)}sB{len(dtype)}sB{len(shape)}{'Q' if long_shape else 'I'}"
-           f"HBBBIBB32s{pad}xq")
-    buf = bytearray(struct.pack(fmt, size, module_idx, tensor_type, len(name), name, len(dtype), dtype,
-                                len(shape), *shape, HASH_SECTION_LEN, 2, HASH_CRC32, 4, 0,
-                                HASH_SHA256, 32, bytes(32), data_length))
+    size = header_size(len(name), len(dtype), len(shape), long_shape, pad, sha256)
+    head = f"<QHBH{len(name)}sB{len(dtype)}sB{len(shape)}{'Q' if long_shape else 'I'}"
+    values = [size, module_idx, tensor_type, len(name), name, len(dtype), dtype, len(shape), *shape]
+    if sha256:
+        fmt = f"{head}HBBBIBB32s{pad}xq"
+        values += [HASH_SECTION_LEN, 2, HASH_CRC32, 4, 0, HASH_SHA256, 32, bytes(32), data_length]
+    else:
+        fmt = f"{head}HBBBI{pad}xq"
+        values += [HASH_SECTION_LEN_CRC32, 1, HASH_CRC32, 4, 0, data_length]
+    buf = bytearray(struct.pack(fmt, *values))
     assert len(buf) == size
-    sha_at = size - _DATA_LEN.size - pad - 32
-    crc_at = sha_at - 2 - 4
+    hash_end = size - _DATA_LEN.size - pad
+    if sha256:
+        sha_at: int | None = hash_end - 32
+        crc_at = hash_end - 32 - 2 - 4
+    else:
+        sha_at, crc_at = None, hash_end - 4
     return HeaderPlan(buf, crc_at, sha_at)
 
 
@@ -343,7 +360,7 @@ def validate_entries(entries: list[MetaEntry], header: FileHeader, path: str,
                 raise FormatError(
                     f"{where}: data length {e.data_length} does not match shape {list(e.shape)} "
                     f"x {e.codec.itemsize} bytes = {e.expected_nbytes}")
-        min_header = header_size(len(e.raw_name), len(e.codec.encoded), len(e.shape), e.long_shape)
+        min_header = header_size(len(e.raw_name), len(e.codec.encoded), len(e.shape), e.long_shape, sha256=False)
         if e.header_offset < data_start:
             raise FormatError(f"{where}: header offset {e.header_offset} lies inside the metadata")
         if e.data_offset < e.header_offset + min_header:
@@ -367,7 +384,8 @@ def zeroed_header_crcs(name: str, dtype: torch.dtype, shapes: Sequence[Sequence[
                        size: int) -> list[int]:
     """CRC32s of the header (hash values zeroed) megashard's writer gives a tensor of this
     name, dtype and data length, ``size`` bytes long (alignment padding included), one per
-    candidate shape that fits: what a tensor's CRC32 covers before its data, without reading it."""
+    candidate shape and header variant (CRC32 + SHA-256, CRC32 only) that fits: what a
+    tensor's CRC32 covers before its data, without reading it."""
     from .dtypes import encode_dtype
     from isal import isal_zlib
 
@@ -375,11 +393,42 @@ def zeroed_header_crcs(name: str, dtype: torch.dtype, shapes: Sequence[Sequence[
     out = []
     for shape in shapes:
         long_shape = any(d >= LONG_DIM for d in shape)
-        pad = size - header_size(len(name_b), len(enc), len(shape), long_shape)
-        if pad >= 0 and len(shape) <= 255:
-            out.append(isal_zlib.crc32(build_header(0, TENSOR_TYPE_STATE_DICT, name_b, enc, shape, long_shape,
-                                                    data_length, pad).buf))
+        for sha256 in (True, False):
+            pad = size - header_size(len(name_b), len(enc), len(shape), long_shape, sha256=sha256)
+            if pad >= 0 and len(shape) <= 255:
+                out.append(isal_zlib.crc32(build_header(0, TENSOR_TYPE_STATE_DICT, name_b, enc, shape, long_shape,
+                                                        data_length, pad, sha256).buf))
     return out
+
+
+def _parse_hashes(buf: bytes, p: int, hash_end: int, hash_count: int, zeroed: bytearray,
+                  where: str) -> tuple[int | None, bytes | None]:
+    """The hash entries of a header's hash block ``buf[p:hash_end]`` (after the count byte):
+    (CRC32, SHA-256), None for one that is absent; their values zeroed in ``zeroed``.
+
+    Untrusted: every entry must lie inside the block, have a known type with that type's
+    length, and no type may appear twice (the block could otherwise say two things)."""
+    crc = sha = None
+    for _ in range(hash_count):
+        if p + 2 > hash_end:
+            raise FormatError(f"{where}: hash block holds fewer hashes than its count ({hash_count})")
+        htype, hlen = buf[p], buf[p + 1]
+        if p + 2 + hlen > hash_end:
+            raise FormatError(f"{where}: hash entry (type {htype}, {hlen} bytes) runs past the hash block")
+        value = bytes(buf[p + 2:p + 2 + hlen])
+        if htype == HASH_CRC32 and hlen == 4:
+            if crc is not None:
+                raise FormatError(f"{where}: the header holds a CRC32 hash twice")
+            crc = struct.unpack("<I", value)[0]
+        elif htype == HASH_SHA256 and hlen == 32:
+            if sha is not None:
+                raise FormatError(f"{where}: the header holds a SHA-256 hash twice")
+            sha = value
+        else:
+            raise FormatError(f"{where}: unknown hash type {htype} (length {hlen})")
+        zeroed[p + 2:p + 2 + hlen] = bytes(hlen)
+        p += 2 + hlen
+    return crc, sha
 
 
 def parse_header(buf: bytes, entry: MetaEntry, path: str) -> ParsedHeader:
@@ -412,21 +461,7 @@ def parse_header(buf: bytes, entry: MetaEntry, path: str) -> ParsedHeader:
         if hash_end + _DATA_LEN.size > n or hash_len < 1:
             raise FormatError(f"{where}: hash block runs past the header")
         zeroed = bytearray(buf)
-        crc = sha = None
-        p = hash_start + 1
-        for _ in range(hash_count):
-            htype, hlen = buf[p], buf[p + 1]
-            value = bytes(buf[p + 2:p + 2 + hlen])
-            if p + 2 + hlen > hash_end:
-                raise FormatError(f"{where}: hash entry runs past the hash block")
-            if htype == HASH_CRC32 and hlen == 4:
-                crc = struct.unpack("<I", value)[0]
-            elif htype == HASH_SHA256 and hlen == 32:
-                sha = value
-            else:
-                raise FormatError(f"{where}: unknown hash type {htype} (length {hlen})")
-            zeroed[p + 2:p + 2 + hlen] = bytes(hlen)
-            p += 2 + hlen
+        crc, sha = _parse_hashes(buf, hash_start + 1, hash_end, hash_count, zeroed, where)
         (data_length,) = _DATA_LEN.unpack_from(buf, n - _DATA_LEN.size)
     except (struct.error, IndexError):
         raise FormatError(f"{where}: truncated tensor header") from None

@@ -144,8 +144,8 @@ class TensorFileReader:
             if n > MAX_HEADER:
                 raise FormatError(f"{self.path}: tensor {e.name!r}: header of {n} bytes is implausibly large")
             h = L.parse_header(self._pread(e.header_offset, n), e, self.path)
-            if h.crc32 is None or h.sha256 is None:
-                raise FormatError(f"{self.path}: tensor {e.name!r}: header lacks the CRC32/SHA-256 hashes")
+            if h.crc32 is None:
+                raise FormatError(f"{self.path}: tensor {e.name!r}: header lacks the CRC32 hash")
             with self._lock:
                 self._headers[e.name] = h
         return h
@@ -155,9 +155,10 @@ class TensorFileReader:
         """Entry details including the stored hashes (reads the tensor's header)."""
         e = self._entry(key)
         h = self._header(e)
-        assert h.crc32 is not None and h.sha256 is not None
+        assert h.crc32 is not None
         return L.TensorInfo(e.name, e.codec.dtype, e.shape, e.header_offset, e.data_offset,
-                            e.data_length, h.crc32, h.sha256.hex(), e.tensor_type, e.is_meta)
+                            e.data_length, h.crc32, h.sha256.hex() if h.sha256 is not None else "",
+                            e.tensor_type, e.is_meta)
 
     def infos(self) -> list[L.TensorInfo]:
         return [self.info(e.name) for e in self._entries]
@@ -346,33 +347,37 @@ class TensorFileReader:
         return out
 
     # ------------------------------------------------------------ hashes
-    def _compare(self, e: L.MetaEntry, h: L.ParsedHeader, crc: int, sha: bytes) -> None:
+    def _compare(self, e: L.MetaEntry, h: L.ParsedHeader, crc: int, sha: "hashlib._Hash | None") -> None:
+        """``sha``: the SHA-256 state over header and data, None when the header stores none."""
         bad = []
         if crc != h.crc32:
+            assert h.crc32 is not None
             bad.append(f"CRC32 {crc:08x} != stored {h.crc32:08x}")
-        if sha != h.sha256:
-            assert h.sha256 is not None
-            bad.append(f"SHA-256 {sha.hex()[:16]}... != stored {h.sha256.hex()[:16]}...")
+        if sha is not None and h.sha256 is not None and sha.digest() != h.sha256:
+            bad.append(f"SHA-256 {sha.hexdigest()[:16]}... != stored {h.sha256.hex()[:16]}...")
         if bad:
             raise ChecksumError(f"{self.path}: tensor {e.name!r}: hash mismatch: {'; '.join(bad)}")
 
     def _verify_memory(self, e: L.MetaEntry, data: memoryview) -> None:
         h = self._header(e)
         crc = isal_zlib.crc32(data, isal_zlib.crc32(h.zeroed))
-        sha = hashlib.sha256(h.zeroed)
-        sha.update(data)
-        self._compare(e, h, crc, sha.digest())
+        sha = None
+        if h.sha256 is not None:  # a CRC32-only header (sha256=False): nothing more to check
+            sha = hashlib.sha256(h.zeroed)
+            sha.update(data)
+        self._compare(e, h, crc, sha)
 
     def _verify_task(self, e: L.MetaEntry, data: memoryview):  # type: ignore[no-untyped-def]
         return lambda: self._verify_memory(e, data)
 
     def verify(self, key: str) -> None:
-        """Recompute the tensor's CRC32 and SHA-256 from the file; ChecksumError on mismatch."""
+        """Recompute the tensor's CRC32 and SHA-256 (when its header stores one) from the file;
+        ChecksumError on mismatch."""
         self._check_open()
         e = self._entry(key)
         h = self._header(e)
         crc = isal_zlib.crc32(h.zeroed)
-        sha = hashlib.sha256(h.zeroed)
+        sha = hashlib.sha256(h.zeroed) if h.sha256 is not None else None
         scratch = memoryview(bytearray(min(VERIFY_CHUNK, e.data_length)))
         pos = 0
         while pos < e.data_length:
@@ -380,9 +385,10 @@ class TensorFileReader:
             chunk = scratch[:n]
             preadv_all(self._fd, [chunk], e.data_offset + pos, self.path)
             crc = isal_zlib.crc32(chunk, crc)
-            sha.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
             pos += n
-        self._compare(e, h, crc, sha.digest())
+        self._compare(e, h, crc, sha)
 
     def verify_all(self) -> list[str]:
         """Check every tensor; returns one message per problem (empty list: all good)."""

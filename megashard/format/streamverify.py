@@ -10,7 +10,10 @@ runs ``structure_problems`` on what it kept and compares every tensor's CRC32 wi
 its header stores. That detects a flipped bit anywhere in the file except inside the stored
 SHA-256 values (which no CRC32 covers); with ``sha256=True`` every tensor's SHA-256 is
 computed and compared as well (hashlib's SHA-256 is several times slower than isal's CRC32)
-and a single flipped bit anywhere is detected, as by ``megashard verify``.
+and a single flipped bit anywhere is detected, as by ``megashard verify``. A CRC32-only header
+(written with ``sha256=False``) stores no SHA-256: its tensor is checked by CRC32 alone, and
+then a flipped bit anywhere is detected without ``sha256=True`` (the CRC32 covers the whole
+header but its own value, and a flip there mismatches).
 """
 from __future__ import annotations
 
@@ -75,8 +78,9 @@ class StreamVerifier:
                         self._parse_header(e)
                 else:
                     self._crc[e.name] = isal_zlib.crc32(piece, self._crc[e.name])
-                    if self.sha256:
-                        self._sha[e.name].update(piece)
+                    sha = self._sha.get(e.name)
+                    if sha is not None:
+                        sha.update(piece)
             if end <= b:
                 i += 1
                 self._next = i
@@ -114,11 +118,11 @@ class StreamVerifier:
 
     def _parse_header(self, e: L.MetaEntry) -> None:
         h = L.parse_header(bytes(self._buffers[e.name]), e, self.path)
-        if h.crc32 is None or h.sha256 is None:
-            raise FormatError(f"{self.path}: tensor {e.name!r}: header lacks the CRC32/SHA-256 hashes")
+        if h.crc32 is None:
+            raise FormatError(f"{self.path}: tensor {e.name!r}: header lacks the CRC32 hash")
         self._headers[e.name] = h
         self._crc[e.name] = isal_zlib.crc32(h.zeroed)
-        if self.sha256:
+        if self.sha256 and h.sha256 is not None:  # a CRC32-only header (sha256=False) stores none
             self._sha[e.name] = hashlib.sha256(h.zeroed)
 
     @property
@@ -157,7 +161,7 @@ class StreamVerifier:
             if self._crc[e.name] != h.crc32:
                 raise ChecksumError(f"{self.path}: tensor {e.name!r}: hash mismatch: CRC32 {self._crc[e.name]:08x} "
                                     f"!= stored {h.crc32:08x}")
-            if self.sha256 and self._sha[e.name].digest() != h.sha256:
+            if e.name in self._sha and self._sha[e.name].digest() != h.sha256:
                 raise ChecksumError(f"{self.path}: tensor {e.name!r}: hash mismatch: SHA-256 "
                                     f"{self._sha[e.name].hexdigest()[:16]}... != stored {h.sha256.hex()[:16]}...")
         return dict(self._crc)

@@ -3,7 +3,8 @@
 Why it is faster than tensorizer's writer on the same CPUs:
 
 * CRC32 with ISA-L (``isal.isal_zlib.crc32``, ~10 GiB/s vs zlib's ~2-3), so
-  SHA-256 (OpenSSL, GIL released) is the only expensive hash.
+  SHA-256 (OpenSSL, GIL released) is the only expensive hash; ``sha256=False``
+  leaves it out (CRC32-only headers, tensorizer's ``include_sha256=False`` variant).
 * Each large tensor is processed in cache-sized chunks: SHA-256, CRC32 and
   ``os.pwrite`` of a chunk run back-to-back while it is in L2, so tensor memory
   is read from DRAM once; tensors are spread over threads largest first.
@@ -150,8 +151,9 @@ def _prepare(tensors: Mapping[str, torch.Tensor]) -> list[_Item]:
     return items
 
 
-def _plan(items: list[_Item], align: int) -> tuple[int, int, int, int]:
-    """Assign offsets; returns (version, flags, metadata_len, file_size)."""
+def _plan(items: list[_Item], align: int, sha256: bool = True) -> tuple[int, int, int, int]:
+    """Assign offsets; returns (version, flags, metadata_len, file_size). ``sha256=False``:
+    CRC32-only headers."""
     version = L.VERSION_NON_OPAQUE
     if any(i.codec.opaque for i in items):
         version = L.VERSION_OPAQUE
@@ -171,11 +173,11 @@ def _plan(items: list[_Item], align: int) -> tuple[int, int, int, int]:
         metadata_len = needed + (-(L.PROLOGUE_SIZE + needed)) % page
     pos = L.PROLOGUE_SIZE + metadata_len
     for it in items:
-        base = L.header_size(len(it.name_b), len(it.codec.encoded), len(it.shape), it.long_shape)
+        base = L.header_size(len(it.name_b), len(it.codec.encoded), len(it.shape), it.long_shape, sha256=sha256)
         pad = (-(pos + base)) % align if it.nbytes else 0
         it.header_offset = pos
         it.plan = L.build_header(0, L.TENSOR_TYPE_STATE_DICT, it.name_b, it.codec.encoded,
-                                 it.shape, it.long_shape, it.nbytes, pad)
+                                 it.shape, it.long_shape, it.nbytes, pad, sha256)
         it.data_offset = pos + len(it.plan.buf)
         pos = it.end
     return version, flags, metadata_len, pos + len(L.TERMINATOR)
@@ -326,16 +328,28 @@ def _write_hashed(fd: int, direct: "_Direct | None", mv: memoryview, src_addr: i
 # ------------------------------------------------------------------ hashing tasks
 
 
+def _sha_of(it: _Item) -> "hashlib._Hash | None":
+    """SHA-256 state started over the tensor's header (hash values zeroed); None for a
+    CRC32-only header (``sha256=False``)."""
+    assert it.plan is not None
+    return hashlib.sha256(it.plan.buf) if it.plan.sha_at is not None else None
+
+
+def _finish_item(it: _Item, crc: int, sha: "hashlib._Hash | None") -> bytearray:
+    """Record the tensor's hashes and patch them into its header (returned)."""
+    assert it.plan is not None
+    it.crc32, it.sha256 = crc, sha.digest() if sha is not None else b""
+    return it.plan.finish(it.crc32, it.sha256 if sha is not None else None)
+
+
 def _fused_task(fd: int, it: _Item, direct: "_Direct | None" = None) -> Callable[[], None]:
     """Hash + write one tensor chunk by chunk, then its header."""
     def task() -> None:
         assert it.plan is not None and it.src is not None
-        head = it.plan.buf
-        sha = hashlib.sha256(head)
+        sha = _sha_of(it)
         crc = _write_hashed(fd, direct, tensor_memoryview(it.src), it.src.data_ptr(), 0, it.nbytes, it.data_offset,
-                            sha, isal_zlib.crc32(head))
-        it.crc32, it.sha256 = crc, sha.digest()
-        pwrite_all(fd, memoryview(it.plan.finish(it.crc32, it.sha256)), it.header_offset)
+                            sha, isal_zlib.crc32(it.plan.buf))
+        pwrite_all(fd, memoryview(_finish_item(it, crc, sha)), it.header_offset)
     return task
 
 
@@ -355,15 +369,15 @@ def _group_task(fd: int, group: list[_Item]) -> Callable[[], None]:
                 assert it.src is not None
                 ctypes.memmove(base + d0, it.src.data_ptr(), it.nbytes)
             region = view[h0:d0 + it.nbytes]
-            it.crc32 = isal_zlib.crc32(region)
-            it.sha256 = hashlib.sha256(region).digest()
-            view[h0:d0] = it.plan.finish(it.crc32, it.sha256)
+            sha = hashlib.sha256(region) if it.plan.sha_at is not None else None
+            view[h0:d0] = _finish_item(it, isal_zlib.crc32(region), sha)
         pwrite_all(fd, view, start)
     return task
 
 
 class _Split:
-    """A tensor too large for one task: SHA-256 in one task, CRC+write in others."""
+    """A tensor too large for one task: SHA-256 in one task (none for a CRC32-only
+    header), CRC+write in others."""
 
     def __init__(self, fd: int, it: _Item, direct: "_Direct | None" = None) -> None:
         self.fd, self.it, self.direct = fd, it, direct
@@ -371,14 +385,16 @@ class _Split:
         n = it.nbytes
         self.ranges = [(p, min(n, p + COPY_TASK_BYTES)) for p in range(0, n, COPY_TASK_BYTES)]
         self.crcs: list[int] = [0] * len(self.ranges)
-        self.sha = b""
+        self.sha = _sha_of(it)
+
+    @property
+    def hashes_sha256(self) -> bool:
+        return self.sha is not None
 
     def sha_task(self) -> None:
-        assert self.it.plan is not None
-        sha = hashlib.sha256(self.it.plan.buf)
+        assert self.sha is not None
         for p in range(0, len(self.mv), 4 << 20):
-            sha.update(self.mv[p:p + (4 << 20)])
-        self.sha = sha.digest()
+            self.sha.update(self.mv[p:p + (4 << 20)])
 
     def copy_task(self, k: int) -> Callable[[], None]:
         def task() -> None:
@@ -394,8 +410,7 @@ class _Split:
         crc = isal_zlib.crc32(it.plan.buf)
         for (lo, hi), c in zip(self.ranges, self.crcs):
             crc = isal_zlib.crc32_combine(crc, c, hi - lo)
-        it.crc32, it.sha256 = crc, self.sha
-        pwrite_all(self.fd, memoryview(it.plan.finish(crc, self.sha)), it.header_offset)
+        pwrite_all(self.fd, memoryview(_finish_item(it, crc, self.sha)), it.header_offset)
 
 
 def _build_tasks(fd: int, items: list[_Item], threads: int,
@@ -427,7 +442,7 @@ def _build_tasks(fd: int, items: list[_Item], threads: int,
         else:
             weighted.append((it.nbytes, _fused_task(fd, it, direct)))
     flush()
-    tasks: list[Callable[[], None]] = [s.sha_task for s in splits]
+    tasks: list[Callable[[], None]] = [s.sha_task for s in splits if s.hashes_sha256]
     tasks += [s.copy_task(k) for s in splits for k in range(len(s.ranges))]
     tasks += [t for _, t in sorted(weighted, key=lambda w: -w[0])]
     return tasks, splits
@@ -480,13 +495,15 @@ class _EarlyWriteback:
             self.thread.join()
 
 
-def _planned(tensors: Mapping[str, torch.Tensor], align: int,
-             threads: int | None) -> tuple[list[_Item], int, int, int, int, int]:
+def _planned(tensors: Mapping[str, torch.Tensor], align: int, threads: int | None,
+             sha256: bool = True) -> tuple[list[_Item], int, int, int, int, int]:
     """What :func:`write_file` and :func:`file_segments` both start from: the checked items,
     their layout (version, flags, metadata length, file size) and the thread count."""
     _check_align(align)
     items = _prepare(tensors)
-    version, flags, metadata_len, file_size = _plan(items, align)
+    if not isinstance(sha256, bool):
+        raise FormatError(f"sha256 must be True or False, got {sha256!r}")
+    version, flags, metadata_len, file_size = _plan(items, align, sha256)
     nthreads = threads if threads is not None else default_threads()
     if nthreads < 1:
         raise FormatError(f"threads must be >= 1, got {threads}")
@@ -497,7 +514,7 @@ def _planned(tensors: Mapping[str, torch.Tensor], align: int,
 
 def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,
                align: int = 4096, fsync: bool = False,
-               threads: int | None = None, direct: bool = False) -> list[L.TensorInfo]:
+               threads: int | None = None, direct: bool = False, sha256: bool = True) -> list[L.TensorInfo]:
     """Write `tensors` as a tensorizer `.tensors` file; return the entries in file order.
 
     align=1 reproduces tensorizer's write_state_dict byte for byte; align>1
@@ -505,9 +522,12 @@ def write_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]
     `align` boundary. fsync=True makes the file durable before returning.
     direct=True writes large tensors' data with O_DIRECT (see the module docstring;
     it needs align >= 4096 to apply and otherwise changes nothing).
+    sha256=False writes CRC32-only tensor headers (tensorizer's ``include_sha256=False``
+    variant, one hash; its readers verify it) and computes no SHA-256, the dearest part
+    of a save's CPU time; the infos' ``sha256`` is then ``""``.
     """
     path_s = os.fspath(path)
-    items, version, flags, metadata_len, file_size, nthreads = _planned(tensors, align, threads)
+    items, version, flags, metadata_len, file_size, nthreads = _planned(tensors, align, threads, sha256)
 
     fd = os.open(path_s, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     ok = False
@@ -550,22 +570,23 @@ def _hash_item(it: _Item) -> None:
     """CRC32 and SHA-256 of one tensor (header with zeroed hashes, then data) in cache-sized
     chunks, both while the chunk is hot; patches them into its header."""
     assert it.plan is not None
-    head = it.plan.buf
-    sha = hashlib.sha256(head)
-    crc = isal_zlib.crc32(head)
+    sha = _sha_of(it)
+    crc = isal_zlib.crc32(it.plan.buf)
     if it.nbytes:
         assert it.src is not None
         mv = tensor_memoryview(it.src)
-        for q in range(0, it.nbytes, HASH_CHUNK):
-            chunk = mv[q:q + HASH_CHUNK]
-            sha.update(chunk)
-            crc = isal_zlib.crc32(chunk, crc)
-    it.crc32, it.sha256 = crc, sha.digest()
-    it.plan.finish(it.crc32, it.sha256)
+        if sha is None:
+            crc = isal_zlib.crc32(mv, crc)  # CRC32 alone: no reason to chunk
+        else:
+            for q in range(0, it.nbytes, HASH_CHUNK):
+                chunk = mv[q:q + HASH_CHUNK]
+                sha.update(chunk)
+                crc = isal_zlib.crc32(chunk, crc)
+    _finish_item(it, crc, sha)
 
 
-def file_segments(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, threads: int | None = None
-                  ) -> Tuple[int, List[Tuple[int, memoryview]], List[L.TensorInfo]]:
+def file_segments(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, threads: int | None = None,
+                  sha256: bool = True) -> Tuple[int, List[Tuple[int, memoryview]], List[L.TensorInfo]]:
     """The bytes :func:`write_file` would write, as ``(size, segments, infos)`` for storage
     that takes a file as parts (an object store's multipart upload) rather than a descriptor.
 
@@ -577,7 +598,7 @@ def file_segments(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, thr
     :func:`write_file`'s. Same layout code as :func:`write_file`, so the bytes are equal.
     (:func:`file_segments_deferred` returns before the hashes are done.)
     """
-    size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads)
+    size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads, sha256=sha256)
     return size, segments, hashes.finish()
 
 
@@ -653,13 +674,13 @@ class DeferredHashes:
         return _infos(self._items)
 
 
-def file_segments_deferred(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, threads: int | None = None
-                           ) -> Tuple[int, List[Tuple[int, memoryview]], DeferredHashes]:
+def file_segments_deferred(tensors: Mapping[str, torch.Tensor], *, align: int = 4096, threads: int | None = None,
+                           sha256: bool = True) -> Tuple[int, List[Tuple[int, memoryview]], DeferredHashes]:
     """:func:`file_segments` without waiting for the hashes: the segments at once (the
     tensors' headers are filled in as each tensor is hashed) and the :class:`DeferredHashes`
     that says when a byte range is final and, at the end, gives the infos. Lets an upload
     send data while the file's tensors are still being hashed."""
-    items, version, flags, metadata_len, file_size, nthreads = _planned(tensors, align, threads)
+    items, version, flags, metadata_len, file_size, nthreads = _planned(tensors, align, threads, sha256)
     segments: List[Tuple[int, memoryview]] = [
         (0, memoryview(_prologue(items, version, flags, metadata_len))),
         (L.PROLOGUE_SIZE, memoryview(_metadata(items, flags, metadata_len)))]
@@ -674,9 +695,10 @@ def file_segments_deferred(tensors: Mapping[str, torch.Tensor], *, align: int = 
 
 
 def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str], *,
-              align: int = 4096, fsync: bool = False, threads: int | None = None, direct: bool = False) -> None:
+              align: int = 4096, fsync: bool = False, threads: int | None = None, direct: bool = False,
+              sha256: bool = True) -> None:
     """Like :func:`write_file`, without returning the entries."""
-    write_file(tensors, path, align=align, fsync=fsync, threads=threads, direct=direct)
+    write_file(tensors, path, align=align, fsync=fsync, threads=threads, direct=direct, sha256=sha256)
 
 
 def _fsync_dir(path: str) -> None:

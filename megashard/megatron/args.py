@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  "saves allocate and dirty no page cache for it (faster where the page cache is "
                  "the bottleneck, e.g. VMs), but a load on the same node afterwards reads from disk.",
         )
+    if not _has(parser, "--megashard-no-sha256"):
+        group.add_argument(
+            "--megashard-no-sha256", dest="megashard_sha256", action="store_false", default=None,
+            help="Write CRC32-only tensor headers (tensorizer's one-hash variant; its readers and every "
+                 "megashard check accept them) and skip computing SHA-256, most of a save's CPU time. "
+                 "Default: MEGASHARD_SHA256 (unset: CRC32 and SHA-256).",
+        )
     if not _has(parser, "--async-save"):  # Megatron-LM defines it; stand-alone scripts get it here
         group.add_argument(
             "--async-save", action="store_true", default=None,

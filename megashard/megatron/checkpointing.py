@@ -13,7 +13,7 @@ both Megatron-LM's global args and a stand-alone script's args work): ``save``,
 ``no_save_rng``, ``ckpt_step``, ``exit_on_missing_checkpoint``,
 ``use_distributed_optimizer``, ``data_parallel_random_init``, ``pretrained_checkpoint``;
 and megashard's own ``megashard_load_mode``, ``megashard_verify_on_load``,
-``megashard_strict_load``, ``megashard_direct_io`` (see :mod:`megashard.megatron.args`).
+``megashard_strict_load``, ``megashard_direct_io``, ``megashard_sha256`` (see :mod:`megashard.megatron.args`).
 """
 from __future__ import annotations
 
@@ -329,14 +329,15 @@ def save_checkpoint(
     sd, stems, save_layout = _saved_state(args, model, optimizer, opt_param_scheduler, iteration,
                                           num_floating_point_operations_so_far)
     direct_io = bool(_flag(args, "megashard_direct_io"))
+    sha256 = _flag(args, "megashard_sha256", None)  # None: MEGASHARD_SHA256, else on
     if bool(_flag(args, "async_save")) if async_save is None else async_save:
         handle = _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, async_save=True,
-                       direct_io=direct_io)
+                       direct_io=direct_io, sha256=sha256)
         handle.add_commit_callback(lambda: _commit_tracker(root, iteration, release))
         log.info("scheduled an async save of iteration %d to %s; training stalled %.2f s for the snapshot",
                  iteration, ckpt, time.perf_counter() - t0)
         return ckpt
-    _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, direct_io=direct_io)
+    _call(_api().save, sd, ckpt, file_stems=stems, layout=save_layout, direct_io=direct_io, sha256=sha256)
     commit_tracker(root, iteration, release)  # save() returned on every rank: committed
     log.info("saved checkpoint at iteration %d to %s in %.2f s", iteration, ckpt,
              time.perf_counter() - t0)

@@ -135,14 +135,15 @@ class ObjectSave:
 
     @staticmethod
     def write_file(tensors: Mapping[str, Any], url: str, align: int, fsync: bool, threads: Optional[int],
-                   direct: bool = False) -> Tuple[List[Any], int, Dict[str, Any]]:
+                   direct: bool = False, sha256: bool = True) -> Tuple[List[Any], int, Dict[str, Any]]:
         """Upload one ``.tensors`` file straight from the tensors (the bytes ``write_file``
         would write; multipart above one part), hashing its tensors (``threads`` hashing
         threads) while the parts clear of their headers are already sent; connections are
-        the store's (``MEGASHARD_S3_CONNECTIONS``). Durable once the PUT returns."""
+        the store's (``MEGASHARD_S3_CONNECTIONS``). Durable once the PUT returns. ``sha256=False``:
+        CRC32-only tensor headers (see ``megashard.save``)."""
         from ...format.writer import file_segments_deferred
 
-        size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads)
+        size, segments, hashes = file_segments_deferred(tensors, align=align, threads=threads, sha256=sha256)
         try:
             store, key = ObjectStore.for_url(url)
             etag = store.upload(key, size, segments, if_none_match=True, pending=hashes)
