@@ -143,8 +143,6 @@ def resolve_source(src: str, iteration: Optional[int | str] = None) -> Tuple[str
 def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, str, Optional[int | str], bool]:
     """SRC at an object-store URL: a megashard checkpoint (its head), or a Megatron save root whose
     tracker (or ``iteration``) names one. Only megashard checkpoints are read from a URL."""
-    from .storage.s3.url import child
-
     src = storage.location(src)  # checked; no trailing slash
     if storage.locate(src) is not None:
         if iteration is not None:
@@ -155,7 +153,7 @@ def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, 
         raise ConvertInputError(
             f"{src} is not a megashard checkpoint ({storage.why_not_checkpoint(src)}) and holds no "
             f"{saveroot.TRACKER_NAME}; for a Megatron save root pass --iteration N{_torch_dist_hint(src)}")
-    ckpt = child(src, saveroot.iteration_dir_name(it))
+    ckpt = storage.child(src, saveroot.iteration_dir_name(it))
     if storage.locate(ckpt) is None:
         raise ConvertInputError(f"{ckpt}: iteration {it} is not a megashard checkpoint "
                                 f"({storage.why_not_checkpoint(ckpt)}){_torch_dist_hint(ckpt)}")
@@ -164,26 +162,10 @@ def _resolve_url_source(src: str, iteration: Optional[int | str]) -> Tuple[str, 
 
 def _torch_dist_hint(url: str) -> str:
     """What to do when ``url`` holds a torch_dist checkpoint (one HEAD, on the error path only)."""
-    from .storage.s3.client import ObjectStore
-
-    store, key = ObjectStore.for_url(url)
-    if key and store.head(f"{key}/metadata.json") is not None:
+    if storage.foreign_format(url) == "torch_dist":
         return ("; it looks like a torch_dist checkpoint, which convert reads from a local directory only "
                 "(megatron-core's loader): copy it to a local path first")
     return ""
-
-
-def _url_occupied(url: str) -> bool:
-    """Anything at or under ``url`` (an object named like it, or any key below it): one HEAD, one LIST."""
-    from .storage.s3.client import ObjectStore
-
-    store, key = ObjectStore.for_url(url)
-    if not key:
-        raise ConvertInputError(f"{url}: DST needs a key prefix inside the bucket (s3://bucket/run/converted)")
-    if store.head(key) is not None:
-        return True
-    objects, prefixes = store.list(key + "/", delimiter="/")
-    return bool(objects or prefixes)
 
 
 # ---------------------------------------------------------------------------
@@ -353,9 +335,7 @@ class _ObjectOutput:
 
     @property
     def target(self) -> str:
-        from .storage.s3.url import child
-
-        return child(self.final, saveroot.iteration_dir_name(self.iteration)) if self.megatron_root else self.final
+        return storage.child(self.final, saveroot.iteration_dir_name(self.iteration)) if self.megatron_root else self.final
 
     def scratch_dir(self) -> str:
         if self._scratch is None:
@@ -363,12 +343,10 @@ class _ObjectOutput:
         return self._scratch
 
     def commit(self) -> None:
-        from .storage.s3 import checkpoint as objck
-
         self.cleanup()
         if self.megatron_root:  # only where no tracker is: never one another writer wrote meanwhile
             try:
-                objck.write_tracker(self.final, str(self.iteration), new_only=True)
+                storage.write_tracker(self.final, self.iteration, new_only=True)
             except CommitConflictError:
                 raise ConvertInputError(f"{self.final}: a tracker appeared there while converting (another "
                                         f"writer); left it untouched ({self.target} was written)") from None
@@ -777,7 +755,11 @@ def convert(
             raise ConvertInputError(
                 f"{dst_s}: --to {to} writes local files only; convert to a local path and upload that (e.g. "
                 "`aws s3 cp --recursive`), or write a megashard checkpoint at the URL (--to megashard)")
-        if _url_occupied(dst_s):
+        try:
+            storage.save_target(dst_s).validate()  # the URL takes a checkpoint (a key prefix in the bucket): no request
+        except CheckpointError as e:
+            raise ConvertInputError(f"DST {e}") from None
+        if storage.occupied(dst_s):
             raise ConvertInputError(f"{dst_s} exists (objects are stored under it); choose a new DST "
                                     "(convert never overwrites)")
     else:

@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 32 * MiB
 DEFAULT_JOBS = 4
-_WRITE_BYTES = 1 * MiB  # one pwrite
 Iteration = Union[int, str]
 
 
@@ -79,28 +78,6 @@ class CopyResult:
 # --------------------------------------------------------------------------- what SRC is
 
 
-def _join(root: str, name: str) -> str:
-    return storage.store(root).child(root, name)
-
-
-def _iterations(root: str) -> List[Iteration]:
-    """The committed ``iter_XXXXXXX`` / ``release`` checkpoints of a save root."""
-    if storage.is_url(root):
-        from .storage.s3.client import ObjectStore
-
-        store, key = ObjectStore.for_url(root)
-        _, prefixes = store.list(key + "/", delimiter="/")
-        names = [p[len(key) + 1:].rstrip("/") for p in prefixes]
-    else:
-        try:
-            names = os.listdir(root)
-        except OSError:
-            names = []
-    found = [(saveroot.parse_iteration_dir_name(n), n) for n in names]
-    its = [it for it, n in found if it is not None and storage.locate(_join(root, n)) is not None]
-    return sorted(its, key=lambda it: (isinstance(it, str), it if isinstance(it, int) else 0))
-
-
 def _plan(src: str, dst: str, iteration: Optional[Iteration], all_iterations: bool
           ) -> Tuple[List[Tuple[str, str]], Optional[Iteration]]:
     """(SRC checkpoint, DST checkpoint) pairs and the iteration DST's tracker names (None: no tracker)."""
@@ -112,7 +89,7 @@ def _plan(src: str, dst: str, iteration: Optional[Iteration], all_iterations: bo
     if all_iterations:
         if iteration is not None:
             raise CopyInputError("--iteration and --all exclude each other")
-        its = _iterations(src)
+        its = storage.save_root_iterations(src)
         if not its:
             raise CopyInputError(f"{src} holds no committed iter_XXXXXXX checkpoints "
                                  f"({storage.why_not_checkpoint(src)})")
@@ -120,14 +97,15 @@ def _plan(src: str, dst: str, iteration: Optional[Iteration], all_iterations: bo
     else:
         it = iteration if iteration is not None else tracked
         if it is None:
-            its = _iterations(src)
+            its = storage.save_root_iterations(src)
             found = ", ".join(saveroot.iteration_dir_name(i) for i in its[:5])
             hint = f"; pass --iteration N or --all (found {found})" if its else ""
             raise CopyInputError(f"{src} is not a megashard checkpoint ({storage.why_not_checkpoint(src)}) and holds no "
                                  f"{saveroot.TRACKER_NAME}{hint}")
         its = [it]
         tracker = it
-    pairs = [(_join(src, saveroot.iteration_dir_name(it)), _join(dst, saveroot.iteration_dir_name(it))) for it in its]
+    names = [saveroot.iteration_dir_name(it) for it in its]
+    pairs = [(storage.child(src, n), storage.child(dst, n)) for n in names]
     for s, _ in pairs:
         if storage.locate(s) is None:
             raise CopyInputError(f"{s}: not a megashard checkpoint ({storage.why_not_checkpoint(s)})")
@@ -204,44 +182,18 @@ def _chunks(cf: Any, name: str, size: int, chunk: int, verifier: Any, stop: thre
             yield mv
 
 
-def _copy_file(src: str, index: Any, name: str, size: int, want: Mapping[str, Tuple[int, int, int]], dst_dir: str,
-               sha256: bool, chunk: int, stop: threading.Event) -> Dict[str, Any]:
-    """Stream one file, checked on the way and against the index; returns the extra file record (the ETag)."""
-    from .format.fastio import pwrite_all
+def _copy_file(src: str, index: Any, name: str, size: int, want: Mapping[str, Tuple[int, int, int]], target: Any,
+               dst_dir: str, sha256: bool, chunk: int, stop: threading.Event) -> Dict[str, Any]:
+    """Stream one file, checked on the way and against the index, into ``dst_dir`` (``target``'s writer:
+    :meth:`~megashard.storage.posix.DirectorySave.write_stream`); returns the extra file record (the ETag)."""
     from .format.streamverify import StreamVerifier
 
-    if storage.is_url(src):
-        from .storage.s3.client import connections
-
-        threads = connections()
-    else:
-        from .format.fastio import default_read_threads
-
-        threads = default_read_threads()
     with storage.checkpoint_files(src, index) as cf:
         cf.open(name, size)  # name, type, size (and ETag) before a byte is read
         verifier = StreamVerifier(cf.path(name), size, sha256=sha256)
-        extra: Dict[str, Any] = {}
-        if storage.is_url(dst_dir):
-            from .storage.s3.client import ObjectStore, part_bytes, single_put_bytes
-            from .storage.s3.url import child
-
-            part = part_bytes(size) if size > single_put_bytes() else max(1, size)  # one PUT: one chunk
-            chunk = max(part, -(-chunk // part) * part)  # whole parts per chunk
-            store, key = ObjectStore.for_url(child(dst_dir, name))
-            extra["etag"] = store.upload_chunks(key, size, _chunks(cf, name, size, chunk, verifier, stop, threads),
-                                                if_none_match=True)
-        else:
-            fd = os.open(os.path.join(dst_dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            try:
-                off = 0
-                for mv in _chunks(cf, name, size, chunk, verifier, stop, threads):
-                    for a in range(0, mv.nbytes, _WRITE_BYTES):  # on ext4 1 MiB writes beat 32 MiB ones (10 vs 14 s/GiB)
-                        pwrite_all(fd, mv[a:a + _WRITE_BYTES], off + a)
-                    off += mv.nbytes
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        threads = cf.read_threads()
+        extra = target.write_stream(
+            dst_dir, name, size, chunk, lambda n: _chunks(cf, name, size, n, verifier, stop, threads))
         _check_against_index(cf.path(name), verifier, verifier.finish(), want)
         return extra
 
@@ -293,8 +245,8 @@ def copy_checkpoint(src: str, dst: str, *, sha256: bool = False, jobs: int = DEF
         records: Dict[str, Dict[str, Any]] = {}
         order = sorted(files, key=lambda n: -int(files[n].get("bytes", 0)))
         with ThreadPoolExecutor(max(1, min(jobs, len(order) or 1)), thread_name_prefix="megashard-copy") as pool:
-            futures = {pool.submit(_copy_file, loc, idx, n, int(files[n].get("bytes", 0)), want.get(n, {}), dst_dir,
-                                   sha256, chunk_bytes, stop): n for n in order}
+            futures = {pool.submit(_copy_file, loc, idx, n, int(files[n].get("bytes", 0)), want.get(n, {}), target,
+                                   dst_dir, sha256, chunk_bytes, stop): n for n in order}
             try:
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             finally:

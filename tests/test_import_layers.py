@@ -122,3 +122,28 @@ def test_storage_modules_import_alone_without_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ok", str(len(names))]
+
+
+#: Modules outside megashard.storage that may import a store's module directly, with the reason.
+#: Empty: saving, loading, readers, scatter, copy, convert, ... go through megashard.storage, so a new
+#: store (GCS, Azure Blob, a local tier) is one module behind the same interface.
+STORE_MODULE_IMPORTS_ALLOWED: Dict[str, str] = {}
+
+
+def test_only_storage_names_a_store() -> None:
+    """No module outside megashard.storage imports megashard.storage.posix or megashard.storage.s3
+    (late imports count): what one store does beyond the interface would leak into the layers above."""
+    stores = _under(["megashard.storage.posix", "megashard.storage.s3"])
+    assert stores, "the walker lost the stores' modules"
+    outside = set(MODULES) - _under(["megashard.storage"])
+    bad = {m: sorted(GRAPH[m] & stores) for m in sorted(outside)
+           if GRAPH[m] & stores and m not in STORE_MODULE_IMPORTS_ALLOWED}
+    assert bad == {}
+
+
+def test_the_store_check_sees_a_late_store_import(tmp_path) -> None:
+    """The check above catches the shape the leaks had (``from .storage.s3.client import X`` inside a function)."""
+    p = tmp_path / "leaky.py"
+    p.write_text("def f():\n    from .storage.s3.client import ObjectStore\n    from .storage import posix\n")
+    found = _imports("megashard.leaky", p)
+    assert {"megashard.storage.s3.client", "megashard.storage.posix"} <= found

@@ -1,6 +1,7 @@
 """megashard.storage picks a store by location; every store's module provides the same functions."""
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -49,8 +50,44 @@ def test_a_new_store_is_one_module_and_one_line(monkeypatch, tmp_path) -> None:
     assert storage.is_checkpoint("mem://b/run") is True
     assert storage.read_tracker("mem://b/root") == 7
     storage.write_tracker("mem://b/root", 7)
+    storage.write_tracker("mem://b/root", 7, new_only=True)
     assert storage.save_root_iterations("mem://b/root") == [7]
+    assert storage.child("mem://b/root", "iter_0000007") == "mem://b/run/iter_0000007"
+    storage.occupied("mem://b/new")
+    storage.foreign_format("mem://b/tdist")
     assert ("write_tracker", "mem://b/root") in calls and ("is_checkpoint", "mem://b/run") in calls
+    assert {("child", "mem://b/root"), ("occupied", "mem://b/new"), ("foreign_format", "mem://b/tdist")} <= set(calls)
     assert all(url.startswith("mem://") for _, url in calls)
     # paths still go to the file system
     assert storage.is_checkpoint(str(tmp_path)) is False
+
+
+@pytest.mark.parametrize("save,files", [(posix.DirectorySave, posix.CheckpointFiles),
+                                         (s3_store.ObjectSave, s3_store.ObjectCheckpointFiles)], ids=["posix", "s3"])
+def test_every_store_s_seams_provide_what_copy_uses(save: type, files: type) -> None:
+    """``megashard copy`` streams through the save seam (``write_stream``) and sizes its reads by the
+    read seam (``read_threads``): each store's classes provide them, so copy names no store."""
+    assert callable(save.write_stream)
+    assert isinstance(files.read_threads(), int) and files.read_threads() >= 1
+
+
+def test_a_local_tracker_new_only_never_replaces_one(tmp_path) -> None:
+    """``write_tracker(new_only=True)`` on a file system: written where none is; refused (the old
+    one kept, no temporary left) where one is, as the object store's If-None-Match PUT refuses."""
+    from megashard.errors import CommitConflictError
+
+    storage.write_tracker(tmp_path, 5, new_only=True)
+    assert storage.read_tracker(tmp_path) == 5
+    with pytest.raises(CommitConflictError, match="latest_checkpointed_iteration.txt exists"):
+        storage.write_tracker(tmp_path, 9, new_only=True)
+    assert storage.read_tracker(tmp_path) == 5
+    assert sorted(os.listdir(tmp_path)) == ["latest_checkpointed_iteration.txt"]
+    storage.write_tracker(tmp_path, 9)  # without new_only: replaced
+    assert storage.read_tracker(tmp_path) == 9
+
+
+def test_occupied_on_a_file_system(tmp_path) -> None:
+    assert storage.occupied(tmp_path / "new") is False
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    assert storage.occupied(tmp_path / "dangling") is True
+    assert storage.occupied(tmp_path) is True

@@ -118,7 +118,8 @@ def _look_tracker(root: Optional[str]) -> Dict[str, Any]:
     tracker = storage.read_tracker(root)
     direct = named and storage.locate(root) is not None
     # a torch_dist or Hugging Face directory given as --load: say so, never start from random init
-    foreign = storage.foreign_format(root) if tracker is None and not direct else None
+    foreign = (storage.foreign_format(root) if tracker is None and not direct and not storage.is_url(root)
+               else None)  # a URL: no request spent on it (an empty --load bucket prefix is a first start)
     return {"tracker": tracker, "direct": direct, "foreign": foreign}
 
 

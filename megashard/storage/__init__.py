@@ -30,7 +30,7 @@ from .base import (MANIFEST_DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, Stor
                    local_path, manifest_digest, max_manifest_bytes)
 from .ownership import DEFAULT_STALE_AGE_S, OWNER_NAME
 from .posix import (CheckpointFiles, DirectorySave, apply_retention, check_reported_files, check_save_target,
-                    cleanup_stale_temps, commit_dir, dir_identity, foreign_format, foreign_hint, fsync_file, fsync_path,
+                    cleanup_stale_temps, commit_dir, dir_identity, foreign_hint, fsync_file, fsync_path,
                     head_problem, join_temp_dir, leftover_kind, make_temp_dir, remove_checkpoint, rename_new_only,
                     replace_problem, replace_problem_at, temp_dir_name, write_file_atomic)
 
@@ -38,7 +38,7 @@ __all__ = [
     "STORES", "Store", "store",
     # the interface, by location
     "location", "locate", "locate_named", "is_checkpoint", "checkpoint_location", "why_not_checkpoint", "recover", "Recovery",
-    "save_target", "checkpoint_files",
+    "save_target", "checkpoint_files", "child", "occupied", "foreign_format",
     # Megatron save roots in any store
     "write_tracker", "read_tracker", "save_root", "save_root_iterations", "root_checkpoint", "read_location",
     "recover_path",
@@ -51,7 +51,7 @@ __all__ = [
     "local_path", "manifest_digest", "max_manifest_bytes",
     # the file system's own operations (megashard.storage.posix)
     "CheckpointFiles", "DirectorySave", "apply_retention", "check_reported_files", "check_save_target",
-    "cleanup_stale_temps", "commit_dir", "dir_identity", "foreign_format", "foreign_hint", "fsync_file", "fsync_path",
+    "cleanup_stale_temps", "commit_dir", "dir_identity", "foreign_hint", "fsync_file", "fsync_path",
     "head_problem", "join_temp_dir", "leftover_kind", "make_temp_dir", "remove_checkpoint", "rename_new_only",
     "replace_problem", "replace_problem_at", "temp_dir_name", "write_file_atomic",
 ]
@@ -139,14 +139,34 @@ def checkpoint_files(base: PathLike, index: Any = None) -> Any:
     return store(base).checkpoint_files(base, index)
 
 
+def child(root: str, name: str) -> str:
+    """The location of ``name`` directly under ``root`` (a save root's ``iter_N``; a file of a save's
+    temporary directory or prefix): a path joined, or a URL's key extended (checked there)."""
+    return store(root).child(root, name)
+
+
+def occupied(path: PathLike) -> bool:
+    """Anything at (or, on an object store, under) ``path``: where something new must not be written
+    (``megashard convert`` never overwrites). An object store: one HEAD and one LIST."""
+    return store(path).occupied(path)
+
+
+def foreign_format(path: PathLike) -> Optional[str]:
+    """``"torch_dist"`` or ``"hf"`` when ``path`` holds a checkpoint in a format ``megashard convert``
+    reads (:func:`.posix.foreign_format`), else None. An object store answers by name only (one HEAD of
+    ``metadata.json``: ``"torch_dist"``), for the hint of an error message."""
+    return store(path).foreign_format(path)
+
+
 # --------------------------------------------------------------------------- Megatron save roots
 
 
-def write_tracker(save_root: PathLike, iteration: Union[int, str]) -> None:
+def write_tracker(save_root: PathLike, iteration: Union[int, str], new_only: bool = False) -> None:
     """Write Megatron's ``latest_checkpointed_iteration.txt`` (the last save step; readers see the old
-    or the new)."""
+    or the new). ``new_only``: only where there is none yet (CommitConflictError otherwise), never
+    replacing one another writer wrote meanwhile (``megashard convert``)."""
     it = check_iteration(iteration)
-    store(save_root).write_tracker(save_root, str(it))
+    store(save_root).write_tracker(save_root, str(it), new_only)
 
 
 def read_tracker(load_root: PathLike) -> Optional[Union[int, str]]:
@@ -164,7 +184,7 @@ def save_root_iterations(root: PathLike) -> List[Union[int, str]]:
     as :func:`locate` finds it), ascending, ``release`` last. Read-only."""
     loc = location(root)
     st = store(loc)
-    its = [parse_iteration_dir_name(n) for n in st.iteration_names(loc) if st.locate(st.child(loc, n)) is not None]
+    its = [parse_iteration_dir_name(n) for n in st.iteration_names(loc) if st.locate(child(loc, n)) is not None]
     return sorted(its, key=lambda it: (it == "release", it if isinstance(it, int) else 0))  # type: ignore[arg-type]
 
 
@@ -186,12 +206,11 @@ def root_checkpoint(root: Mapping[str, Any]) -> str:
     """The checkpoint a save root's tracker names (waited for when not visible yet: :func:`locate_named`);
     a root without a tracker is a CheckpointError that names its checkpoints (guessing would read the
     wrong one)."""
-    st = store(root["path"])
     if root["tracker"] is None:
-        shown = ", ".join(st.child(root["path"], iteration_dir_name(i)) for i in root["iterations"])
+        shown = ", ".join(child(root["path"], iteration_dir_name(i)) for i in root["iterations"])
         raise CheckpointError(f"{root['path']} is a Megatron save root without {TRACKER_NAME}; "
                               f"name one of its checkpoints: {shown}")
-    named = st.child(root["path"], iteration_dir_name(root["tracker"]))
+    named = child(root["path"], iteration_dir_name(root["tracker"]))
     locate_named(named)  # committed before the tracker named it, it may show late on a lagging mount: waited for
     return named
 
@@ -219,7 +238,7 @@ def recover_path(path: PathLike, older_than_s: Optional[float] = None) -> Recove
     age = DEFAULT_STALE_AGE_S if older_than_s is None else older_than_s
     st = store(loc)
     for name in st.iteration_names(loc, kinds=("old", "tmp", "del")):
-        recover(st.child(loc, name), age, rec)
+        recover(child(loc, name), age, rec)
     if not is_url(loc):
         rec.removed.extend(cleanup_stale_temps(loc, older_than_s=age))  # e.g. the tracker's temporaries
     rec.root = save_root(loc)

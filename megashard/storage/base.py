@@ -114,11 +114,19 @@ class Store(Protocol):
 
     def save_target(self, path: PathLike, new_only: bool = False) -> Any:
         """The save seam of :mod:`megashard.saving` (``validate``, ``check``, ``create``,
-        ``temp_location``, ``writer``, ``write_file``, ``commit``, ``after_commit``, ``discard``)."""
+        ``temp_location``, ``writer``, ``write_file``, ``commit``, ``after_commit``, ``discard``;
+        ``write_stream``: a member streamed in, for ``megashard copy``)."""
 
     def checkpoint_files(self, path: PathLike, index: Any = None) -> Any:
         """The read seam: ``read_manifest_bytes``, ``open``, ``size``, ``read_into``, ``read_files``,
-        ``read_bytes``, ``tensor_reader``, ``path``, ``close``; ``descriptor`` where ``passes_descriptors``."""
+        ``read_bytes``, ``tensor_reader``, ``path``, ``close``, ``read_threads`` (a bulk read's parallelism
+        here); ``descriptor`` where ``passes_descriptors``."""
+
+    def occupied(self, path: PathLike) -> bool:
+        """Anything at (an object store: or under) ``path``."""
+
+    def foreign_format(self, path: PathLike) -> Optional[str]:
+        """``"torch_dist"`` / ``"hf"``: ``path`` holds a checkpoint of a format ``megashard convert`` reads."""
 
     def child(self, root: str, name: str) -> str:
         """The location of ``name`` directly under ``root`` (a save root's ``iter_N``)."""
@@ -127,8 +135,9 @@ class Store(Protocol):
         """The ``iter_N`` / ``release`` names under save root ``root``, sorted (``kinds``: which
         leftovers of a file system's interrupted saves also count)."""
 
-    def write_tracker(self, root: PathLike, text: str) -> None:
-        """Write Megatron's tracker file of save root ``root`` (readers see the old or the new)."""
+    def write_tracker(self, root: PathLike, text: str, new_only: bool = False) -> None:
+        """Write Megatron's tracker file of save root ``root`` (readers see the old or the new);
+        ``new_only``: only where there is none yet, else CommitConflictError."""
 
     def read_tracker(self, root: PathLike) -> Optional[Union[int, str]]:
         """The iteration save root ``root``'s tracker names (:func:`megashard.saveroot.parse_tracker`),

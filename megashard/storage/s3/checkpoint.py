@@ -32,23 +32,22 @@ import json
 import logging
 import re
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ...errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
 from ...saveroot import TRACKER_MAX, TRACKER_NAME, parse_iteration_dir_name, parse_tracker
 from ..base import MANIFEST_DIGEST_NAME as DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, manifest_digest
 from ..base import max_manifest_bytes as _max_head
 from ..ownership import DEFAULT_STALE_AGE_S, why_kept
-from .client import ObjectInfo, ObjectStore, ObjectTooLargeError
+from .client import ObjectInfo, ObjectStore, ObjectTooLargeError, connections, part_bytes, single_put_bytes
 from .url import check_object_name, child, parse_url
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ObjectCheckpointFiles", "ObjectSave", "checkpoint_files", "checkpoint_location", "child", "cleanup",
-           "is_checkpoint", "iteration_names", "locate", "location", "read_tracker", "recover", "save_target",
-           "why_not_checkpoint", "write_tracker"]
+           "foreign_format", "is_checkpoint", "iteration_names", "locate", "location", "occupied", "read_tracker",
+           "recover", "save_target", "why_not_checkpoint", "write_tracker"]
 
-INDEX_NAME = "manifest.index"  # megashard.manifest.INDEX_NAME (that module imports torch)
 DATA_PREFIX = ".megashard-save-"
 HEAD_FIELD = "data_prefix"
 _DATA_PREFIX_RE = re.compile(r"\.megashard-save-[A-Za-z0-9_-]{1,64}\Z")
@@ -153,6 +152,18 @@ class ObjectSave:
             raise
         return hashes.finish(), size, {"etag": etag}
 
+    @staticmethod
+    def write_stream(url: str, name: str, size: int, chunk_bytes: int,
+                     chunks: Callable[[int], Iterable[memoryview]]) -> Dict[str, Any]:
+        """Upload member ``name`` of ``size`` bytes under :meth:`writer`'s save prefix ``url`` (created
+        new: If-None-Match) from ``chunks(n)``, the bytes in order: ``n`` is ``chunk_bytes`` rounded up
+        to whole parts (one PUT: one chunk) (``megashard copy``). Returns the file's extra record for
+        the index: its ETag."""
+        part = part_bytes(size) if size > single_put_bytes() else max(1, size)  # one PUT: one chunk
+        chunk = max(part, -(-chunk_bytes // part) * part)  # whole parts per chunk
+        store, key = ObjectStore.for_url(child(url, name))
+        return {"etag": store.upload_chunks(key, size, chunks(chunk), if_none_match=True)}
+
     def commit(self, token: str, files: Mapping[int, Mapping[str, Mapping[str, Any]]],
                where: Mapping[int, Any], head: bytes, sections: bytes) -> None:
         """Rank 0: check every reported object, write index and digest under the save's
@@ -174,6 +185,7 @@ class ObjectSave:
             shown = "; ".join(f"rank {r}: {', '.join(v[:5])}" for r, v in sorted(bad.items())[:16])
             raise CheckpointError(f"{self.url}/{DATA_PREFIX}{token}: objects reported by rank(s) "
                                   f"{sorted(bad)[:20]} are not there as uploaded ({shown}); nothing was committed")
+        from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
         index_etag = store.put_bytes(f"{prefix}/{INDEX_NAME}", sections, if_none_match=True)
         doc = json.loads(head)
         doc["index"]["etag"] = index_etag
@@ -342,6 +354,11 @@ class ObjectCheckpointFiles:
         self._infos: Dict[str, ObjectInfo] = {}
         self._index_bytes: Optional[bytes] = None
 
+    @staticmethod
+    def read_threads() -> int:
+        """Parallel GETs one bulk read uses: the store's connections (``MEGASHARD_S3_CONNECTIONS``)."""
+        return connections()
+
     def __enter__(self) -> "ObjectCheckpointFiles":
         return self
 
@@ -369,6 +386,7 @@ class ObjectCheckpointFiles:
         return f"{self.base}/{self._prefix}/{name}"
 
     def _etag(self, name: str) -> Optional[str]:
+        from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
         if name == INDEX_NAME:
             return self._index_etag
         files = getattr(self.index, "files", None)
@@ -438,6 +456,8 @@ class ObjectCheckpointFiles:
         object in one queue on the store's connections, none idle while bytes remain (jobs of one
         member share GETs where adjacent). ``done(i)``: called as soon as job ``i``'s bytes are all
         in (from a GET's thread; see :meth:`ObjectStore.read_many`)."""
+        from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
+
         n = 0
         jobs_s3 = []
         where: List[int] = []  # jobs_s3's positions in jobs
@@ -459,6 +479,8 @@ class ObjectCheckpointFiles:
         its size checked against the head's ``size``) on the first call, even one without
         requests: the index is opened that way (:class:`megashard.index._IndexFile`), before
         any section's length, which the head claims, sizes a buffer."""
+        from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
+
         if self._index_bytes is None and (reqs or size is not None):
             limit = _max_head() if size is None else min(size, _max_head())
             try:
@@ -559,6 +581,22 @@ def save_target(url: PathLike, new_only: bool = False) -> ObjectSave:
 def checkpoint_files(url: PathLike, index: Any = None) -> ObjectCheckpointFiles:
     """``index``: the checkpoint's index, whose ETags pin every read."""
     return ObjectCheckpointFiles(str(url), index)
+
+
+def occupied(url: PathLike) -> bool:
+    """Anything at or under ``url``: an object named like it, or any key below it (one HEAD, one LIST)."""
+    store, key, _ = _location(str(url))
+    if store.head(key) is not None:
+        return True
+    objects, prefixes = store.list(key + "/", delimiter="/")
+    return bool(objects or prefixes)
+
+
+def foreign_format(url: PathLike) -> Optional[str]:
+    """``"torch_dist"`` when a ``metadata.json`` is directly under ``url`` (one HEAD; by name only,
+    unlike the file system's, which reads it), else None. A Hugging Face directory is not looked for."""
+    store, key, _ = _location(str(url))
+    return "torch_dist" if store.head(f"{key}/metadata.json") is not None else None
 
 
 def iteration_names(root: str, kinds: Sequence[str] = ("old",)) -> List[str]:
