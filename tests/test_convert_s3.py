@@ -169,6 +169,31 @@ def test_existing_s3_dst_and_non_megashard_s3_targets_refused(s3, in_tmp):
     assert sorted(os.listdir(in_tmp)) == ["hf", "ms"]
 
 
+def test_a_bucket_without_a_key_prefix_as_dst_is_refused_before_any_request(s3, in_tmp):
+    write_hf(in_tmp / "hf")
+    before = len(s3.requests())
+    with pytest.raises(ConvertInputError, match="key prefix inside the bucket") as e:
+        convert(str(in_tmp / "hf"), s3.url())
+    assert s3.url() in str(e.value)
+    assert len(s3.requests()) == before
+
+
+def test_a_torch_dist_checkpoint_at_a_url_is_named_with_what_to_do(s3, in_tmp):
+    """The hint costs one HEAD (of metadata.json), on the error path only."""
+    store, key = ObjectStore.for_url(s3.url("td/iter_0000003"))
+    store.put_bytes(f"{key}/metadata.json", b'{"sharded_backend": "torch_dist"}')
+    store.put_bytes("td/latest_checkpointed_iteration.txt", b"3")
+    for src in (s3.url("td/iter_0000003"), s3.url("td")):
+        with pytest.raises(ConvertInputError, match="looks like a torch_dist checkpoint.*copy it to a local path"):
+            convert(src, str(in_tmp / "o.tensors"), to="tensors")
+    before = len(s3.requests())
+    with pytest.raises(ConvertInputError, match="not a megashard checkpoint") as e:
+        convert(s3.url("td/iter_0000003"), str(in_tmp / "o.tensors"), to="tensors")
+    heads = [r for r in s3.requests()[before:] if r.get("method") == "HEAD" and "metadata.json" in r.get("path", "")]
+    assert len(heads) == 1, s3.requests()[before:]
+    assert not os.path.exists(in_tmp / "o.tensors")
+
+
 def test_s3_source_that_is_not_a_megashard_checkpoint_refused(s3, in_tmp):
     with pytest.raises(ConvertInputError, match="not a megashard checkpoint") as e:
         convert(s3.url("nothing"), str(in_tmp / "o.tensors"), to="tensors")

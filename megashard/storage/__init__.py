@@ -7,7 +7,8 @@
   :mod:`.s3.checkpoint`; the client in :mod:`.s3.client`);
 * :mod:`.ownership`: owner records of a save's temporaries and when leftovers count as abandoned.
 
-Saving, loading, readers and scatter call the functions here, which pick the store by location
+Saving, loading, readers, scatter, ``copy`` and ``convert`` call the functions here (never a store's
+module: ``tests/test_import_layers.py``), which pick the store by location
 (:func:`store`): a path is the file system's, a URL the store of its scheme (:data:`STORES`, imported
 on first use). Adding a store (GCS, Azure Blob, ...) is one module implementing :class:`~.base.Store`
 and one line in :data:`STORES`. Built on the interface: Megatron save roots (a tracker and
