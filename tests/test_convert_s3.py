@@ -187,7 +187,7 @@ def test_a_torch_dist_checkpoint_at_a_url_is_named_with_what_to_do(s3, in_tmp):
         with pytest.raises(ConvertInputError, match="looks like a torch_dist checkpoint.*copy it to a local path"):
             convert(src, str(in_tmp / "o.tensors"), to="tensors")
     before = len(s3.requests())
-    with pytest.raises(ConvertInputError, match="not a megashard checkpoint") as e:
+    with pytest.raises(ConvertInputError, match="not a megashard checkpoint"):
         convert(s3.url("td/iter_0000003"), str(in_tmp / "o.tensors"), to="tensors")
     heads = [r for r in s3.requests()[before:] if r.get("method") == "HEAD" and "metadata.json" in r.get("path", "")]
     assert len(heads) == 1, s3.requests()[before:]
