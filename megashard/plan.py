@@ -427,8 +427,7 @@ def _tiles_exactly(g: Shape, pieces: List[Tuple[Shape, Shape, Optional[Tuple[int
     heads = order[first]
     if int(sizes[heads].sum()) != math.prod(g):
         return False
-    boxes = [Box(tuple(o), tuple(s)) for o, s in zip(offs[heads].tolist(), shps[heads].tolist())]
-    return not _overlaps("", boxes)
+    return len(heads) < 2 or not _grid_overlap_pairs(offs[heads], ends[heads], 1)
 
 
 MAX_GRID_CELLS = 1 << 24
@@ -453,28 +452,41 @@ def overlap_pairs(boxes: Sequence[Box], limit: int = 20) -> List[Tuple[int, int]
     keep = [i for i, b in enumerate(boxes) if b.numel]
     if len(keep) < 2:
         return []
+    sub = [boxes[i] for i in keep]
+    if not sub[0].shape:
+        return [(keep[0], keep[1])]
     import numpy as np
 
-    sub = [boxes[i] for i in keep]
-    nd = len(sub[0].shape)
-    if nd == 0:
-        return [(keep[0], keep[1])]
     offs = np.array([b.offset for b in sub], dtype=np.int64)
     ends = offs + np.array([b.shape for b in sub], dtype=np.int64)
+    return [(keep[i], keep[j]) for i, j in _grid_overlap_pairs(offs, ends, limit)]
+
+
+def _grid_overlap_pairs(offs: Any, ends: Any, limit: int) -> List[Tuple[int, int]]:
+    """:func:`overlap_pairs` of non-empty boxes of one or more dimensions given as ``(n, nd)``
+    numpy arrays of offsets and ends (the coordinator's coverage check has them already, so it
+    builds no :class:`Box` unless something overlaps or the grid is irregular)."""
+    import numpy as np
+
+    nd = offs.shape[1]
+
+    def box(i: int) -> Box:
+        return Box(tuple(offs[i].tolist()), tuple((ends[i] - offs[i]).tolist()))
+
     cuts = [np.unique(np.concatenate([offs[:, d], ends[:, d]])) for d in range(nd)]
     lo = np.stack([np.searchsorted(cuts[d], offs[:, d]) for d in range(nd)], axis=1)
     hi = np.stack([np.searchsorted(cuts[d], ends[:, d]) for d in range(nd)], axis=1)
     out: List[Tuple[int, int]] = []
     if bool(np.all(hi - lo == 1)):  # every chunk is one grid cell (TP/PP/EP grids): overlap = same cell
         _, inv, cnt = np.unique(lo, axis=0, return_inverse=True, return_counts=True)
-        if len(cnt) == len(sub):
+        if len(cnt) == len(offs):
             return []
         inv = inv.reshape(-1)
         first: Dict[int, int] = {}
         for i in np.flatnonzero(cnt[inv] > 1).tolist():
             j = first.setdefault(int(inv[i]), i)
             if j != i:
-                out.append((keep[j], keep[i]))
+                out.append((j, i))
                 if len(out) >= limit:
                     break
         return out
@@ -482,18 +494,19 @@ def overlap_pairs(boxes: Sequence[Box], limit: int = 20) -> List[Tuple[int, int]
     for c in cuts:
         cells *= max(len(c) - 1, 1)
     if cells > MAX_GRID_CELLS:
-        return [(keep[i], keep[j]) for i, j in _overlaps_sweep(sub, limit)]
+        return _overlaps_sweep([box(i) for i in range(len(offs))], limit)
     count = np.zeros([max(len(c) - 1, 1) for c in cuts], dtype=np.int32)
-    spans = [tuple(slice(int(a), int(b)) for a, b in zip(lo[i], hi[i])) for i in range(len(sub))]
+    spans = [tuple(slice(int(a), int(b)) for a, b in zip(lo[i], hi[i])) for i in range(len(offs))]
     for sl in spans:
         count[sl] += 1
     if int(count.max()) <= 1:
         return []
+    sub = [box(i) for i in range(len(offs))]
     for i in range(len(sub)):  # name the pairs (only when something is wrong)
         if int(count[spans[i]].max()) > 1:
             for j in range(i + 1, len(sub)):
                 if sub[i].intersect(sub[j]) is not None:
-                    out.append((keep[i], keep[j]))
+                    out.append((i, j))
                     if len(out) >= limit:
                         return out
     return out
