@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -285,6 +286,32 @@ def test_grid_overlap_check_scales_and_finds_overlaps():
     bad = boxes + [(Box((3, 7, 8), (1, 2, 8)), None)]
     probs = plan.coverage_problems("experts", (61, 256, 16), bad)
     assert any("overlap" in p for p in probs)
+
+
+@pytest.mark.parametrize("max_cells", [plan.MAX_GRID_CELLS, 1])  # 1: the sweep for irregular grids
+def test_overlap_pairs_and_coverage_agree_with_cell_counting(monkeypatch, max_cells):
+    """Random boxes (empty ones included) in 1-3 dimensions: ``overlap_pairs`` finds an
+    overlapping pair exactly when one exists (and names only real ones), and
+    ``chunk_coverage_problems`` (the coordinator's vectorised exact-tiling check first) reports
+    nothing exactly when every element is covered once."""
+    import itertools
+    import math
+
+    monkeypatch.setattr(plan, "MAX_GRID_CELLS", max_cells)
+    rng = random.Random(max_cells)
+    for _ in range(600):
+        g = [rng.randint(1, 6) for _ in range(rng.randint(1, 3))]
+        boxes = []
+        for _ in range(rng.randint(0, 6)):
+            off = [rng.randint(0, d - 1) for d in g]
+            boxes.append(Box(tuple(off), tuple(rng.randint(0, d - o) for o, d in zip(off, g))))
+        truth = [(i, j) for i, j in itertools.combinations(range(len(boxes)), 2)
+                 if boxes[i].numel and boxes[j].numel and boxes[i].intersect(boxes[j]) is not None]
+        got = plan.overlap_pairs(boxes)
+        assert bool(got) == bool(truth) and set(got) <= set(truth), (g, boxes, got)
+        cells = [c for b in boxes for c in itertools.product(*(range(o, o + k) for o, k in zip(b.offset, b.shape)))]
+        exact = len(cells) == len(set(cells)) == math.prod(g)
+        assert (plan.chunk_coverage_problems("k", tuple(g), [(b.offset, b.shape, None) for b in boxes]) == []) == exact
 
 
 def test_flat_boxes_partition_any_range():
