@@ -215,8 +215,17 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     ids: Dict[Tuple, int] = {}
     nbytes: List[int] = []
     held_by: List[List[List[int]]] = []
-    by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {}
     kinds: Dict[str, Tuple[str, List[int]]] = {}  # key -> (dtype, global shape) as first announced
+    # the coverage check's input as flat integer lists (numpy arrays later, no object per piece):
+    # per distinct chunk its key's position in ``kinds``, rank, offset and shape; per shard its
+    # chunk and flat range (-1: the whole chunk)
+    key_no: Dict[str, int] = {}
+    chunk_of: Dict[Tuple, int] = {}
+    c_key: List[int] = []
+    c_nd: List[int] = []
+    c_dims: List[int] = []  # offset then shape of each chunk, concatenated
+    p_chunk: List[int] = []
+    p_flat: List[int] = []  # start, stop of each shard
     for groups in (by_fixed, by_flat):
         for text, ranks in groups.items():
             got = parsed.get(text)
@@ -227,7 +236,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                     known = kinds.get(key)
                     if known is None:
                         kinds[key] = (dt, gshape)
-                        by_key[key] = []
+                        key_no[key] = len(key_no)
                     elif known[0] != dt or known[1] != gshape:
                         problems.append(f"tensor {key!r}: rank {ranks[0]} has dtype {dt} global shape "
                                         f"{tuple(gshape)}, another rank has {known[0]} {tuple(known[1])}")
@@ -236,7 +245,15 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                         i = ids[sid] = len(nbytes)
                         nbytes.append(nb)
                         held_by.append([])
-                        by_key[key].append(sid[1:])
+                        c = chunk_of.get(sid[:3])
+                        if c is None:
+                            c = chunk_of[sid[:3]] = len(c_key)
+                            c_key.append(key_no[key])
+                            c_nd.append(len(off))
+                            c_dims += off
+                            c_dims += cshape
+                        p_chunk.append(c)
+                        p_flat += fl if fl else (0, -1)
                     got.append(i)
             for i in got:
                 held_by[i].append(ranks)
@@ -258,8 +275,17 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             fixed, flat = parsed[m["fixed"]], parsed[m["flat"]]
             for j in m["main"]:
                 preferred.setdefault(fixed[j] if j < len(fixed) else flat[j - len(fixed)], rank)
-    for key, pieces in by_key.items():
-        problems += chunk_coverage_problems(key, tensors[key][1], pieces)
+    del chunk_of
+    exact = _keys_tiling_exactly([tensors[k][1] for k in kinds], c_key, c_nd, c_dims, p_chunk, p_flat)
+    del c_key, c_nd, c_dims, p_chunk, p_flat
+    if not all(exact):  # the detailed check names the problems of the other keys, piece by piece
+        doubt = {k for k, ok in zip(kinds, exact) if not ok}
+        by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {k: [] for k in doubt}
+        for sid in ids:
+            if sid[0] in doubt:
+                by_key[sid[0]].append(sid[1:])
+        for key, pieces in by_key.items():
+            problems += chunk_coverage_problems(key, tensors[key][1], pieces)
     writers = assign_writers(holders, dict(enumerate(nbytes)), preferred)
     # objects: the main replica writes; without one, the first holder
     obj_parsed: Dict[str, List[str]] = {}
@@ -321,6 +347,81 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         replies.append({"write": sorted(writes[rank]), "objects": obj_writes[rank], "blobs": upload,
                         "blob_owners": [blob_owner[sha] for _key, sha, *_ in m["blobs"]], "blob_lead": lead})
     return SaveAssignment(replies, tensors, blob_owner)
+
+
+def _keys_tiling_exactly(gshapes: Sequence[Sequence[int]], c_key: Sequence[int], c_nd: Sequence[int],
+                         c_dims: Sequence[int], p_chunk: Sequence[int], p_flat: Sequence[int]) -> List[bool]:
+    """For each key (global shape ``gshapes[k]``): True when its shards certainly cover it exactly
+    once, for every key of the job in a few numpy passes (per-key numpy calls cost ~0.1 ms each,
+    ~0.5 s over the 3,450 keys of a DeepSeek-V3 save). Chunk ``c`` of key ``c_key[c]`` has rank
+    ``c_nd[c]``, its offset and shape concatenated in ``c_dims``; shard ``p`` lies in chunk
+    ``p_chunk[p]``, flat range ``p_flat[2p:2p+2]`` (stop -1: the whole chunk). Exact when every
+    chunk lies inside the tensor, has elements and is one cell of the grid its key's chunk
+    boundaries cut (then distinct chunks are distinct cells), its shards' flat ranges run from 0
+    to its size without gap or overlap, and the chunk sizes sum to the tensor's. False means
+    "look closer" (:func:`chunk_coverage_problems`)."""
+    import numpy as np
+
+    nkeys, nchunks = len(gshapes), len(c_key)
+    if not nchunks:
+        return [False] * nkeys
+    width = max(max(c_nd), max((len(g) for g in gshapes), default=0), 1)
+    gnd = np.array([len(g) for g in gshapes], dtype=np.int64)
+    gs = np.ones((nkeys, width), dtype=np.int64)
+    total = np.zeros(nkeys, dtype=np.int64)
+    try:
+        for k, g in enumerate(gshapes):
+            n = math.prod(int(x) for x in g)
+            if n >= 1 << 62 or min(g, default=0) < 0:  # int64 sums below could wrap: the exact check
+                return [False] * nkeys
+            gs[k, :len(g)] = g
+            total[k] = n
+        key = np.array(c_key, dtype=np.int64)
+        nd = np.array(c_nd, dtype=np.int64)
+        dims = np.array(c_dims, dtype=np.int64)
+        flat = np.array(p_flat, dtype=np.int64).reshape(-1, 2)
+    except (ValueError, TypeError, OverflowError):
+        return [False] * nkeys
+    pchunk = np.array(p_chunk, dtype=np.int64)
+    bad = np.zeros(nkeys, dtype=bool)
+    # offsets and shapes padded to ``width`` dimensions (offset 0, extent 1: one cut, one cell)
+    starts = np.concatenate([[0], np.cumsum(2 * nd)[:-1]])
+    offs = np.zeros((nchunks, width), dtype=np.int64)
+    shps = np.ones((nchunks, width), dtype=np.int64)
+    row = np.repeat(np.arange(nchunks), nd)
+    col = np.arange(len(row)) - np.repeat(np.cumsum(nd) - nd, nd)
+    offs[row, col] = dims[np.repeat(starts, nd) + col]
+    shps[row, col] = dims[np.repeat(starts + nd, nd) + col]
+    ends = offs + shps
+    gk = gs[key]  # (offsets and shapes within the tensor also keep ``ends`` from wrapping)
+    wrong = ((nd != gnd[key]) | (offs < 0).any(axis=1) | (offs >= gk).any(axis=1) | (shps <= 0).any(axis=1)
+             | (shps > gk).any(axis=1) | (ends > gk).any(axis=1))
+    bad[key[wrong]] = True
+    sizes = np.prod(shps, axis=1)
+    # flat ranges: sorted by (chunk, start), each chunk's run 0..size without gaps
+    lo, hi = flat[:, 0], np.where(flat[:, 1] < 0, sizes[pchunk], flat[:, 1])
+    order = np.lexsort((lo, pchunk))
+    c, lo, hi = pchunk[order], lo[order], hi[order]
+    first = np.ones(len(c), dtype=bool)
+    first[1:] = c[1:] != c[:-1]
+    last = np.ones(len(c), dtype=bool)
+    last[:-1] = first[1:]
+    prev_hi = np.concatenate([[0], hi[:-1]])
+    ok = np.where(first, lo == 0, lo == prev_hi) & (hi > lo) & np.where(last, hi == sizes[c], True)
+    bad[key[c[~ok]]] = True
+    # every chunk one cell of its key's grid: no boundary of the key strictly inside it, per dimension
+    span = int(gs.max()) + 1
+    if nkeys * span >= 1 << 62:
+        return [False] * nkeys
+    base = key * span
+    for d in range(width):
+        a, b = base + np.clip(offs[:, d], 0, span - 1), base + np.clip(ends[:, d], 0, span - 1)
+        cuts = np.unique(np.concatenate([a, b]))
+        one = np.searchsorted(cuts, b) - np.searchsorted(cuts, a) == 1
+        bad[key[~one]] = True
+    covered = np.zeros(nkeys, dtype=np.int64)  # no wrap: a key not bad has distinct cells inside its tensor
+    np.add.at(covered, key, np.where(bad[key], 0, sizes))
+    return [not b and t == n for b, t, n in zip(bad.tolist(), covered.tolist(), total.tolist())]
 
 
 def coverage_problems(
