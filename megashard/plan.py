@@ -98,6 +98,7 @@ def assign_writers(
     holders: Mapping[Any, Sequence[int]],
     nbytes: Mapping[Any, int],
     preferred: Optional[Mapping[Any, int]] = None,
+    load: Optional[Mapping[int, int]] = None,
 ) -> Dict[Any, int]:
     """Choose one writer rank per shard so that written bytes are balanced.
 
@@ -107,9 +108,11 @@ def assign_writers(
     rank, e.g. the main replica, then the lowest rank), which keeps the biggest writer
     close to the mean. Deterministic. Shards whose holder lists are the same list object
     (data-parallel replicas) share one heap of candidate loads, so a shard held by
-    thousands of ranks costs O(log ranks), not a scan.
+    thousands of ranks costs O(log ranks), not a scan. ``load``: bytes each rank writes already
+    (shards the caller assigned itself: the coordinator's distributed-optimizer pieces, each held
+    by one rank), as if they were among ``holders``.
     """
-    load: Dict[int, int] = {}
+    load = dict(load or {})
     out: Dict[Any, int] = {}
     multi: List[Any] = []
     for sid, ranks in holders.items():
@@ -260,9 +263,15 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     tensors = {k: (dt, tuple(gs)) for k, (dt, gs) in kinds.items()}
     holders: Dict[int, Sequence[int]] = {}
     merged: Dict[Tuple[int, ...], List[int]] = {}  # one list per combination of texts (shared heaps)
+    writer = [-1] * len(nbytes)
+    load: Dict[int, int] = {}  # bytes of the shards only one rank holds (each its own writer), by rank
     for i, lists in enumerate(held_by):
         if len(lists) == 1:
-            holders[i] = lists[0]
+            if len(lists[0]) == 1:  # a distributed-optimizer piece: no choice to make
+                r = writer[i] = lists[0][0]
+                load[r] = load.get(r, 0) + nbytes[i]
+            else:
+                holders[i] = lists[0]
             continue
         combo = tuple(map(id, lists))  # the lists live in by_fixed/by_flat: ids are stable
         got = merged.get(combo)
@@ -286,7 +295,9 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 by_key[sid[0]].append(sid[1:])
         for key, pieces in by_key.items():
             problems += chunk_coverage_problems(key, tensors[key][1], pieces)
-    writers = assign_writers(holders, dict(enumerate(nbytes)), preferred)
+    for i, w in assign_writers(holders, nbytes, preferred, load).items():
+        writer[i] = w
+    del held_by, holders
     # objects: the main replica writes; without one, the first holder
     obj_parsed: Dict[str, List[str]] = {}
     obj_ranks: Dict[str, List[int]] = {}
@@ -316,7 +327,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         for text, ranks in groups.items():
             rset = set(ranks)
             for j, sid in enumerate(parsed[text]):
-                w = writers[sid]
+                w = writer[sid]
                 if w in rset:
                     writes[w].append(nfixed[w] + j if flat_part else j)
     obj_writes: List[List[int]] = [[] for _ in range(world)]
@@ -330,22 +341,35 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     # uploader of each of its blobs, and the uploader how many entries share it, which is what
     # lets a later save with the same plan check in one all-reduce that the blobs still group
     # the same way (megashard.saving.plan_vote)
+    # (data-parallel replicas in one gather group share one decoded list: each list is read once)
     blob_owner: Dict[str, int] = {}
     blob_count: Dict[str, int] = {}
+    times: Dict[int, List[Any]] = {}  # id of a rank's blob list -> [the list, ranks sending it]
     for rank, m in enumerate(messages):
+        got = times.get(id(m["blobs"]))
+        if got is not None:  # an earlier rank holds these blobs: none is this rank's to upload
+            got[1] += 1
+            continue
+        times[id(m["blobs"])] = [m["blobs"], 1]
         for _key, sha, *_ in m["blobs"]:
             blob_owner.setdefault(sha, rank)
-            blob_count[sha] = blob_count.get(sha, 0) + 1
+    for blobs, n in times.values():
+        for _key, sha, *_ in blobs:
+            blob_count[sha] = blob_count.get(sha, 0) + n
+    owners: Dict[int, List[int]] = {}
     replies: List[Dict[str, Any]] = []
     for rank, m in enumerate(messages):
         upload: List[str] = []
         lead: List[List[int]] = []  # [entry index, entries sharing it] of the blobs this rank uploads
-        for j, (_key, sha, *_) in enumerate(m["blobs"]):
-            if blob_owner[sha] == rank and sha not in upload:
-                upload.append(sha)
-                lead.append([j, blob_count[sha]])
+        own = owners.get(id(m["blobs"]))
+        if own is None:
+            own = owners[id(m["blobs"])] = [blob_owner[sha] for _key, sha, *_ in m["blobs"]]
+            for j, (_key, sha, *_) in enumerate(m["blobs"]):
+                if own[j] == rank and sha not in upload:
+                    upload.append(sha)
+                    lead.append([j, blob_count[sha]])
         replies.append({"write": sorted(writes[rank]), "objects": obj_writes[rank], "blobs": upload,
-                        "blob_owners": [blob_owner[sha] for _key, sha, *_ in m["blobs"]], "blob_lead": lead})
+                        "blob_owners": list(own), "blob_lead": lead})
     return SaveAssignment(replies, tensors, blob_owner)
 
 
