@@ -165,7 +165,19 @@ def _order(sid: Any) -> Any:
 # One shard as a rank announces it: [key, dtype name, global shape, global offset, chunk
 # shape, flat range or None, bytes]. A rank's announcement puts its regular shards in one
 # JSON text ("fixed") and its flattened ones in another ("flat"): data-parallel replicas send
-# byte-identical "fixed" texts, which the coordinator parses once for all of them.
+# byte-identical "fixed" texts, which the coordinator parses once for all of them. A "flat"
+# text is ``[[start, stop, bytes, ...], [[key, dtype, global shape, offset, chunk shape], ...]]``:
+# its second list (the chunks) is the same on the ranks that hold pieces of the same chunks
+# (the distributed optimizer's data-parallel ranks), so the coordinator parses it once for all
+# of them and only the integers per rank (:func:`_split_flat`).
+
+
+def _split_flat(text: str) -> Tuple[str, str]:
+    """A "flat" text's two JSON texts, (integers, chunks), without parsing either."""
+    i = text.find("]")
+    if text[:2] != "[[" or i < 0 or text[i + 1:i + 2] != "," or text[-1:] != "]":
+        raise ValueError(f"malformed announcement of flattened shards: {text[:80]!r}")
+    return text[1:i + 1], text[i + 2:-1]
 
 
 def announcement(entries: Sequence[Sequence[Any]], main: Sequence[bool], objects: Sequence[str],
@@ -179,7 +191,8 @@ def announcement(entries: Sequence[Sequence[Any]], main: Sequence[bool], objects
     dumps = (lambda v: json.dumps(v, separators=(",", ":")))
     msg = {
         "fixed": dumps([list(entries[i]) for i in order[:nfixed]]),
-        "flat": dumps([list(entries[i]) for i in order[nfixed:]]),
+        "flat": "[" + dumps([x for i in order[nfixed:] for x in (*entries[i][5], entries[i][6])]) + ","
+                + dumps([list(entries[i][:5]) for i in order[nfixed:]]) + "]",
         "main": [j for j, i in enumerate(order) if main[i]],
         "objects": dumps(list(objects)),
         "objects_main": [i for i, m in enumerate(objects_main) if m],
@@ -229,37 +242,70 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     c_dims: List[int] = []  # offset then shape of each chunk, concatenated
     p_chunk: List[int] = []
     p_flat: List[int] = []  # start, stop of each shard
-    for groups in (by_fixed, by_flat):
-        for text, ranks in groups.items():
-            got = parsed.get(text)
-            if got is None:
-                got = parsed[text] = []
-                for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
-                    sid = (key, tuple(off), tuple(cshape), tuple(fl) if fl else None)
-                    known = kinds.get(key)
-                    if known is None:
-                        kinds[key] = (dt, gshape)
-                        key_no[key] = len(key_no)
-                    elif known[0] != dt or known[1] != gshape:
-                        problems.append(f"tensor {key!r}: rank {ranks[0]} has dtype {dt} global shape "
-                                        f"{tuple(gshape)}, another rank has {known[0]} {tuple(known[1])}")
-                    i = ids.get(sid)
-                    if i is None:
-                        i = ids[sid] = len(nbytes)
-                        nbytes.append(nb)
-                        held_by.append([])
-                        c = chunk_of.get(sid[:3])
-                        if c is None:
-                            c = chunk_of[sid[:3]] = len(c_key)
-                            c_key.append(key_no[key])
-                            c_nd.append(len(off))
-                            c_dims += off
-                            c_dims += cshape
-                        p_chunk.append(c)
-                        p_flat += fl if fl else (0, -1)
-                    got.append(i)
-            for i in got:
-                held_by[i].append(ranks)
+
+    def entry(key: str, dt: str, gshape: List[int], off: List[int], cshape: List[int]) -> Tuple[Any, ...]:
+        """(key, offset, chunk shape, chunk id, problem) of one announced chunk; a problem is the
+        text before and after the rank to name."""
+        ck = (key, tuple(off), tuple(cshape))
+        problem = None
+        known = kinds.get(key)
+        if known is None:
+            kinds[key] = (dt, gshape)
+            key_no[key] = len(key_no)
+        elif known[0] != dt or known[1] != gshape:
+            problem = (f"tensor {key!r}: rank ", f" has dtype {dt} global shape {tuple(gshape)}, another rank has "
+                       f"{known[0]} {tuple(known[1])}")
+        c = chunk_of.get(ck)
+        if c is None:
+            c = chunk_of[ck] = len(c_key)
+            c_key.append(key_no[key])
+            c_nd.append(len(off))
+            c_dims.extend(off)
+            c_dims.extend(cshape)
+        return ck + (c, problem)
+
+    templates: Dict[str, List[Tuple[Any, ...]]] = {}  # chunk list of "flat" texts -> entry() of each
+    for text, ranks in by_fixed.items():
+        got = parsed[text] = []
+        for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
+            key, o, cs, c, problem = entry(key, dt, gshape, off, cshape)
+            if problem:
+                problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
+            sid = (key, o, cs, tuple(fl) if fl else None)
+            i = ids.get(sid)
+            if i is None:
+                i = ids[sid] = len(nbytes)
+                nbytes.append(nb)
+                held_by.append([])
+                p_chunk.append(c)
+                p_flat += fl if fl else (0, -1)
+            got.append(i)
+        for i in got:
+            held_by[i].append(ranks)
+    for text, ranks in by_flat.items():
+        ints, chunks = _split_flat(text)
+        tmpl = templates.get(chunks)
+        if tmpl is None:
+            tmpl = templates[chunks] = [entry(*e) for e in json.loads(chunks)]
+        ints = json.loads(ints)
+        if len(ints) != 3 * len(tmpl):
+            raise ValueError(f"malformed announcement of flattened shards from rank {ranks[0]}")
+        got = parsed[text] = []
+        for j, (key, o, cs, c, problem) in enumerate(tmpl):
+            if problem:
+                problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
+            a, b = ints[3 * j], ints[3 * j + 1]
+            sid = (key, o, cs, (a, b))
+            i = ids.get(sid)
+            if i is None:
+                i = ids[sid] = len(nbytes)
+                nbytes.append(ints[3 * j + 2])
+                held_by.append([])
+                p_chunk.append(c)
+                p_flat += (a, b)
+            got.append(i)
+        for i in got:
+            held_by[i].append(ranks)
     tensors = {k: (dt, tuple(gs)) for k, (dt, gs) in kinds.items()}
     holders: Dict[int, Sequence[int]] = {}
     merged: Dict[Tuple[int, ...], List[int]] = {}  # one list per combination of texts (shared heaps)
@@ -284,9 +330,10 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             fixed, flat = parsed[m["fixed"]], parsed[m["flat"]]
             for j in m["main"]:
                 preferred.setdefault(fixed[j] if j < len(fixed) else flat[j - len(fixed)], rank)
-    del chunk_of
+    chunk_of.clear()
     exact = _keys_tiling_exactly([tensors[k][1] for k in kinds], c_key, c_nd, c_dims, p_chunk, p_flat)
-    del c_key, c_nd, c_dims, p_chunk, p_flat
+    for lst in (c_key, c_nd, c_dims, p_chunk, p_flat):
+        lst.clear()
     if not all(exact):  # the detailed check names the problems of the other keys, piece by piece
         doubt = {k for k, ok in zip(kinds, exact) if not ok}
         by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {k: [] for k in doubt}
