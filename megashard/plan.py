@@ -302,7 +302,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 nbytes.append(ints[3 * j + 2])
                 held_by.append([])
                 p_chunk.append(c)
-                p_flat += (a, b)
+                p_flat += (a, b if b != -1 else -2)  # -1 stands for "the whole chunk": never a stop announced
             got.append(i)
         for i in got:
             held_by[i].append(ranks)
@@ -470,7 +470,7 @@ def _keys_tiling_exactly(gshapes: Sequence[Sequence[int]], c_key: Sequence[int],
     bad[key[wrong]] = True
     sizes = np.prod(shps, axis=1)
     # flat ranges: sorted by (chunk, start), each chunk's run 0..size without gaps
-    lo, hi = flat[:, 0], np.where(flat[:, 1] < 0, sizes[pchunk], flat[:, 1])
+    lo, hi = flat[:, 0], np.where(flat[:, 1] == -1, sizes[pchunk], flat[:, 1])
     order = np.lexsort((lo, pchunk))
     c, lo, hi = pchunk[order], lo[order], hi[order]
     first = np.ones(len(c), dtype=bool)

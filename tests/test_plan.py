@@ -381,3 +381,10 @@ def test_coordinator_coverage_of_many_keys_at_once_agrees_with_the_detailed_chec
             assert all(p in str(e.value) for p in expected[:50]), (trial, expected)
         else:
             plan.coordinate_save(msgs)
+
+
+def test_coordinator_refuses_a_flat_range_ending_at_minus_one():
+    """The vectorised coverage check stands for "the whole chunk" with a stop of -1; an announced
+    flat range ``[0, -1]`` is not that."""
+    with pytest.raises(ValueError, match="covers -1 of 8"):
+        plan.coordinate_save([_msg([["o", "float32", [8], [0], [8], [0, -1], 16]])])
