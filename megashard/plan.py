@@ -278,7 +278,8 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 nbytes.append(nb)
                 held_by.append([])
                 p_chunk.append(c)
-                p_flat += fl if fl else (0, -1)
+                a, b = fl if fl else (0, -1)
+                p_flat += (a, b if b != -1 or not fl else -2)
             got.append(i)
         for i in got:
             held_by[i].append(ranks)
@@ -302,7 +303,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 nbytes.append(ints[3 * j + 2])
                 held_by.append([])
                 p_chunk.append(c)
-                p_flat += (a, b if b != -1 else -2)  # -1 stands for "the whole chunk": never a stop announced
+                p_flat += (a, b if b != -1 else -2)  # -1 stands for "the whole chunk" (fixed shards)
             got.append(i)
         for i in got:
             held_by[i].append(ranks)

@@ -1,6 +1,7 @@
 """Pure planning functions: writer balance, coverage, read plans, scatter extents."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -388,3 +389,8 @@ def test_coordinator_refuses_a_flat_range_ending_at_minus_one():
     flat range ``[0, -1]`` is not that."""
     with pytest.raises(ValueError, match="covers -1 of 8"):
         plan.coordinate_save([_msg([["o", "float32", [8], [0], [8], [0, -1], 16]])])
+    entries = [["o", "float32", [8], [0], [8], [0, -1], 16]]
+    msg = _msg(entries)
+    msg["fixed"], msg["flat"] = json.dumps(entries), "[[],[]]"  # a flat range among the regular shards
+    with pytest.raises(ValueError, match="covers -1 of 8"):
+        plan.coordinate_save([msg])
