@@ -1,8 +1,10 @@
 """Pure planning functions: writer balance, coverage, read plans, scatter extents."""
 from __future__ import annotations
 
+import json
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -287,6 +289,32 @@ def test_grid_overlap_check_scales_and_finds_overlaps():
     assert any("overlap" in p for p in probs)
 
 
+@pytest.mark.parametrize("max_cells", [plan.MAX_GRID_CELLS, 1])  # 1: the sweep for irregular grids
+def test_overlap_pairs_and_coverage_agree_with_cell_counting(monkeypatch, max_cells):
+    """Random boxes (empty ones included) in 1-3 dimensions: ``overlap_pairs`` finds an
+    overlapping pair exactly when one exists (and names only real ones), and
+    ``chunk_coverage_problems`` (the coordinator's vectorised exact-tiling check first) reports
+    nothing exactly when every element is covered once."""
+    import itertools
+    import math
+
+    monkeypatch.setattr(plan, "MAX_GRID_CELLS", max_cells)
+    rng = random.Random(max_cells)
+    for _ in range(600):
+        g = [rng.randint(1, 6) for _ in range(rng.randint(1, 3))]
+        boxes = []
+        for _ in range(rng.randint(0, 6)):
+            off = [rng.randint(0, d - 1) for d in g]
+            boxes.append(Box(tuple(off), tuple(rng.randint(0, d - o) for o, d in zip(off, g))))
+        truth = [(i, j) for i, j in itertools.combinations(range(len(boxes)), 2)
+                 if boxes[i].numel and boxes[j].numel and boxes[i].intersect(boxes[j]) is not None]
+        got = plan.overlap_pairs(boxes)
+        assert bool(got) == bool(truth) and set(got) <= set(truth), (g, boxes, got)
+        cells = [c for b in boxes for c in itertools.product(*(range(o, o + k) for o, k in zip(b.offset, b.shape)))]
+        exact = len(cells) == len(set(cells)) == math.prod(g)
+        assert (plan.chunk_coverage_problems("k", tuple(g), [(b.offset, b.shape, None) for b in boxes]) == []) == exact
+
+
 def test_flat_boxes_partition_any_range():
     import numpy as np
 
@@ -303,3 +331,66 @@ def test_flat_boxes_partition_any_range():
             assert list(vals) == list(range(a + pos, a + pos + len(vals)))
             got += list(vals)
         assert got == list(range(a, b)) and len(plan.flat_boxes(shape, a, b)) <= max(1, 2 * len(shape) - 1)
+
+
+def test_coordinator_coverage_of_many_keys_at_once_agrees_with_the_detailed_check():
+    """The coordinator checks every key's coverage in one vectorised pass
+    (``plan._keys_tiling_exactly``) and names problems key by key only where that pass is not
+    sure. Random keys (0-3 dimensions, regular and irregular chunks, flat ranges with gaps and
+    overlaps, chunks outside the tensor) announced by three replicas: the save is
+    refused exactly when some key is not covered once, with the detailed check's messages."""
+    import math
+
+    rng = random.Random(32)
+    for trial in range(150):
+        entries, expected = [], []
+        for k in range(rng.randint(1, 6)):
+            key = f"k{k}"
+            g = [rng.randint(1, 5) for _ in range(rng.randint(0, 3))]
+            pieces = []
+            if rng.random() < 0.5:  # a regular grid, maybe spoiled below
+                cuts = [sorted({0, d} | {rng.randint(1, d) for _ in range(2)}) for d in g]
+                cells = [[]]
+                for c in cuts:
+                    cells = [x + [(a, b)] for x in cells for a, b in zip(c, c[1:])]
+                for cell in cells:
+                    off, shp = tuple(a for a, _ in cell), tuple(b - a for a, b in cell)
+                    n = math.prod(shp)
+                    if n > 1 and rng.random() < 0.4:  # flat ranges of the chunk
+                        cut = sorted({0, n} | {rng.randint(0, n) for _ in range(2)})
+                        pieces += [(off, shp, (a, b)) for a, b in zip(cut, cut[1:])]
+                    else:
+                        pieces.append((off, shp, None))
+                if pieces and rng.random() < 0.3:
+                    pieces.pop(rng.randrange(len(pieces)))
+            else:
+                for _ in range(rng.randint(1, 4)):
+                    off = tuple(rng.randint(0, d) for d in g)
+                    shp = tuple(rng.randint(0, d + 1 - o) for o, d in zip(off, g))
+                    n = math.prod(shp)
+                    fl = None if rng.random() < 0.7 or n == 0 else tuple(sorted(rng.sample(range(n + 1), 2)))
+                    pieces.append((off, shp, fl))
+            pieces = sorted(dict.fromkeys(pieces), key=lambda p: p[2] is not None)  # announced: regular, then flat
+            if not pieces:
+                continue
+            expected += plan.chunk_coverage_problems(key, tuple(g), pieces)
+            entries += [[key, "float32", g, list(o), list(s), list(f) if f else None, 4] for o, s, f in pieces]
+        msgs = [_msg(entries, [r == 0] * len(entries)) for r in range(3)]  # data-parallel replicas
+        if expected:
+            with pytest.raises(ValueError) as e:
+                plan.coordinate_save(msgs)
+            assert all(p in str(e.value) for p in expected[:50]), (trial, expected)
+        else:
+            plan.coordinate_save(msgs)
+
+
+def test_coordinator_refuses_a_flat_range_ending_at_minus_one():
+    """The vectorised coverage check stands for "the whole chunk" with a stop of -1; an announced
+    flat range ``[0, -1]`` is not that."""
+    with pytest.raises(ValueError, match="covers -1 of 8"):
+        plan.coordinate_save([_msg([["o", "float32", [8], [0], [8], [0, -1], 16]])])
+    entries = [["o", "float32", [8], [0], [8], [0, -1], 16]]
+    msg = _msg(entries)
+    msg["fixed"], msg["flat"] = json.dumps(entries), "[[],[]]"  # a flat range among the regular shards
+    with pytest.raises(ValueError, match="covers -1 of 8"):
+        plan.coordinate_save([msg])

@@ -133,7 +133,7 @@ def test_model_chunks_reused_per_class_equal_each_ranks_own(model, layout, ranks
     records (writing every shard it holds) equal those of encoding its whole state dict."""
 
     def everything(msg):  # the reply of a plan that has this rank write every shard and object it holds
-        shards = len(json.loads(msg["fixed"])) + len(json.loads(msg["flat"]))
+        shards = len(json.loads(msg["fixed"])) + len(json.loads(msg["flat"])[1])
         return {"write": list(range(shards)), "objects": list(range(len(json.loads(msg["objects"])))), "blobs": []}
 
     models = {}
