@@ -299,7 +299,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
             digests_same &= saving.records_digest(res2["records"]) == saving.records_digest(res["records"])
             steady_results.append(res2)
-            steady_texts.append(transport.encode_message(None, saving.steady_commit(res2)))
+            steady_texts.append(transport.encode_message(None, saving.steady_commit(res2, saving.meta_digests(res))))
             yield transport.encode_message(None, res)
 
     t0 = _clock()
