@@ -152,3 +152,47 @@ def flip_data_byte(ckpt: str, rec: Any, at: int = 5) -> None:
         b = f.read(1)
         f.seek(rec.data_offset + at)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+def encode_doc_v2(doc: Any) -> tuple:
+    """A well-formed logical document as a version-2 index (``manifest.json``, ``manifest.index``
+    bytes): what megashard wrote before version 3, each record's CRC32 inside its chunk section."""
+    import zlib
+
+    sec: list = []
+    size = [0]
+
+    def add(data: bytes) -> list:
+        ref = [size[0], len(data), zlib.crc32(data)]
+        sec.append(data)
+        size[0] += len(data)
+        return ref
+
+    def buckets(table: dict, n: int) -> list:
+        names = sorted(table)
+        return [[names[i]] + add(_dumps({k: table[k] for k in names[i:i + n]}).encode()) for i in range(0, len(names), n)]
+
+    tensors = {}
+    for key, t in doc["tensors"].items():
+        groups: dict = {}
+        for s in t["shards"]:
+            groups.setdefault((tuple(s["offset"]), tuple(s["shape"])), []).append(s)
+        chunks: list = []
+        for (off, shp), shards in sorted(groups.items()):
+            shards.sort(key=lambda s: _flat_start(s.get("flat")))
+            recs = [[s.get("flat"), s["file"], s["name"], s["header_offset"], s["data_offset"], s["nbytes"], s["crc32"]]
+                    for s in shards]
+            chunks += list(off) + list(shp) + add(_dumps(recs).encode())
+        tensors[key] = {"dtype": t["dtype"], "shape": t["shape"], "chunks": chunks}
+    objects = {u: add(_dumps(v).encode()) for u, v in doc["objects"].items()}
+    trees = {}
+    for tid, tree in doc["trees"].items():
+        if isinstance(tree, dict) and TREE_WHOLE not in tree and TAG not in tree:
+            trees[tid] = [[k] + add(_dumps(v).encode()) for k, v in tree.items()]
+        else:
+            trees[tid] = [[TREE_WHOLE] + add(_dumps(tree).encode())]
+    head = {k: doc[k] for k in ("format", "created", "world_size", "layout", "extra", "rank_trees") if k in doc}
+    head.update(version=2, tensors=buckets(tensors, 16), objects=buckets(objects, 64), files=buckets(doc["files"], 256),
+                trees=buckets(trees, 64))
+    head["index"] = {"file": manifest.INDEX_NAME, "bytes": size[0]}
+    return _dumps(head).encode(), b"".join(sec)
