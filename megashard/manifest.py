@@ -337,7 +337,8 @@ def _parse_shard(p: "_Parser", ws: str, off: Tuple[int, ...], shp: Tuple[int, ..
 #
 # The head lists every tensor's chunks with the byte range of the section that holds
 # that chunk's shard records, every object's and state-tree part's section, and the
-# file table. A load reads the head and then only the sections of the chunks its own
+# file table. Version 3 moves the records' CRC32s out of the chunk sections into one binary
+# region (``crcs`` in the head), so the chunk sections of two saves of one layout are equal. A load reads the head and then only the sections of the chunks its own
 # shards overlap, the objects its template names and its own state tree.
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
@@ -596,7 +597,7 @@ def _buckets(sec: _Sections, table: Any, size: int) -> Any:
 
 
 def with_files(head: Mapping[str, Any], sections: bytes, files: Mapping[str, Any]) -> Tuple[bytes, bytes]:
-    """A version-2 index (``manifest.json``, ``manifest.index`` bytes) that is ``head`` and
+    """A version-2/3 index (``manifest.json``, ``manifest.index`` bytes) that is ``head`` and
     ``sections`` with the file table replaced by ``files``: the new table's sections are
     appended, everything else stays byte for byte (``megashard copy``: only the objects'
     ETags differ between storages). The old table's sections stay, unreferenced."""
@@ -664,7 +665,7 @@ class _Table(Mapping):
 
 
 class LazyIndex(_FileSizes):
-    """A version-2 index: the head parsed, sections read and validated on first use.
+    """A version-2 or -3 index: the head parsed, sections read and validated on first use.
 
     ``read(start, length)`` returns bytes of ``manifest.index`` (the caller has checked
     the file's size against the head). Everything a section holds is validated as a

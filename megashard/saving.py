@@ -10,8 +10,9 @@ Collectives per save, whatever the world size (none per tensor):
   3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 checks that
      every reported file is in the directory with its size, writes the index
      (:mod:`megashard.index`) and commits by rename; every rank learns the outcome. After a
-     reused plan whose records changed only in their CRC32s, ranks send those CRC32s and rank 0
-     writes them into the previous index's skeleton (see :func:`_finish_save`).
+     reused plan whose records changed only in their CRC32s, ranks send those CRC32s (and what
+     else changed since their last commit) and rank 0 writes them after the previous index's
+     skeleton (see :func:`_finish_save`).
 A rank receives O(its own metadata). Above 64 ranks both gathers go through groups of
 ~sqrt(world) ranks whose leaders send rank 0 one compressed part each
 (:meth:`megashard.transport.Comm.coordinate`), so no process receives a message from every
@@ -373,8 +374,11 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
 
     A save that reused its plan first votes (one all-reduce): when every rank's records equal
     its previous commit's but for their CRC32s, and rank 0 holds that commit's index skeleton,
-    ranks send their CRC32s instead of their records, and rank 0 writes them into the skeleton
-    (:class:`~megashard.manifest.IndexSkeleton`) instead of building the index afresh."""
+    ranks send their CRC32s instead of their records, and of their files, objects and state-tree
+    parts only those that differ from their last commit's (:func:`steady_commit`); rank 0 writes
+    the skeleton (:class:`~megashard.manifest.IndexSkeleton`: chunk sections and tensor table,
+    byte for byte) and the CRC32 region after it instead of building the index afresh, and the
+    rest of the last index again when no rank sent anything else."""
     digest = records_digest(result["records"]) if err is None and result is not None else None
     meta = meta_digests(result) if digest is not None else None
     steady = False
@@ -565,8 +569,8 @@ def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tupl
     write records, and its skeleton for the next save of the same layout. Ranks send their
     records, objects and tree parts as JSON texts (:func:`_write_job`), so this groups and
     joins; it encodes almost nothing itself. With ``skeleton`` (a steady-state commit, see
-    :func:`_finish_save`), ranks send only their records' CRC32s (``crcs``), which go into
-    the skeleton's bytes."""
+    :func:`_finish_save`), ranks send their records' CRC32s (``crcs``) and only the fields of
+    :data:`META_FIELDS` that changed; the skeleton keeps the others (``skeleton.meta``)."""
     with _gc_paused():
         return _build_index(results, tensors, world, layout, skeleton)
 

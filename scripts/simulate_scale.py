@@ -18,13 +18,14 @@ A second, steady-state save of the same layout with other data (other CRC32s) fo
 rank votes with the plan it cached (``saving.remember_plan`` / ``plan_vote`` / ``cached_reply``,
 the plan cache ``save`` uses), the summed votes must agree and give every rank its first reply;
 every rank's records must equal its first save's but for their CRC32s (``saving.records_digest``),
-each sends ``saving.steady_commit`` (its CRC32s, files, objects and tree parts, not its records),
-and rank 0 writes the CRC32s into the first index's skeleton (``saving.build_index(...,
-skeleton)``), which must give the bytes a full build of those records gives
+each sends ``saving.steady_commit`` (its CRC32s; not its records, nor its files, objects and tree
+parts, which equal its first commit's), and rank 0 writes the first index's skeleton, the CRC32s
+and the rest of the first index (``saving.build_index(..., skeleton)``), which must give the bytes
+a full build of those records gives
 (``steady_plan_reused``). ``rank0_s`` is everything rank 0 does in the first
 save (its own announcement, decoding the plan gather, planning, encoding the replies,
 decoding the commit gather, the index); ``rank0_steady_s`` the same for the steady-state save
-(its vote, decoding the steady commit, patching the skeleton); ``max_rank_recv_bytes`` what rank 0 receives in the
+(its vote, decoding the steady commit, writing the index from the skeleton); ``max_rank_recv_bytes`` what rank 0 receives in the
 first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
 collective.
 
