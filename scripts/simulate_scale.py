@@ -61,6 +61,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -106,10 +107,13 @@ def _fake_write(tensors: Dict[str, Any], path: str, align: int, fsync: bool,
 
 def _fake_write_steady(tensors: Dict[str, Any], path: str, align: int, fsync: bool,
                        threads: Optional[int]) -> Tuple[List[Any], int, Dict[str, Any]]:
-    """``_fake_write`` of other data: the same offsets, other CRC32s."""
+    """``_fake_write`` of other data: the same offsets, other CRC32s, which differ from rank to
+    rank (from file to file) as real data's do: replicas' equal CRC32 lists would be sent once
+    by their group's leader (``transport.pack_part``), understating what rank 0 receives."""
     infos, size, extra = _fake_write(tensors, path, align, fsync, threads)
+    salt = zlib.crc32(os.path.basename(path).encode())
     for i in infos:
-        i.crc32 = (i.crc32 * 40503 + 12345) & 0xFFFFFFFF
+        i.crc32 = ((i.crc32 * 40503 + 12345) ^ salt) & 0xFFFFFFFF
     return infos, size, extra
 
 
