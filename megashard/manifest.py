@@ -509,7 +509,8 @@ class IndexBuilder:
 
     def finish(self, head: Dict[str, Any], files: Any, tail: Optional["IndexTail"] = None) -> Tuple[bytes, bytes]:
         """The index; ``tail`` (an earlier ``tail`` of the same skeleton) stands for the
-        objects, trees and file table instead of those added."""
+        objects and trees instead of those added (and their ids of ranks' trees), and for the
+        file table too when ``files`` is None."""
         sec = self.sec
         if self._resumed:
             assert self.skeleton is not None
@@ -523,22 +524,30 @@ class IndexBuilder:
         crcs = _crc_region(sec, self._crcs)
         head = dict(head)
         head.update(version=MANIFEST_VERSION, tensors=tensors, crcs=crcs)
-        if tail is not None and tail.start == sec.size:
+        start, first = sec.size, len(sec.parts)
+        if tail is not None and tail.start == start and files is None:
             sec.parts.append(tail.data)
             sec.size += len(tail.data)
             self.tail = tail
         else:
-            start, first = sec.size, len(sec.parts)
-            objects = {u: sec.add(text.encode()) for u, text in self._objects}
-            trees = {tid: [[k] + sec.add(text.encode()) for k, text in parts] for tid, parts in self._trees}
-            tables = {"objects": _buckets(sec, objects, OBJECT_BUCKET), "files": _buckets(sec, files, FILE_BUCKET),
-                      "trees": _buckets(sec, trees, TREE_BUCKET)}
-            self.tail = IndexTail(start, b"".join(sec.parts[first:]), tables, head.get("rank_trees"))
+            if tail is not None and tail.start == start:  # only the file table is new (an object store's ETags)
+                sec.parts.append(tail.data[:tail.files_at - start])
+                sec.size = tail.files_at
+                tables = dict(tail.tables)
+            else:
+                tail = None
+                objects = {u: sec.add(text.encode()) for u, text in self._objects}
+                trees = {tid: [[k] + sec.add(text.encode()) for k, text in parts] for tid, parts in self._trees}
+                tables = {"objects": _buckets(sec, objects, OBJECT_BUCKET), "trees": _buckets(sec, trees, TREE_BUCKET)}
+            files_at = sec.size  # the file table comes last
+            tables["files"] = _buckets(sec, files, FILE_BUCKET)
+            rank_trees = tail.rank_trees if tail is not None else head.get("rank_trees")
+            self.tail = IndexTail(start, b"".join(sec.parts[first:]), tables, rank_trees, files_at)
             del sec.parts[first:]
             sec.parts.append(self.tail.data)
         head.update(self.tail.tables)
-        if tail is not None and self.tail is tail:
-            head["rank_trees"] = tail.rank_trees
+        if tail is not None:
+            head["rank_trees"] = self.tail.rank_trees
         head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
         return _dumps(head).encode(), b"".join(sec.parts)
 
@@ -563,12 +572,14 @@ class IndexSkeleton:
 class IndexTail:
     """The objects, state trees and file table of an index as laid out after its CRC32
     region (``start``): a steady-state save whose ranks all report them unchanged writes
-    ``data`` again and puts ``tables`` and ``rank_trees`` in the head."""
+    ``data`` again and puts ``tables`` and ``rank_trees`` in the head; one where only files
+    changed writes ``data`` up to ``files_at`` and a new file table."""
 
     start: int
     data: bytes
     tables: Dict[str, Any]
     rank_trees: Any
+    files_at: int  # where the file table's sections start (the last of the tail)
 
 
 def _first(pair: Tuple[Any, ...]) -> Any:

@@ -583,13 +583,13 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         meta = skeleton.meta
         if meta is None or any(len(col) != len(results) for col in meta.values()):
             raise ValueError(f"the index skeleton holds no commit of {len(results)} ranks to reuse")
-        changed = False
+        changed = set()
         for r, res in enumerate(results):
             if len(res) - ("crcs" in res) - ("where" in res):  # more than its CRC32s (and "where"): what changed
                 for k in META_FIELDS:
                     if k in res:
                         meta[k][r] = res[k]
-                        changed = True
+                        changed.add(k)
     else:
         b = IndexBuilder()
         for k, (dt, gs) in sorted(tensors.items()):
@@ -605,16 +605,22 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
                 b.record(key, c, order, text, slot, crc)
                 slot += 1
         meta = {k: [r[k] for r in results] for k in META_FIELDS}
-        changed = True
+        changed = set(META_FIELDS)
     head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
             "layout": dict(layout or {}), "rank_trees": [], "extra": {}}
-    if not changed and skeleton is not None and skeleton.tail is not None:  # every rank sent only its CRC32s
-        head_bytes, sections = b.finish(head, None, tail=skeleton.tail)
+    # objects and trees as last time (every rank sent at most its files): the last index's
+    reuse = skeleton is not None and skeleton.tail is not None and changed <= {"files"}
+    files: Optional[Dict[str, Dict[str, Any]]] = None
+    if not reuse or "files" in changed:
+        files = {}
+        for fs in meta["files"]:
+            files.update(fs)
+    if reuse:
+        assert skeleton is not None
+        head_bytes, sections = b.finish(head, files, tail=skeleton.tail)
+        skeleton.tail = b.tail
         return head_bytes, sections, b.skeleton
-    files: Dict[str, Dict[str, Any]] = {}
     parts: Dict[str, str] = {}
-    for fs in meta["files"]:
-        files.update(fs)
     for ps in meta["parts"]:
         parts.update(ps)
     for objs in meta["objects"]:

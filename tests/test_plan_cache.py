@@ -310,3 +310,27 @@ def test_steady_commit_sends_only_what_changed_and_index_equals_a_fresh_build():
     m = mf.LazyIndex(mf.parse_head(head4, "t"), lambda s, n: sections4[s:s + n], "t", len(head4)).full()
     assert m.tree_for_rank(1) == {"step": 8} and m.tree_for_rank(0) == {"step": 7}
     assert sorted(s.crc32 for s in m.tensors["w"].shards) == sorted(r + i for r in range(3) for i in range(2))
+    # only rank 2's file table changes (an object store's ETag): the rest of the last index is kept
+    files_only = _results(lambda r, i: r + i)
+    files_only[1].update(parts={"p2": "8"}, tree=[["step", "p2"]])
+    files_only[2]["files"]["model-r00002.tensors"]["etag"] = "abc"
+    prev = [saving.meta_digests(r) for r in again]
+    steady = [saving.steady_commit(r, p) for r, p in zip(files_only, prev)]
+    assert set(steady[2]) == {"crcs", "files"} and set(steady[1]) == {"crcs"}
+    head6, sections6, _ = saving.build_index(steady, tensors, 3, None, skel)
+    head7, sections7, _ = saving.build_index(files_only, tensors, 3, None)
+    assert sections6 == sections7 and json.loads(head6)["files"] == json.loads(head7)["files"]
+    assert json.loads(head6)["rank_trees"] == json.loads(head7)["rank_trees"]
+    m = mf.LazyIndex(mf.parse_head(head6, "t"), lambda s, n: sections6[s:s + n], "t", len(head6)).full()
+    assert m.files["model-r00002.tensors"]["etag"] == "abc" and m.tree_for_rank(1) == {"step": 8}
+    # then rank 0's ShardedObject changes: objects and trees are laid out again
+    objs = [dict(r) for r in files_only]
+    objs[0] = dict(objs[0], objects={"rng/0": '{"s":1}'})
+    prev = [saving.meta_digests(r) for r in files_only]
+    steady = [saving.steady_commit(r, p) for r, p in zip(objs, prev)]
+    assert set(steady[0]) == {"crcs", "objects"}
+    head8, sections8, _ = saving.build_index(steady, tensors, 3, None, skel)
+    head9, sections9, _ = saving.build_index(objs, tensors, 3, None)
+    assert sections8 == sections9
+    m = mf.LazyIndex(mf.parse_head(head8, "t"), lambda s, n: sections8[s:s + n], "t", len(head8)).full()
+    assert m.object("rng/0") == {"s": 1} and m.files["model-r00002.tensors"]["etag"] == "abc"
