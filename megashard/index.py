@@ -1,8 +1,8 @@
 """A checkpoint's index (``manifest.json`` + ``manifest.index``) from its bytes or its files object.
 
-Version 2 (written): ``manifest.json`` is a small head, guarded by ``manifest.sha256``;
-``manifest.index`` holds the sections it points to, each guarded by a CRC32 in the
-head. :func:`index_from_files` returns a :class:`~megashard.manifest.LazyIndex` that reads
+Version 3 (written; version 2 is still read): ``manifest.json`` is a small head, guarded by
+``manifest.sha256``; ``manifest.index`` holds the sections it points to, each guarded by a
+CRC32 in the head, and (version 3) the records' CRC32s in one binary region. :func:`index_from_files` returns a :class:`~megashard.manifest.LazyIndex` that reads
 only the sections a rank asks for. Version 1 (one JSON document) is still read.
 
 No storage here: any store's files object serves (:func:`megashard.storage.open_index` opens one

@@ -25,9 +25,10 @@ from .format.dtypes import dtypes_by_name
 from .plan import Box, SavedPiece, numel
 
 MANIFEST_FORMAT = "megashard"
-MANIFEST_VERSION = 2  # written; version 1 (one JSON document) is still read
-READ_VERSIONS = (1, 2)
-INDEX_NAME = "manifest.index"  # version 2: the sections the head points into
+MANIFEST_VERSION = 3  # written; versions 1 (one JSON document) and 2 (CRC32s inside records) are still read
+READ_VERSIONS = (1, 2, 3)
+INDEX_NAME = "manifest.index"  # version >= 2: the sections the head points into
+CRC_BLOCK = 1024  # version 3: record CRC32s per checked block of the CRC32 region (4 KiB)
 
 _DTYPES: Dict[str, torch.dtype] = dtypes_by_name()
 
@@ -284,6 +285,11 @@ def parse_head(text: str | bytes, where: str) -> Dict[str, Any]:
         for k in ("files", "tensors", "trees"):
             p.list(doc.get(k), k)
         p.require(p.dict(doc.get("index"), "index").get("file") == INDEX_NAME, f"index.file must be {INDEX_NAME!r}")
+        if version >= 3:
+            crcs = p.list(doc.get("crcs"), "crcs")
+            p.require(len(crcs) == 3, "crcs must be [start, record count, CRC32 of the block table]")
+            for v in crcs:
+                p.int(v, "crcs")
     return doc
 
 
@@ -331,7 +337,8 @@ def _parse_shard(p: "_Parser", ws: str, off: Tuple[int, ...], shp: Tuple[int, ..
 #
 # The head lists every tensor's chunks with the byte range of the section that holds
 # that chunk's shard records, every object's and state-tree part's section, and the
-# file table. A load reads the head and then only the sections of the chunks its own
+# file table. Version 3 moves the records' CRC32s out of the chunk sections into one binary
+# region (``crcs`` in the head), so the chunk sections of two saves of one layout are equal. A load reads the head and then only the sections of the chunks its own
 # shards overlap, the objects its template names and its own state tree.
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
@@ -359,12 +366,12 @@ class _Sections:
 
 def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], shape: Sequence[int],
                 flat: Optional[Sequence[int]], file: Optional[str], name: str, header_offset: int, data_offset: int,
-                nbytes: int, crc32: int) -> str:
-    """One shard's record as a chunk section stores it: ``[flat, file, name, header offset,
-    data offset, bytes, crc32]`` (name ``null`` when :func:`shard_name` derives it). Writing
-    ranks build their own records' texts, so the coordinator only groups and joins them. The
-    CRC32 is padded with spaces to :data:`CRC_WIDTH` characters, so that a later save of the same
-    layout can write its CRC32s into the same bytes (:class:`IndexSkeleton`)."""
+                nbytes: int) -> str:
+    """One shard's record as a version-3 chunk section stores it: ``[flat, file, name, header
+    offset, data offset, bytes]`` (name ``null`` when :func:`shard_name` derives it). Its CRC32
+    is stored apart, in the index's CRC32 region, so a later save of the same layout (only other
+    data) repeats every record's text byte for byte (:class:`IndexSkeleton`). Writing ranks
+    build their own records' texts, so the coordinator only groups and joins them."""
     if flat is not None and len(flat) != 2:
         raise ValueError("flat range must have two ends")
     fl = None if flat is None else (_int(flat[0]), _int(flat[1]))
@@ -374,24 +381,11 @@ def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], sh
         name_text = _dumps(name)
     flat_text = "null" if fl is None else f"[{fl[0]},{fl[1]}]"
     file_text = "null" if file is None else _dumps(file)
-    return (f"[{flat_text},{file_text},{name_text},{_int(header_offset)},{_int(data_offset)},{_int(nbytes)},"
-            f"{_crc(crc32):<{CRC_WIDTH}d}]")
+    return f"[{flat_text},{file_text},{name_text},{_int(header_offset)},{_int(data_offset)},{_int(nbytes)}]"
 
 
-CRC_WIDTH = 10  # decimal digits of the largest CRC32
-
-
-def record_crc(text: str) -> int:
-    """The CRC32 of a :func:`record_text`."""
-    return int(text[-1 - CRC_WIDTH:-1])
-
-
-def record_layout(text: str) -> str:
-    """A :func:`record_text` without its CRC32: what a later save of the same layout repeats."""
-    return text[:-1 - CRC_WIDTH]
-
-
-def _crc(v: Any) -> int:
+def check_crc(v: Any) -> int:
+    """``v`` if it is a CRC32 (an int in 0..2**32-1), else ValueError."""
     if not 0 <= _int(v) <= 0xFFFFFFFF:
         raise ValueError(f"{v!r} is not a CRC32")
     return v
@@ -403,34 +397,58 @@ def _int(v: Any) -> int:
     return v
 
 
-class IndexBuilder:
-    """Lays out a version-2 index (head + sections) from pre-encoded JSON texts: chunk
-    records (:func:`record_text`), object values and state-tree parts. ``finish`` returns
-    ``(manifest.json bytes, manifest.index bytes)``. Does not validate: the reader does.
+def _crc_region(sec: "_Sections", crcs: Any) -> List[int]:
+    """Append the CRC32 region (version 3): every record's CRC32 as little-endian u32 in
+    chunk-section order, then one CRC32 per block of :data:`CRC_BLOCK` of them, so a reader
+    checks the few blocks it reads. Returns the head's ``crcs`` entry: ``[start, record count,
+    CRC32 of the block table]``."""
+    data = np.ascontiguousarray(crcs, dtype="<u4").tobytes()
+    view, step = memoryview(data), 4 * CRC_BLOCK
+    table = np.array([zlib.crc32(view[a:a + step]) for a in range(0, len(data), step)], dtype="<u4").tobytes()
+    start = sec.size
+    sec.parts += [data, table]
+    sec.size += len(data) + len(table)
+    return [start, len(data) // 4, zlib.crc32(table)]
 
-    The chunk sections come first in the index file, each record's CRC32 at a byte position
-    that ``skeleton`` (after ``finish``) remembers for records given a ``slot``; a later save
-    of the same layout starts from it (:meth:`resume`) instead of grouping and sorting every
-    record again."""
+
+class IndexBuilder:
+    """Lays out a version-3 index (head + sections) from pre-encoded JSON texts: chunk
+    records (:func:`record_text`) with their CRC32s, object values and state-tree parts.
+    ``finish`` returns ``(manifest.json bytes, manifest.index bytes)``. Does not validate:
+    the reader does.
+
+    The index file holds, in order: the chunk sections, the tensor table's buckets, the
+    CRC32 region (:func:`_crc_region`), then objects, state trees and the file table. The
+    first two depend on the layout only: ``skeleton`` (after ``finish``) keeps them, encoded,
+    with where each record given a ``slot`` sits in the CRC32 region; a later save of the
+    same layout starts from it (:meth:`resume`) and only writes its CRC32s."""
 
     def __init__(self) -> None:
         self.sec = _Sections()
         self.tensors: Dict[str, Any] = {}
-        self._chunks: Dict[str, Dict[Any, List[Tuple[Any, str, int]]]] = {}
+        self._chunks: Dict[str, Dict[Any, List[Tuple[Any, str, int, int]]]] = {}
         self._objects: List[Tuple[str, str]] = []
         self._trees: List[Tuple[str, Sequence[Tuple[str, str]]]] = []
         self.slots = 0
         self.skeleton: Optional[IndexSkeleton] = None
+        self._crcs: Any = None  # section order
+        self._perm: Any = None  # section order -> slot
         self._resumed = False
+        self.tail: Optional["IndexTail"] = None  # what finish laid out after the CRC32 region
 
     @classmethod
-    def resume(cls, skeleton: "IndexSkeleton", crcs: Sequence[int]) -> "IndexBuilder":
-        """A builder whose chunk sections are ``skeleton``'s with these CRC32s (one per slot,
-        in slot order); objects, trees and files are added as usual."""
+    def resume(cls, skeleton: "IndexSkeleton", crcs: Any) -> "IndexBuilder":
+        """A builder whose chunk sections and tensor table are ``skeleton``'s, with these
+        CRC32s (one per slot, in slot order); objects, trees and files are added as usual."""
+        c = np.asarray(crcs)
+        if c.shape != skeleton.perm.shape:
+            raise ValueError(f"the index skeleton holds {len(skeleton.perm)} records, got {c.size} CRC32s")
+        if c.size and c.dtype.kind != "u" and (c.min() < 0 or c.max() > 0xFFFFFFFF):
+            raise ValueError("a CRC32 lies outside 0..2**32-1")
         b = cls()
-        block, b.tensors = skeleton.patch(crcs)
-        b.sec.parts.append(bytes(block))
-        b.sec.size = len(block)
+        b.sec.parts.append(skeleton.prefix)
+        b.sec.size = len(skeleton.prefix)
+        b._crcs = c.astype("<u4", copy=False)[skeleton.perm]
         b.skeleton, b._resumed = skeleton, True
         return b
 
@@ -438,14 +456,15 @@ class IndexBuilder:
         self.tensors[key] = {"dtype": dtype, "shape": shape, "chunks": None}
         self._chunks[key] = {}
 
-    def record(self, key: str, chunk: Any, order: Any, text: str, slot: int = -1) -> None:
-        """Shard record ``text`` of chunk ``chunk`` (``(offset, shape)`` tuples) of ``key``;
-        records of a chunk are stored sorted by ``order`` (the flat range's start). ``slot``
-        (0, 1, 2, ... in the order later saves send their CRC32s): where the skeleton keeps it."""
+    def record(self, key: str, chunk: Any, order: Any, text: str, slot: int = -1, crc: int = 0) -> None:
+        """Shard record ``text`` of chunk ``chunk`` (``(offset, shape)`` tuples) of ``key``,
+        with its data's CRC32 ``crc``; records of a chunk are stored sorted by ``order`` (the
+        flat range's start). ``slot`` (0, 1, 2, ... in the order later saves send their
+        CRC32s): where the skeleton finds its CRC32."""
         got = self._chunks[key].get(chunk)
         if got is None:
             got = self._chunks[key][chunk] = []
-        got.append((order, text, slot))
+        got.append((order, text, slot, crc))
         if slot >= self.slots:
             self.slots = slot + 1
 
@@ -457,11 +476,11 @@ class IndexBuilder:
         self._trees.append((tid, parts))
 
     def _chunk_sections(self) -> None:
-        """Every chunk's records as one section (never shared, so each record's CRC32 has
-        its own bytes), and the skeleton that finds them again."""
+        """Every chunk's records as one section, ``[first, record, ...]``: ``first`` is the
+        position of its first record's CRC32 in the CRC32 region (the others follow)."""
         sec = self.sec
-        pos = np.full(self.slots, -1, dtype=np.int64)
-        refs: List[Tuple[str, int, int, int]] = []
+        crcs: List[int] = []
+        slots: List[int] = []
         for key, groups in self._chunks.items():
             chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
             try:
@@ -475,75 +494,95 @@ class IndexBuilder:
                 off, shp = json.loads(chunk) if isinstance(chunk, str) else chunk
                 chunks += (list(off) if isinstance(off, (list, tuple)) else [off])
                 chunks += (list(shp) if isinstance(shp, (list, tuple)) else [shp])
-                text = "[" + ",".join(t for _, t, _ in recs) + "]"
-                at = sec.size + 1
-                for _, t, slot in recs:
-                    n = len(t) if t.isascii() else len(t.encode())
-                    if slot >= 0:
-                        pos[slot] = at + n - 1 - CRC_WIDTH
-                    at += n + 1
-                ref = sec.add(text.encode(), unique=True)
-                refs.append((key, len(chunks), ref[0], ref[1]))
-                chunks += ref
+                text = f"[{len(crcs)}," + ",".join([r[1] for r in recs]) + "]"
+                crcs += [r[3] for r in recs]
+                slots += [r[2] for r in recs]
+                chunks += sec.add(text.encode(), unique=True)
             self.tensors[key]["chunks"] = chunks
-        if self.slots and (pos < 0).any():
-            return  # slots not numbered 0..n-1: no skeleton
-        self.skeleton = IndexSkeleton(b"".join(sec.parts), pos, refs,
-                                      {k: dict(v, chunks=list(v["chunks"])) for k, v in self.tensors.items()})
+        self._crcs = np.array(crcs, dtype=np.int64)
+        if self._crcs.size and (self._crcs.min() < 0 or self._crcs.max() > 0xFFFFFFFF):
+            raise ValueError("a CRC32 lies outside 0..2**32-1")
+        perm = np.array(slots, dtype=np.int64)
+        n = perm.size
+        if n == self.slots and (n == 0 or (perm.min() >= 0 and (np.bincount(perm, minlength=n) == 1).all())):
+            self._perm = perm  # slots number the records 0..n-1: a skeleton can be kept
 
-    def finish(self, head: Dict[str, Any], files: Any) -> Tuple[bytes, bytes]:
+    def finish(self, head: Dict[str, Any], files: Any, tail: Optional["IndexTail"] = None) -> Tuple[bytes, bytes]:
+        """The index; ``tail`` (an earlier ``tail`` of the same skeleton) stands for the
+        objects and trees instead of those added (and their ids of ranks' trees), and for the
+        file table too when ``files`` is None."""
         sec = self.sec
-        if not self._resumed:
+        if self._resumed:
+            assert self.skeleton is not None
+            tensors = self.skeleton.tensors
+        else:
             self._chunk_sections()
-        objects = {u: sec.add(text.encode()) for u, text in self._objects}
-        trees = {tid: [[k] + sec.add(text.encode()) for k, text in parts] for tid, parts in self._trees}
+            tensors = _buckets(sec, self.tensors, TENSOR_BUCKET)
+            if self._perm is not None:
+                self.skeleton = IndexSkeleton(b"".join(sec.parts), tensors, self._perm)
+                sec.parts = [self.skeleton.prefix]
+        crcs = _crc_region(sec, self._crcs)
         head = dict(head)
-        head.update(version=MANIFEST_VERSION, tensors=_buckets(sec, self.tensors, TENSOR_BUCKET),
-                    objects=_buckets(sec, objects, OBJECT_BUCKET), files=_buckets(sec, files, FILE_BUCKET),
-                    trees=_buckets(sec, trees, TREE_BUCKET))
+        head.update(version=MANIFEST_VERSION, tensors=tensors, crcs=crcs)
+        start, first = sec.size, len(sec.parts)
+        if tail is not None and tail.start == start and files is None:
+            sec.parts.append(tail.data)
+            sec.size += len(tail.data)
+            self.tail = tail
+        else:
+            if tail is not None and tail.start == start:  # only the file table is new (an object store's ETags)
+                sec.parts.append(tail.data[:tail.files_at - start])
+                sec.size = tail.files_at
+                tables = dict(tail.tables)
+            else:
+                tail = None
+                objects = {u: sec.add(text.encode()) for u, text in self._objects}
+                trees = {tid: [[k] + sec.add(text.encode()) for k, text in parts] for tid, parts in self._trees}
+                tables = {"objects": _buckets(sec, objects, OBJECT_BUCKET), "trees": _buckets(sec, trees, TREE_BUCKET)}
+            files_at = sec.size  # the file table comes last
+            tables["files"] = _buckets(sec, files, FILE_BUCKET)
+            rank_trees = tail.rank_trees if tail is not None else head.get("rank_trees")
+            self.tail = IndexTail(start, b"".join(sec.parts[first:]), tables, rank_trees, files_at)
+            del sec.parts[first:]
+            sec.parts.append(self.tail.data)
+        head.update(self.tail.tables)
+        if tail is not None:
+            head["rank_trees"] = self.tail.rank_trees
         head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
         return _dumps(head).encode(), b"".join(sec.parts)
 
 
 @dataclass
 class IndexSkeleton:
-    """The chunk sections of an index (they come first in its file) with the byte position of
-    each record's CRC32 (padded to :data:`CRC_WIDTH`), and the tensor table pointing at them.
-    A save whose every record equals the previous save's but for its CRC32 (the plan cache's
-    steady state) writes its CRC32s into a copy and recomputes the chunk sections' CRC32s: no
-    record is encoded, grouped or sorted again."""
+    """What of an index depends on the save's layout only: its chunk sections and tensor
+    table (encoded: ``prefix``, the start of ``manifest.index``; ``tensors``, the head's
+    buckets) and which slot's CRC32 goes where in the CRC32 region (``perm``: region position
+    -> slot). A save whose every record equals the previous save's but for its CRC32 (the plan
+    cache's steady state) reuses them: no record is encoded, grouped or sorted, no section
+    checksummed again."""
 
-    block: bytes
-    pos: Any  # numpy int64: slot -> byte position of its CRC32 in block
-    refs: List[Tuple[str, int, int, int]]  # (key, index of the section's CRC32 in its chunks list, start, length)
-    tensors: Dict[str, Any]
-
-    def patch(self, crcs: Sequence[int]) -> Tuple[bytearray, Dict[str, Any]]:
-        """A copy of the block with these CRC32s, and the tensor table that matches it."""
-        c = np.asarray(crcs, dtype=np.int64)
-        if c.shape != self.pos.shape:
-            raise ValueError(f"the index skeleton holds {len(self.pos)} records, got {c.size} CRC32s")
-        if c.size and (c.min() < 0 or c.max() > 0xFFFFFFFF):
-            raise ValueError("a CRC32 lies outside 0..2**32-1")
-        buf = bytearray(self.block)
-        out = np.frombuffer(buf, dtype=np.uint8)
-        powers = 10 ** np.arange(CRC_WIDTH - 1, -1, -1, dtype=np.int64)
-        cols = np.arange(CRC_WIDTH)
-        for a in range(0, c.size, 1 << 18):  # bounded temporaries
-            v = c[a:a + (1 << 18), None]
-            digits = (v // powers) % 10  # zero-padded
-            lead = CRC_WIDTH - np.maximum(1, (v >= powers).sum(axis=1))  # leading zeros to drop
-            src = cols + lead[:, None]
-            chars = np.where(src < CRC_WIDTH, np.take_along_axis(digits, np.minimum(src, CRC_WIDTH - 1), 1) + 48, 32)
-            out[self.pos[a:a + (1 << 18), None] + cols] = chars.astype(np.uint8)
-        tensors = {k: dict(v, chunks=list(v["chunks"])) for k, v in self.tensors.items()}
-        view = memoryview(buf)
-        for key, i, start, length in self.refs:
-            tensors[key]["chunks"][i + 2] = zlib.crc32(view[start:start + length])
-        return buf, tensors
+    prefix: bytes
+    tensors: List[Any]
+    perm: Any  # numpy int64
+    tail: Optional["IndexTail"] = None  # the last index's objects, trees and files (set by its writer)
+    meta: Optional[Dict[str, List[Any]]] = None  # the writer's: what each rank sent last, by field
 
 
-def _first(pair: Tuple[Any, str]) -> Any:
+@dataclass
+class IndexTail:
+    """The objects, state trees and file table of an index as laid out after its CRC32
+    region (``start``): a steady-state save whose ranks all report them unchanged writes
+    ``data`` again and puts ``tables`` and ``rank_trees`` in the head; one where only files
+    changed writes ``data`` up to ``files_at`` and a new file table."""
+
+    start: int
+    data: bytes
+    tables: Dict[str, Any]
+    rank_trees: Any
+    files_at: int  # where the file table's sections start (the last of the tail)
+
+
+def _first(pair: Tuple[Any, ...]) -> Any:
     return pair[0]
 
 
@@ -569,7 +608,7 @@ def _buckets(sec: _Sections, table: Any, size: int) -> Any:
 
 
 def with_files(head: Mapping[str, Any], sections: bytes, files: Mapping[str, Any]) -> Tuple[bytes, bytes]:
-    """A version-2 index (``manifest.json``, ``manifest.index`` bytes) that is ``head`` and
+    """A version-2/3 index (``manifest.json``, ``manifest.index`` bytes) that is ``head`` and
     ``sections`` with the file table replaced by ``files``: the new table's sections are
     appended, everything else stays byte for byte (``megashard copy``: only the objects'
     ETags differ between storages). The old table's sections stay, unreferenced."""
@@ -637,7 +676,7 @@ class _Table(Mapping):
 
 
 class LazyIndex(_FileSizes):
-    """A version-2 index: the head parsed, sections read and validated on first use.
+    """A version-2 or -3 index: the head parsed, sections read and validated on first use.
 
     ``read(start, length)`` returns bytes of ``manifest.index`` (the caller has checked
     the file's size against the head). Everything a section holds is validated as a
@@ -653,10 +692,22 @@ class LazyIndex(_FileSizes):
         self.layout = p.dict(doc.get("layout", {}), "layout")
         self.extra = p.dict(doc.get("extra", {}), "extra")
         self.created = _created(doc)
-        self.version = 2
+        self.version = 3 if doc.get("version") == 3 else 2
         idx = p.dict(doc.get("index"), "index")
         p.require(idx.get("file") == INDEX_NAME, f"index.file must be {INDEX_NAME!r}")
         self.index_bytes = p.int(idx.get("bytes"), "index.bytes")
+        self._crc_start = self._crc_count = self._crc_table_crc = 0
+        if self.version == 3:
+            crcs = p.list(doc.get("crcs"), "crcs")
+            p.require(len(crcs) == 3, "crcs must be [start, record count, CRC32 of the block table]")
+            self._crc_start, self._crc_count, self._crc_table_crc = (p.int(v, "crcs") for v in crcs)
+            # bounded by the file's real size (checked against the head) before anything is allocated
+            end = self._crc_start + 4 * (self._crc_count + -(-self._crc_count // CRC_BLOCK))
+            p.require(end <= self.index_bytes,
+                      f"crcs: {self._crc_count} record CRC32s at {self._crc_start} lie past the end of {INDEX_NAME} "
+                      f"({self.index_bytes} bytes)")
+        self._crc_table: Any = None
+        self._crc_blocks: Dict[int, Any] = {}
         self.files = _Table(self, doc.get("files"), "files", self._check_file)
         self._tensors_doc = _Table(self, doc.get("tensors"), "tensors")
         self._objects_doc = _Table(self, doc.get("objects", []), "objects")
@@ -697,6 +748,37 @@ class LazyIndex(_FileSizes):
         p.require(len(data) == length and zlib.crc32(data) == crc,
                   f"{what}: section {start}+{length} of {INDEX_NAME} is damaged (CRC32 mismatch)")
         return parse_json(data, f"{self.where}: {what}")
+
+    def _record_crcs(self, first: int, n: int, what: str) -> List[int]:
+        """Version 3: the CRC32s of records ``first .. first+n-1`` from the CRC32 region, reading
+        (and checking) only the blocks that hold them."""
+        p = self._p
+        p.require(first + n <= self._crc_count, f"{what}: its records' CRC32s {first}..{first + n - 1} lie past the "
+                                                f"{self._crc_count} of the index's CRC32 region")
+        if n == 0:
+            return []
+        if self._crc_table is None:
+            nblocks = -(-self._crc_count // CRC_BLOCK)
+            at, length = self._crc_start + 4 * self._crc_count, 4 * nblocks
+            data = self._read(at, length)
+            self.bytes_read += length
+            p.require(len(data) == length and zlib.crc32(data) == self._crc_table_crc,
+                      f"crcs: the block table {at}+{length} of {INDEX_NAME} is damaged (CRC32 mismatch)")
+            self._crc_table = np.frombuffer(data, dtype="<u4")
+        parts = []
+        for blk in range(first // CRC_BLOCK, (first + n - 1) // CRC_BLOCK + 1):
+            got = self._crc_blocks.get(blk)
+            if got is None:
+                a = blk * CRC_BLOCK
+                at, length = self._crc_start + 4 * a, 4 * min(CRC_BLOCK, self._crc_count - a)
+                data = self._read(at, length)
+                self.bytes_read += length
+                p.require(len(data) == length and zlib.crc32(data) == int(self._crc_table[blk]),
+                          f"crcs: block {blk} ({at}+{length}) of {INDEX_NAME} is damaged (CRC32 mismatch)")
+                got = self._crc_blocks[blk] = np.frombuffer(data, dtype="<u4")
+            parts.append(got)
+        a = first - (first // CRC_BLOCK) * CRC_BLOCK
+        return (np.concatenate(parts) if len(parts) > 1 else parts[0])[a:a + n].tolist()
 
     # -- the planning interface ------------------------------------------------------
     def tensor(self, key: str) -> Optional[TensorRecord]:
@@ -774,7 +856,16 @@ class LazyIndex(_FileSizes):
             off, shp = tuple(offs[i].tolist()), tuple(shps[i].tolist())
             isz = itemsize(rec.dtype)
             got = []
-            for j, r in enumerate(p.list(self._section(secs[i].tolist(), w), w)):
+            recs = p.list(self._section(secs[i].tolist(), w), w)
+            if self.version == 3:  # [first CRC32's position, record (6 fields), ...]: CRC32s from their region
+                p.require(len(recs) >= 1, f"{w}: the section must start with its first record's CRC32 position")
+                first = p.int(recs[0], f"{w}[0]")
+                recs = recs[1:]
+                for j, r in enumerate(recs):
+                    p.require(isinstance(r, list) and len(r) == 6, f"{w}.shards[{j}] must have 6 fields")
+                for r, c in zip(recs, self._record_crcs(first, len(recs), w)):
+                    r.append(c)
+            for j, r in enumerate(recs):
                 ws = f"{w}.shards[{j}]"
                 p.require(isinstance(r, list) and len(r) == 7, f"{ws} must have 7 fields")
                 if r[2] is None:  # the name the writer derives (see shard_name)
@@ -835,7 +926,7 @@ class LazyIndex(_FileSizes):
         trees = {tid: self._tree(tid) for tid in self._trees_doc}
         return Manifest(world_size=self.world_size, layout=self.layout, files=dict(self.files), tensors=tensors,
                         objects=objects, trees=trees, rank_trees=list(self.rank_trees), created=self.created,
-                        extra=self.extra, version=2, bytes_read=self.bytes_read)
+                        extra=self.extra, version=self.version, bytes_read=self.bytes_read)
 
 
 _PLAIN_NAME = re.compile(r"[^/\\\x00]{1,255}\Z")

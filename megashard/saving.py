@@ -10,8 +10,9 @@ Collectives per save, whatever the world size (none per tensor):
   3. *commit*: every rank sends rank 0 the records of what it wrote; rank 0 checks that
      every reported file is in the directory with its size, writes the index
      (:mod:`megashard.index`) and commits by rename; every rank learns the outcome. After a
-     reused plan whose records changed only in their CRC32s, ranks send those CRC32s and rank 0
-     writes them into the previous index's skeleton (see :func:`_finish_save`).
+     reused plan whose records changed only in their CRC32s, ranks send those CRC32s (and what
+     else changed since their last commit) and rank 0 writes them after the previous index's
+     skeleton (see :func:`_finish_save`).
 A rank receives O(its own metadata). Above 64 ranks both gathers go through groups of
 ~sqrt(world) ranks whose leaders send rank 0 one compressed part each
 (:meth:`megashard.transport.Comm.coordinate`), so no process receives a message from every
@@ -27,7 +28,6 @@ removes its temporary directory; a commit removes the abandoned ones of dead sav
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import gc
@@ -50,8 +50,8 @@ from .errors import (CheckpointError, DistributedError, NoSpaceError, StateDictE
                      no_space_error)
 from .format import write_file
 from .logs import log_summary, rank_prefix
-from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, IndexSkeleton, dtype_name, itemsize,
-                       record_crc, record_layout, record_text, shard_name)
+from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, IndexSkeleton, check_crc, dtype_name,
+                       itemsize, record_text, shard_name)
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
                       looks_like_sharded_tensor, object_unique_key, reject_unapplied)
 from .transport import SOLO, Comm
@@ -288,6 +288,7 @@ class PlanEntry:
     lead: List[Tuple[int, int]]  # (entry, entries sharing it on all ranks) of the blobs this rank uploads
     tensors: Dict[str, Tuple[str, Tuple[int, ...]]]  # rank 0: the index's tensor table; else empty
     records: Optional[str] = None  # records_digest of this rank's last committed write records
+    meta: Optional[Dict[str, str]] = None  # meta_digests of this rank's last committed commit message
     skeleton: Optional[IndexSkeleton] = None  # rank 0: the last committed index's skeleton
     steady_commits: int = 0  # commits that reused the skeleton (ranks sent CRC32s only)
 
@@ -394,9 +395,13 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
 
     A save that reused its plan first votes (one all-reduce): when every rank's records equal
     its previous commit's but for their CRC32s, and rank 0 holds that commit's index skeleton,
-    ranks send their CRC32s instead of their records, and rank 0 writes them into the skeleton
-    (:class:`~megashard.manifest.IndexSkeleton`) instead of building the index afresh."""
+    ranks send their CRC32s instead of their records, and of their files, objects and state-tree
+    parts only those that differ from their last commit's (:func:`steady_commit`); rank 0 writes
+    the skeleton (:class:`~megashard.manifest.IndexSkeleton`: chunk sections and tensor table,
+    byte for byte) and the CRC32 region after it instead of building the index afresh, and the
+    rest of the last index again when no rank sent anything else."""
     digest = records_digest(result["records"]) if err is None and result is not None else None
+    meta = meta_digests(result) if digest is not None else None
     steady = False
     if reused and entry is not None:
         same = digest is not None and digest == entry.records and (comm.rank != 0 or entry.skeleton is not None)
@@ -409,23 +414,25 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
     def commit(results: List[Dict[str, Any]]) -> List[Any]:
         head, sections, built[0] = build_index(results, keep.tensors, comm.world_size, layout,
                                                entry.skeleton if steady and entry is not None else None)
-        target.commit(token, {r: res["files"] for r, res in enumerate(results)},
-                      {r: res.get("where") for r, res in enumerate(results)}, head, sections)
+        # a steady commit's ranks may leave out what they sent last time: the skeleton keeps it
+        files = built[0].meta["files"] if built[0] is not None and built[0].meta else [r["files"] for r in results]
+        target.commit(token, dict(enumerate(files)), {r: res.get("where") for r, res in enumerate(results)},
+                      head, sections)
         keep.temp_dir = None  # committed: it is the checkpoint now
         try:
             target.after_commit()
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; clean-up is best effort
             log.warning("%scould not remove leftovers of earlier saves: %s", rank_prefix(comm), e)
-        total = sum(f["bytes"] for r in results for f in r["files"].values())
+        total = sum(f["bytes"] for fs in files for f in fs.values())
         return [total] * len(results)
 
-    payload = steady_commit(result) if steady else result
+    payload = steady_commit(result, entry.meta if entry is not None else None) if steady else result
     if entry is not None:
-        entry.records = None  # set again once this commit succeeds
+        entry.records = entry.meta = None  # set again once this commit succeeds
     with _discard_on_failure(keep):
         total = comm.coordinate("save", err, payload, commit)
     if entry is not None:
-        entry.records = digest
+        entry.records, entry.meta = digest, meta
         entry.skeleton = built[0]
         entry.steady_commits += steady
     log_summary(log, comm, "saved", final_dir, total, time.perf_counter() - t0,
@@ -594,8 +601,8 @@ def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tupl
     write records, and its skeleton for the next save of the same layout. Ranks send their
     records, objects and tree parts as JSON texts (:func:`_write_job`), so this groups and
     joins; it encodes almost nothing itself. With ``skeleton`` (a steady-state commit, see
-    :func:`_finish_save`), ranks send only their records' CRC32s (``crcs``), which go into
-    the skeleton's bytes."""
+    :func:`_finish_save`), ranks send their records' CRC32s (``crcs``) and only the fields of
+    :data:`META_FIELDS` that changed; the skeleton keeps the others (``skeleton.meta``)."""
     with _gc_paused():
         return _build_index(results, tensors, world, layout, skeleton)
 
@@ -605,6 +612,16 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
                  skeleton: Optional[IndexSkeleton]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
     if skeleton is not None:
         b = IndexBuilder.resume(skeleton, _steady_crcs(results))
+        meta = skeleton.meta
+        if meta is None or any(len(col) != len(results) for col in meta.values()):
+            raise ValueError(f"the index skeleton holds no commit of {len(results)} ranks to reuse")
+        changed = set()
+        for r, res in enumerate(results):
+            if len(res) - ("crcs" in res) - ("where" in res):  # more than its CRC32s (and "where"): what changed
+                for k in META_FIELDS:
+                    if k in res:
+                        meta[k][r] = res[k]
+                        changed.add(k)
     else:
         b = IndexBuilder()
         for k, (dt, gs) in sorted(tensors.items()):
@@ -612,60 +629,94 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         slot = 0
         chunks: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}  # chunk text -> (offset, shape), parsed once
         for r in results:
-            for key, chunk, order, text in r["records"]:
+            for key, chunk, order, text, crc in r["records"]:
                 c = chunks.get(chunk)
                 if c is None:
                     off, shp = json.loads(chunk)
                     c = chunks[chunk] = (tuple(off), tuple(shp))
-                b.record(key, c, order, text, slot)
+                b.record(key, c, order, text, slot, crc)
                 slot += 1
-    files: Dict[str, Dict[str, Any]] = {}
+        meta = {k: [r[k] for r in results] for k in META_FIELDS}
+        changed = set(META_FIELDS)
+    head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
+            "layout": dict(layout or {}), "rank_trees": [], "extra": {}}
+    # objects and trees as last time (every rank sent at most its files): the last index's
+    reuse = skeleton is not None and skeleton.tail is not None and changed <= {"files"}
+    files: Optional[Dict[str, Dict[str, Any]]] = None
+    if not reuse or "files" in changed:
+        files = {}
+        for fs in meta["files"]:
+            files.update(fs)
+    if reuse:
+        assert skeleton is not None
+        head_bytes, sections = b.finish(head, files, tail=skeleton.tail)
+        skeleton.tail = b.tail
+        return head_bytes, sections, b.skeleton
     parts: Dict[str, str] = {}
-    for r in results:
-        files.update(r["files"])
-        parts.update(r["parts"])
-        for u, text in r["objects"].items():
+    for ps in meta["parts"]:
+        parts.update(ps)
+    for objs in meta["objects"]:
+        for u, text in objs.items():
             b.object(u, text)
     rank_trees: List[str] = []
-    seen = set()
-    for r in results:
-        pairs = r["tree"]
-        tid = hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()[:16]
-        if tid not in seen:
-            seen.add(tid)
-            b.tree(tid, [(k, parts[pid]) for k, pid in pairs])
+    tids: Dict[Any, str] = {}  # a state tree's (key, part id) pairs -> its id: most ranks share a few
+    for pairs in meta["tree"]:
+        k = tuple(map(tuple, pairs))
+        tid = tids.get(k)
+        if tid is None:
+            tid = tids[k] = hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()[:16]
+            b.tree(tid, [(key, parts[pid]) for key, pid in pairs])
         rank_trees.append(tid)
-    head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
-            "layout": dict(layout or {}), "rank_trees": rank_trees, "extra": {}}
+    head["rank_trees"] = rank_trees
     head_bytes, sections = b.finish(head, files)
+    if b.skeleton is not None:
+        b.skeleton.tail, b.skeleton.meta = b.tail, meta
     return head_bytes, sections, b.skeleton
+
+
+META_FIELDS = ("files", "objects", "tree", "parts")  # what a steady commit leaves out when unchanged
 
 
 def records_digest(records: Sequence[Sequence[Any]]) -> str:
     """This rank's write records without their CRC32s: equal to the previous save's when the
     index skeleton may take this save's CRC32s (:func:`_finish_save`)."""
-    return hashlib.sha256(_dumps([[k, c, n, record_layout(t)] for k, c, n, t in records]).encode()).hexdigest()
+    return hashlib.sha256(_dumps([rec[:4] for rec in records]).encode()).hexdigest()
 
 
-def steady_commit(result: Mapping[str, Any]) -> Dict[str, Any]:
+def meta_digests(result: Mapping[str, Any]) -> Dict[str, str]:
+    """Digests of this rank's commit message fields that a steady commit may leave out
+    (:data:`META_FIELDS`): a field equal to the last committed one's is not sent again."""
+    return {k: hashlib.sha256(_dumps(result[k]).encode()).hexdigest()[:32] for k in META_FIELDS if k in result}
+
+
+def steady_commit(result: Mapping[str, Any], previous: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """A rank's commit message when the index skeleton is reused: its records' CRC32s
-    instead of the records."""
-    out = {k: v for k, v in result.items() if k != "records"}
-    crcs = np.array([record_crc(rec[3]) for rec in result["records"]], dtype="<u4")
-    out["crcs"] = base64.b64encode(crcs.tobytes()).decode()  # 5.3 characters a CRC32, not ~11 of JSON
+    instead of the records, and only the fields that differ from its last committed message
+    (``previous``: that message's :func:`meta_digests`; rank 0 keeps the others)."""
+    now = meta_digests(result) if previous else {}
+    out = {k: v for k, v in result.items() if k != "records" and not (k in now and previous.get(k) == now[k])}
+    # hex: 8 characters a CRC32, and rank 0 decodes every rank's as one text
+    out["crcs"] = np.array([rec[4] for rec in result["records"]], dtype="<u4").tobytes().hex()
     return out
 
 
 def _steady_crcs(results: Sequence[Mapping[str, Any]]) -> Any:
     """Every rank's CRC32s (:func:`steady_commit`), in rank order, as one array."""
-    parts = []
-    for r, res in enumerate(results):
-        text = res.get("crcs")
-        raw = base64.b64decode(text, validate=True) if isinstance(text, str) else b"\0"
-        if len(raw) % 4:
-            raise ValueError(f"rank {r} sent a malformed CRC32 list")
-        parts.append(np.frombuffer(raw, dtype="<u4"))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype="<u4")
+    texts = [res.get("crcs") for res in results]
+    try:
+        raw = bytes.fromhex("".join(texts))  # type: ignore[arg-type]
+        ok = all(len(t) % 8 == 0 for t in texts)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        for r, t in enumerate(texts):
+            try:
+                if not isinstance(t, str) or len(t) % 8:
+                    raise ValueError
+                bytes.fromhex(t)
+            except ValueError:
+                raise ValueError(f"rank {r} sent a malformed CRC32 list") from None
+    return np.frombuffer(raw, dtype="<u4")
 
 
 @dataclass
@@ -807,10 +858,10 @@ class _ShardMeta:
                    sh.data.numel() * itemsize(sh.dtype))
 
     def record(self, name: str, file: Optional[str], header_offset: int, data_offset: int, crc32: int) -> List[Any]:
-        """``[key, chunk text, order in chunk, record text]`` for :func:`build_index`: the chunk
+        """``[key, chunk text, order in chunk, record text, CRC32]`` for :func:`build_index`: the chunk
         (offset and shape) as one JSON text, ``[[offset...],[shape...]]``, which the coordinator
         parses once per distinct chunk, not once per record (the records of a flattened
         parameter's data-parallel pieces share it)."""
         text = record_text(self.key, self.global_shape, self.offset, self.shape, self.flat, file, name,
-                           header_offset, data_offset, self.nbytes, crc32)
-        return [self.key, _dumps([self.offset, self.shape]), self.flat[0] if self.flat else 0, text]
+                           header_offset, data_offset, self.nbytes)
+        return [self.key, _dumps([self.offset, self.shape]), self.flat[0] if self.flat else 0, text, check_crc(crc32)]

@@ -18,13 +18,14 @@ A second, steady-state save of the same layout with other data (other CRC32s) fo
 rank votes with the plan it cached (``saving.remember_plan`` / ``plan_vote`` / ``cached_reply``,
 the plan cache ``save`` uses), the summed votes must agree and give every rank its first reply;
 every rank's records must equal its first save's but for their CRC32s (``saving.records_digest``),
-each sends ``saving.steady_commit`` (its CRC32s, files, objects and tree parts, not its records),
-and rank 0 writes the CRC32s into the first index's skeleton (``saving.build_index(...,
-skeleton)``), which must give the bytes a full build of those records gives
+each sends ``saving.steady_commit`` (its CRC32s; not its records, nor its files, objects and tree
+parts, which equal its first commit's), and rank 0 writes the first index's skeleton, the CRC32s
+and the rest of the first index (``saving.build_index(..., skeleton)``), which must give the bytes
+a full build of those records gives
 (``steady_plan_reused``). ``rank0_s`` is everything rank 0 does in the first
 save (its own announcement, decoding the plan gather, planning, encoding the replies,
 decoding the commit gather, the index); ``rank0_steady_s`` the same for the steady-state save
-(its vote, decoding the steady commit, patching the skeleton); ``max_rank_recv_bytes`` what rank 0 receives in the
+(its vote, decoding the steady commit, writing the index from the skeleton); ``max_rank_recv_bytes`` what rank 0 receives in the
 first save (the busiest rank), ``max_other_rank_recv_bytes`` what any other rank receives per
 collective.
 
@@ -60,6 +61,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -105,10 +107,13 @@ def _fake_write(tensors: Dict[str, Any], path: str, align: int, fsync: bool,
 
 def _fake_write_steady(tensors: Dict[str, Any], path: str, align: int, fsync: bool,
                        threads: Optional[int]) -> Tuple[List[Any], int, Dict[str, Any]]:
-    """``_fake_write`` of other data: the same offsets, other CRC32s."""
+    """``_fake_write`` of other data: the same offsets, other CRC32s, which differ from rank to
+    rank (from file to file) as real data's do: replicas' equal CRC32 lists would be sent once
+    by their group's leader (``transport.pack_part``), understating what rank 0 receives."""
     infos, size, extra = _fake_write(tensors, path, align, fsync, threads)
+    salt = zlib.crc32(os.path.basename(path).encode())
     for i in infos:
-        i.crc32 = (i.crc32 * 40503 + 12345) & 0xFFFFFFFF
+        i.crc32 = ((i.crc32 * 40503 + 12345) ^ salt) & 0xFFFFFFFF
     return infos, size, extra
 
 
@@ -299,7 +304,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             res2 = saving._write_job(job, "/nonexistent", r, 4096, False, None, write=_fake_write_steady)
             digests_same &= saving.records_digest(res2["records"]) == saving.records_digest(res["records"])
             steady_results.append(res2)
-            steady_texts.append(transport.encode_message(None, saving.steady_commit(res2)))
+            steady_texts.append(transport.encode_message(None, saving.steady_commit(res2, saving.meta_digests(res))))
             yield transport.encode_message(None, res)
 
     t0 = _clock()

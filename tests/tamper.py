@@ -39,6 +39,10 @@ def read_manifest_doc(ckpt: str) -> Any:
     with open(os.path.join(ckpt, manifest.INDEX_NAME), "rb") as f:
         sections = f.read()
     tensors = {}
+    crcs: Any = None
+    if doc.get("version", 2) >= 3:  # the records' CRC32s are in one region
+        start, count, _crc = doc["crcs"]
+        crcs = [int.from_bytes(sections[start + 4 * i:start + 4 * i + 4], "little") for i in range(count)]
     for key, t in _table(sections, doc["tensors"]).items():
         nd = len(t["shape"])
         width = 2 * nd + 3
@@ -47,7 +51,11 @@ def read_manifest_doc(ckpt: str) -> Any:
         for i in range(0, len(flat), width):
             c = flat[i:i + width]
             off, shp = c[:nd], c[nd:2 * nd]
-            for flat_r, file, name, hoff, doff, nbytes, crc in _section(sections, c[2 * nd:]):
+            recs = _section(sections, c[2 * nd:])
+            if crcs is not None:
+                first, recs = recs[0], recs[1:]
+                recs = [r + [crcs[first + j]] for j, r in enumerate(recs)]
+            for flat_r, file, name, hoff, doff, nbytes, crc in recs:
                 if name is None:  # elided: the name the writer derives
                     name = manifest.shard_name(key, tuple(t["shape"]), tuple(off), tuple(shp),
                                                tuple(flat_r) if flat_r else None)
@@ -61,7 +69,7 @@ def read_manifest_doc(ckpt: str) -> Any:
             trees[tid] = _section(sections, parts[0][1:])
         else:
             trees[tid] = {p[0]: _section(sections, p[1:]) for p in parts}
-    out = {k: v for k, v in doc.items() if k not in ("index", "tensors", "objects", "trees", "files")}
+    out = {k: v for k, v in doc.items() if k not in ("index", "tensors", "objects", "trees", "files", "crcs")}
     out.update(tensors=tensors, objects=objects, trees=trees, files=_table(sections, doc["files"]))
     return out
 
@@ -101,12 +109,12 @@ def encode_doc(doc: Any) -> tuple:
                 g = (tuple(off), tuple(shp))
                 hash(g)
                 text = record_text(key, t["shape"], g[0], g[1], fl, s.get("file"), s.get("name", ""),
-                                   s.get("header_offset", 0), s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0))
+                                   s.get("header_offset", 0), s.get("data_offset"), s.get("nbytes"))
             except (TypeError, ValueError, KeyError, IndexError):  # malformed: stored as given
                 g = g if isinstance(g, tuple) and _hashable(g) else _dumps([off, shp])
                 text = _dumps([fl, s.get("file"), s.get("name", ""), s.get("header_offset", 0),
-                               s.get("data_offset"), s.get("nbytes"), s.get("crc32", 0)])
-            b.record(key, g, _flat_start(fl), text)
+                               s.get("data_offset"), s.get("nbytes")])
+            b.record(key, g, _flat_start(fl), text, crc=s.get("crc32", 0))
     for u, v in doc.get("objects", {}).items():
         b.object(u, _dumps(v))
     for tid, tree in doc.get("trees", {}).items():
@@ -144,3 +152,47 @@ def flip_data_byte(ckpt: str, rec: Any, at: int = 5) -> None:
         b = f.read(1)
         f.seek(rec.data_offset + at)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+def encode_doc_v2(doc: Any) -> tuple:
+    """A well-formed logical document as a version-2 index (``manifest.json``, ``manifest.index``
+    bytes): what megashard wrote before version 3, each record's CRC32 inside its chunk section."""
+    import zlib
+
+    sec: list = []
+    size = [0]
+
+    def add(data: bytes) -> list:
+        ref = [size[0], len(data), zlib.crc32(data)]
+        sec.append(data)
+        size[0] += len(data)
+        return ref
+
+    def buckets(table: dict, n: int) -> list:
+        names = sorted(table)
+        return [[names[i]] + add(_dumps({k: table[k] for k in names[i:i + n]}).encode()) for i in range(0, len(names), n)]
+
+    tensors = {}
+    for key, t in doc["tensors"].items():
+        groups: dict = {}
+        for s in t["shards"]:
+            groups.setdefault((tuple(s["offset"]), tuple(s["shape"])), []).append(s)
+        chunks: list = []
+        for (off, shp), shards in sorted(groups.items()):
+            shards.sort(key=lambda s: _flat_start(s.get("flat")))
+            recs = [[s.get("flat"), s["file"], s["name"], s["header_offset"], s["data_offset"], s["nbytes"], s["crc32"]]
+                    for s in shards]
+            chunks += list(off) + list(shp) + add(_dumps(recs).encode())
+        tensors[key] = {"dtype": t["dtype"], "shape": t["shape"], "chunks": chunks}
+    objects = {u: add(_dumps(v).encode()) for u, v in doc["objects"].items()}
+    trees = {}
+    for tid, tree in doc["trees"].items():
+        if isinstance(tree, dict) and TREE_WHOLE not in tree and TAG not in tree:
+            trees[tid] = [[k] + add(_dumps(v).encode()) for k, v in tree.items()]
+        else:
+            trees[tid] = [[TREE_WHOLE] + add(_dumps(tree).encode())]
+    head = {k: doc[k] for k in ("format", "created", "world_size", "layout", "extra", "rank_trees") if k in doc}
+    head.update(version=2, tensors=buckets(tensors, 16), objects=buckets(objects, 64), files=buckets(doc["files"], 256),
+                trees=buckets(trees, 64))
+    head["index"] = {"file": manifest.INDEX_NAME, "bytes": size[0]}
+    return _dumps(head).encode(), b"".join(sec)

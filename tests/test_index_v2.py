@@ -1,4 +1,5 @@
-"""Index version 2: a small head plus CRC-guarded sections, read lazily; version 1 still loads."""
+"""Index version 3 (2 plus the records' CRC32s in one binary region): a small head plus
+CRC-guarded sections, read lazily; versions 1 and 2 still load."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from megashard.errors import CheckpointError, MegashardError
 from megashard.storage import open_index
 from megashard.plan import Box
 from megashard.sharded import ShardedTensor
-from tamper import read_manifest_doc, write_manifest_doc, write_manifest_text
+from tamper import encode_doc_v2, read_manifest_doc, write_manifest_doc, write_manifest_text
 
 N_KEYS = 40
 
@@ -26,11 +27,11 @@ def _save(path: str) -> None:
     megashard.save(sd, path)
 
 
-def test_written_as_version_2_and_read_lazily(tmp_path):
+def test_written_as_version_3_and_read_lazily(tmp_path):
     path = str(tmp_path / "ckpt")
     _save(path)
     head = json.loads(open(os.path.join(path, storage.MANIFEST_NAME)).read())
-    assert head["version"] == 2 and head["index"]["file"] == manifest.INDEX_NAME
+    assert head["version"] == 3 and head["index"]["file"] == manifest.INDEX_NAME
     assert os.path.getsize(os.path.join(path, manifest.INDEX_NAME)) == head["index"]["bytes"]
     index = open_index(path)
     head_bytes = index.bytes_read
@@ -57,7 +58,7 @@ def test_full_manifest_equals_what_was_saved(tmp_path):
     path = str(tmp_path / "ckpt")
     _save(path)
     m = megashard.read_manifest(path)
-    assert m.version == 2 and len(m.tensors) == N_KEYS
+    assert m.version == 3 and len(m.tensors) == N_KEYS
     assert all([s.offset for s in t.shards] == [(0, 0), (4, 0)] for t in m.tensors.values())
     tree = m.tree_for_rank(0)
     assert tree["args"] == {"lr": 0.5, "note": "x" * 1000} and tree["iteration"] == 3
@@ -80,12 +81,38 @@ def test_version_1_checkpoint_still_loads(tmp_path):
     assert megashard.read_manifest(path).version == 1
 
 
+def test_version_2_checkpoint_still_loads(tmp_path):
+    """Version 2 (each record's CRC32 inside its chunk section's JSON) is still read, CRC32s
+    included: a damaged tensor is still caught."""
+    path = str(tmp_path / "ckpt")
+    _save(path)
+    doc = read_manifest_doc(path)
+    head, sections = encode_doc_v2(doc)
+    assert json.loads(head)["version"] == 2 and "crcs" not in json.loads(head)
+    with open(os.path.join(path, manifest.INDEX_NAME), "wb") as f:
+        f.write(sections)
+    write_manifest_text(path, head)
+    t = {f"k{i}": ShardedTensor(f"k{i}", torch.zeros(8, 8), (8, 8), (0, 0)) for i in range(N_KEYS)}
+    t["local"] = torch.zeros(7, dtype=torch.int64)
+    out = megashard.load(t, path, verify=True)
+    for i in range(N_KEYS):
+        assert torch.equal(out[f"k{i}"], torch.cat([torch.full((4, 8), float(i)), torch.full((4, 8), float(-i))]))
+    assert torch.equal(out["local"], torch.arange(7)) and out["iteration"] == 3
+    m = megashard.read_manifest(path)
+    assert m.version == 2
+    assert read_manifest_doc(path)["tensors"] == doc["tensors"]
+    crcs = {(k, tuple(s["offset"])): s["crc32"] for k, t in doc["tensors"].items() for s in t["shards"]}
+    assert {(k, s.offset): s.crc32 for k, t in m.tensors.items() for s in t.shards} == crcs
+    assert all(crcs.values())
+
+
 def _template() -> dict:
     return {f"k{i}": ShardedTensor(f"k{i}", torch.zeros(8, 8), (8, 8), (0, 0)) for i in range(N_KEYS)}
 
 
 @pytest.mark.parametrize("damage", ["flip_section_byte", "truncate_index", "symlink_index", "missing_index",
-                                    "section_past_end", "chunk_ints_garbage"])
+                                    "section_past_end", "chunk_ints_garbage", "flip_crc_region_byte",
+                                    "flip_crc_table_byte", "crc_count_huge", "crc_count_short", "crcs_missing"])
 def test_damaged_index_is_a_clear_error(tmp_path, damage, monkeypatch):
     monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.2")  # a missing index is waited for this long
     path = str(tmp_path / "ckpt")
@@ -110,6 +137,20 @@ def test_damaged_index_is_a_clear_error(tmp_path, damage, monkeypatch):
         doc = read_manifest_doc(path)
         doc["tensors"]["k1"]["shards"][0]["offset"] = [-1, 0]
         write_manifest_doc(path, doc)
+    elif damage.startswith("flip_crc"):  # a record's CRC32, or the table of the blocks' CRC32s
+        start, count, _ = head["crcs"]
+        data = bytearray(open(ipath, "rb").read())
+        data[start + (4 * count if damage == "flip_crc_table_byte" else 5)] ^= 0x01
+        open(ipath, "wb").write(bytes(data))
+    elif damage == "crc_count_huge":  # refused before anything is allocated for it
+        head["crcs"][1] = 10 ** 15
+        write_manifest_text(path, json.dumps(head))
+    elif damage == "crc_count_short":  # the chunk sections name CRC32s past the region's end
+        head["crcs"][1:] = [0, 0]
+        write_manifest_text(path, json.dumps(head))
+    elif damage == "crcs_missing":
+        del head["crcs"]
+        write_manifest_text(path, json.dumps(head))
     with pytest.raises(MegashardError) as e:
         megashard.load(_template(), path)
     assert isinstance(e.value, CheckpointError), e.value

@@ -6,6 +6,7 @@ Every checkpoint, reused plan or not, loads back bit-exact, and a reused plan wr
 same files and records as a fresh plan of the same state."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -233,17 +234,15 @@ def _results(crc_of, world: int = 3):
         recs = []
         for i, (a, b) in enumerate(((0, 6), (6, 12))):
             text = record_text("w", (world * 2, 6), (2 * r, 0), (2, 6), (a, b), f"model-r{r:05d}.tensors", "n",
-                               4096 * (i + 1), 8192 * (i + 1), 24, crc_of(r, i))
-            recs.append(["w", f"[[{2 * r},0],[2,6]]", a, text])
-        recs.append(["e", "[[0],[0]]", 0, record_text("e", (0,), (0,), (0,), None, None, "", 0, 0, 0, 0)])
+                               4096 * (i + 1), 8192 * (i + 1), 24)
+            recs.append(["w", f"[[{2 * r},0],[2,6]]", a, text, crc_of(r, i)])
+        recs.append(["e", "[[0],[0]]", 0, record_text("e", (0,), (0,), (0,), None, None, "", 0, 0, 0), 0])
         out.append({"files": {f"model-r{r:05d}.tensors": {"rank": r, "bytes": 1 << 20, "tensors": 2}}, "records": recs,
                     "objects": {}, "tree": [["step", "p"]], "parts": {"p": "7"}})
     return out
 
 
 def test_index_skeleton_takes_new_crcs_and_equals_a_fresh_build():
-    import zlib
-
     from megashard import manifest as mf
     from megashard.plan import Box
 
@@ -263,12 +262,75 @@ def test_index_skeleton_takes_new_crcs_and_equals_a_fresh_build():
     index = mf.LazyIndex(doc, lambda s, n: sections2[s:s + n], "t", len(head2))
     got = sorted((s.offset, s.flat, s.crc32) for s in index.pieces("w", Box((0, 0), (6, 6))))
     assert got == sorted(((2 * r, 0), ab, crcs[2 * r + i]) for r in range(3) for i, ab in enumerate(((0, 6), (6, 12))))
-    assert zlib.crc32(sections2) != zlib.crc32(sections)
+    assert sections2[:len(skel.prefix)] == sections[:len(skel.prefix)]  # only the CRC32 region differs
+    assert sections2[len(skel.prefix):] != sections[len(skel.prefix):]
     # a record that changed other than its CRC32 changes the digest; a wrong count is refused
     moved = _results(lambda r, i: 0)
     moved[1]["records"][0][3] = moved[1]["records"][0][3].replace("8192", "8196")
     assert saving.records_digest(moved[1]["records"]) != saving.records_digest(first[1]["records"])
     with pytest.raises(ValueError, match="holds 9 records, got 8 CRC32s"):
-        saving.build_index([dict(steady[0], crcs="AQAAAAIAAAA=")] + steady[1:], tensors, 3, None, skel)
+        saving.build_index([dict(steady[0], crcs="0100000002000000")] + steady[1:], tensors, 3, None, skel)
     with pytest.raises(ValueError, match="rank 1 sent a malformed CRC32 list"):
-        saving.build_index([steady[0], dict(steady[1], crcs="AQAA")] + steady[2:], tensors, 3, None, skel)
+        saving.build_index([steady[0], dict(steady[1], crcs="010000")] + steady[2:], tensors, 3, None, skel)
+    with pytest.raises(ValueError, match="rank 2 sent a malformed CRC32 list"):
+        saving.build_index(steady[:2] + [dict(steady[2], crcs="zz000000")], tensors, 3, None, skel)
+
+
+def test_steady_commit_sends_only_what_changed_and_index_equals_a_fresh_build():
+    """Version 3: the chunk sections and tensor table are byte-identical between saves of one
+    layout (the CRC32s are in their own region); a rank whose files, objects and state-tree parts
+    equal its last commit's sends its CRC32s only, and rank 0 writes what it kept."""
+    from megashard import manifest as mf
+
+    tensors = {"w": ("float32", (6, 6)), "e": ("float32", (0,))}
+    first = _results(lambda r, i: r * 10 + i)
+    head, sections, skel = saving.build_index(first, tensors, 3, None)
+    assert mf.parse_head(head, "t")["version"] == 3
+    prev = [saving.meta_digests(r) for r in first]
+    new = _results(lambda r, i: 7 * r + i + 1)
+    steady = [saving.steady_commit(r, p) for r, p in zip(new, prev)]
+    assert all(set(m) == {"crcs"} for m in steady)  # nothing but the CRC32s
+    head2, sections2, skel2 = saving.build_index(steady, tensors, 3, None, skel)
+    head3, sections3, _ = saving.build_index(new, tensors, 3, None)
+    assert skel2 is skel and sections2 == sections3
+    assert sections2[:len(skel.prefix)] == sections[:len(skel.prefix)] == skel.prefix  # chunk sections, tensor table
+    assert json.loads(head2)["tensors"] == json.loads(head)["tensors"]
+    # rank 1's state-tree part changes (its iteration): it sends that, rank 0 keeps the others
+    again = _results(lambda r, i: r + i)
+    again[1]["parts"] = {"p2": "8"}
+    again[1]["tree"] = [["step", "p2"]]
+    prev = [saving.meta_digests(r) for r in new]
+    steady = [saving.steady_commit(r, p) for r, p in zip(again, prev)]
+    assert set(steady[1]) == {"crcs", "tree", "parts"} and set(steady[0]) == {"crcs"}
+    head4, sections4, _ = saving.build_index(steady, tensors, 3, None, skel)
+    head5, sections5, _ = saving.build_index(again, tensors, 3, None)
+    assert sections4 == sections5
+    doc4, doc5 = json.loads(head4), json.loads(head5)
+    assert doc4["rank_trees"] == doc5["rank_trees"] and doc4["rank_trees"][1] != doc4["rank_trees"][0]
+    m = mf.LazyIndex(mf.parse_head(head4, "t"), lambda s, n: sections4[s:s + n], "t", len(head4)).full()
+    assert m.tree_for_rank(1) == {"step": 8} and m.tree_for_rank(0) == {"step": 7}
+    assert sorted(s.crc32 for s in m.tensors["w"].shards) == sorted(r + i for r in range(3) for i in range(2))
+    # only rank 2's file table changes (an object store's ETag): the rest of the last index is kept
+    files_only = _results(lambda r, i: r + i)
+    files_only[1].update(parts={"p2": "8"}, tree=[["step", "p2"]])
+    files_only[2]["files"]["model-r00002.tensors"]["etag"] = "abc"
+    prev = [saving.meta_digests(r) for r in again]
+    steady = [saving.steady_commit(r, p) for r, p in zip(files_only, prev)]
+    assert set(steady[2]) == {"crcs", "files"} and set(steady[1]) == {"crcs"}
+    head6, sections6, _ = saving.build_index(steady, tensors, 3, None, skel)
+    head7, sections7, _ = saving.build_index(files_only, tensors, 3, None)
+    assert sections6 == sections7 and json.loads(head6)["files"] == json.loads(head7)["files"]
+    assert json.loads(head6)["rank_trees"] == json.loads(head7)["rank_trees"]
+    m = mf.LazyIndex(mf.parse_head(head6, "t"), lambda s, n: sections6[s:s + n], "t", len(head6)).full()
+    assert m.files["model-r00002.tensors"]["etag"] == "abc" and m.tree_for_rank(1) == {"step": 8}
+    # then rank 0's ShardedObject changes: objects and trees are laid out again
+    objs = [dict(r) for r in files_only]
+    objs[0] = dict(objs[0], objects={"rng/0": '{"s":1}'})
+    prev = [saving.meta_digests(r) for r in files_only]
+    steady = [saving.steady_commit(r, p) for r, p in zip(objs, prev)]
+    assert set(steady[0]) == {"crcs", "objects"}
+    head8, sections8, _ = saving.build_index(steady, tensors, 3, None, skel)
+    head9, sections9, _ = saving.build_index(objs, tensors, 3, None)
+    assert sections8 == sections9
+    m = mf.LazyIndex(mf.parse_head(head8, "t"), lambda s, n: sections8[s:s + n], "t", len(head8)).full()
+    assert m.object("rng/0") == {"s": 1} and m.files["model-r00002.tensors"]["etag"] == "abc"
