@@ -261,6 +261,28 @@ def _xml_field(pattern: "re.Pattern[bytes]", body: bytes) -> str:
 
 # --------------------------------------------------------------------------------------------------- the store
 
+def _owners(gets: Sequence[Tuple[int, int, Any]], jobs: Sequence[Tuple[int, Sequence[Tuple[int, Any]]]]
+            ) -> List[List[int]]:
+    """Per GET of one object (``(first byte, end, ...)``): the jobs ``(i, reqs)`` it holds bytes of.
+    Each request finds its GETs by bisection (a job of tens of thousands of rows, a load of
+    thousands of jobs: no GET x job scan)."""
+    order = sorted(range(len(gets)), key=lambda k: gets[k][0])
+    starts = [gets[k][0] for k in order]
+    out: List[List[int]] = [[] for _ in gets]
+    for i, reqs in jobs:
+        seen = set()
+        for off, v in reqs:
+            end = off + _byte_view(v).nbytes
+            k = max(0, bisect.bisect_right(starts, off) - 1)
+            while k < len(order) and starts[k] < end:
+                g = order[k]
+                if gets[g][1] > off and end > off and g not in seen:
+                    seen.add(g)
+                    out[g].append(i)
+                k += 1
+    return out
+
+
 class ObjectStore:
     """One bucket on one S3 endpoint. Thread-safe; cheap to share (``for_url`` caches one per bucket)."""
 
@@ -639,14 +661,13 @@ class ObjectStore:
             if not gets:
                 continue
             url = self._presign("get_object", key)
-            if done is not None:
-                spans = [(i, [(off, off + _byte_view(v).nbytes) for off, v in jobs[i][1]]) for i in idx]
+            first = len(tasks)
             for g in gets:
                 tasks.append(lambda key=key, url=url, g=g, size=size, etag=etag:
                              self._get_range(key, url, g[0], g[1], g[2], size, etag))
-                if done is not None:
-                    mine = [i for i, sp in spans if any(a < g[1] and g[0] < b for a, b in sp if b > a)]
-                    owners.append(mine)
+            if done is not None:
+                owners += _owners(gets, [(i, jobs[i][1]) for i in idx])
+                for mine in owners[first:]:
                     for i in mine:
                         left[i] += 1
         if done is None:
