@@ -161,8 +161,8 @@ def test_two_ranks_save_and_reshard_with_exact_request_counts(s3, mode):
 
 def test_row_runs_load_bit_exact_in_ranged_gets(s3, monkeypatch):
     """Column halves loaded whole (own): each half's rows reach the object store's files object
-    as one row run (``fastio.Requests``), which reads it as plain requests: bit-exact, and the
-    back-to-back rows coalesce into ranged GETs, not one GET per row."""
+    as one row run (``fastio.Requests``, a job of its own), which reads it as plain requests:
+    bit-exact, and the back-to-back rows of both jobs coalesce into ranged GETs, not one GET per row."""
     from megashard.format.fastio import Requests
     from megashard.sharded import ShardedTensor
 
@@ -186,7 +186,7 @@ def test_row_runs_load_bit_exact_in_ranged_gets(s3, monkeypatch):
     dest = torch.zeros(rows, cols)
     megashard.load({"w": ShardedTensor.from_rank_offsets("w", dest)}, url, mode="own")
     assert_same(dest, full)
-    assert seen == [[rows, rows]]
+    assert seen == [[rows], [rows]]  # one job per row run: each saved half's CRC32 is checked as soon as it is in
     assert 1 <= store.stats.get("GET_RANGE", 0) <= 2, dict(store.stats)  # 2 * 64 rows in one or two GETs
 
 
@@ -684,3 +684,29 @@ def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, m
     assert len(gets) >= 3
     early = [n for n, k in checked if k < len(gets)]
     assert set(early) >= {"w", "b", "steps"}, (checked, len(gets))
+
+
+def test_the_digest_and_the_index_are_fetched_at_once(s3, monkeypatch):
+    """After the head, a load's digest GET and index GET are in flight together (one round trip,
+    not two): each waits (up to 20 s) for the other; the load is bit-exact with GET 3 as before."""
+    import threading
+
+    from megashard.storage.s3 import client as objclient
+
+    want = state()
+    url = s3.url("run/iter_0000013")
+    megashard.save(want, url)
+    barrier = threading.Barrier(2, timeout=20)
+    met: list = []
+    real = objclient.ObjectStore.get_bytes
+
+    def get_bytes(self, key, *a, **kw):
+        if key.endswith(("/manifest.sha256", "/manifest.index")):
+            barrier.wait()
+            met.append(key.rsplit("/", 1)[-1])
+        return real(self, key, *a, **kw)
+
+    monkeypatch.setattr(objclient.ObjectStore, "get_bytes", get_bytes)
+    got = megashard.load(template(want), url)
+    check_loaded(got, want)
+    assert sorted(met) == ["manifest.index", "manifest.sha256"]
