@@ -608,3 +608,24 @@ def test_bad_tuning_variables_are_named(s3, monkeypatch) -> None:
     monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", "0")
     with pytest.raises(CheckpointError, match="MEGASHARD_S3_GET_BYTES=0 is below its minimum 1"):
         store.read_into("v/x", [(0, memoryview(bytearray(3)))], size=3, etag=etag)
+
+
+def test_every_parallel_worker_runs_at_once_even_when_calls_nest() -> None:
+    """A bulk call's workers must all be running at once (each holds a connection): an outer call on
+    every connection whose tasks each make an inner parallel call still gets all its workers, and
+    so do the inner calls; a fixed-size executor queued the inner ones behind busy threads."""
+    import threading
+
+    n = objclient.connections()
+    outer = threading.Barrier(n, timeout=20)
+
+    def task() -> int:
+        outer.wait()  # every outer worker is running
+        inner = threading.Barrier(3, timeout=20)
+        return sum(objclient._run_parallel([lambda: inner.wait() + 1] * 3, 3))
+
+    got: List[List[int]] = []
+    t = threading.Thread(target=lambda: got.append(objclient._run_parallel([task] * n, n)), daemon=True)
+    t.start()
+    t.join(60)  # a queued worker never starts: fail, do not hang
+    assert got == [[0 + 1 + 2 + 3] * n], "parallel workers were queued behind busy threads"

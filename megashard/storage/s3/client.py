@@ -19,12 +19,12 @@ import hashlib
 import http.client
 import logging
 import os
+import queue
 import random
 import re
 import ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import urlsplit
@@ -144,17 +144,16 @@ def _env_endpoint() -> Optional[str]:
 _STORES: Dict[Tuple[str, Optional[str], Optional[str]], "ObjectStore"] = {}
 _STORES_LOCK = threading.Lock()
 _LOCAL = threading.local()  # per thread: {(scheme, host, port): HTTPConnection}, scratch buffer
-_POOL: Optional[ThreadPoolExecutor] = None
-_POOL_SIZE = 0
+_POOL: Optional["_Threads"] = None
 _POOL_LOCK = threading.Lock()
 
 
 def _after_fork() -> None:
     """A forked child must not share sockets, threads or boto3 clients with its parent."""
-    global _LOCAL, _POOL, _POOL_SIZE, _STORES_LOCK, _POOL_LOCK
+    global _LOCAL, _POOL, _STORES_LOCK, _POOL_LOCK
     _STORES.clear()
     _LOCAL = threading.local()
-    _POOL, _POOL_SIZE = None, 0
+    _POOL = None
     _STORES_LOCK = threading.Lock()
     _POOL_LOCK = threading.Lock()
 
@@ -169,19 +168,54 @@ def clear_store_cache() -> None:
         _STORES.clear()
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    global _POOL, _POOL_SIZE
+class _Threads:
+    """Persistent worker threads, so each keeps its connection open between calls. A call gets
+    as many threads at once as it asks for: idle ones, else new ones. (``ThreadPoolExecutor``
+    has a fixed size and counts idle threads loosely: a load's GETs could wait behind busy
+    threads, started only as earlier GETs finished, and nested calls could deadlock.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: List["queue.SimpleQueue[Any]"] = []
+        self._count = 0
+
+    def start(self, work: Callable[[], None]) -> threading.Event:
+        """Run ``work`` on a thread of its own now; the event is set when it returns."""
+        done = threading.Event()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+            if inbox is None:
+                self._count += 1
+                n = self._count
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name=f"megashard-s3-{n}", daemon=True).start()
+        inbox.put((work, done))
+        return done
+
+    def _serve(self, inbox: "queue.SimpleQueue[Any]") -> None:
+        while True:
+            work, done = inbox.get()
+            try:
+                work()  # never raises: _run_parallel's worker keeps its own errors
+            finally:
+                work = None
+                with self._lock:
+                    self._idle.append(inbox)
+                done.set()
+
+
+def _threads() -> _Threads:
+    global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE < n:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL_SIZE = max(n, connections())
-            _POOL = ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="megashard-s3")
+        if _POOL is None:
+            _POOL = _Threads()
         return _POOL
 
 
 def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
-    """Run ``tasks`` on up to ``threads`` pool threads; the first failure stops the rest and is raised."""
+    """Run ``tasks`` on up to ``threads`` threads at once (the caller's one of them); the first failure
+    stops the rest and is raised."""
     if threads <= 1 or len(tasks) <= 1:
         return [t() for t in tasks]
     n = min(threads, len(tasks))
@@ -205,9 +239,11 @@ def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
                     errors.append(e)
                 return
 
-    futures = [_pool(n).submit(worker) for _ in range(n)]
-    for f in futures:
-        f.result()
+    pool = _threads()
+    started = [pool.start(worker) for _ in range(n - 1)]
+    worker()
+    for ev in started:
+        ev.wait()
     if errors:
         raise errors[0]
     return results
