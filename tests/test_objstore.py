@@ -629,3 +629,22 @@ def test_every_parallel_worker_runs_at_once_even_when_calls_nest() -> None:
     t.start()
     t.join(60)  # a queued worker never starts: fail, do not hang
     assert got == [[0 + 1 + 2 + 3] * n], "parallel workers were queued behind busy threads"
+
+
+def test_gets_are_cut_into_whole_rounds_of_the_connections(s3, monkeypatch) -> None:
+    """4 MiB + 100 bytes in 1 MiB GETs on 2 connections would be 5 GETs, the last (100 bytes) alone
+    after the other connection has finished: cut instead into 3 whole rounds, 6 GETs of at most 1 MiB."""
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(MiB))
+    store = _store(s3)
+    data = os.urandom(4 * MiB + 100)
+    etag = store.upload("w/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    s3.reset()
+    buf = bytearray(len(data))
+    assert store.read_into("w/x", [(0, memoryview(buf))], size=len(data), etag=etag, threads=2) == len(data)
+    assert bytes(buf) == data
+    spans = sorted(tuple(int(x) for x in e["range"][6:].split("-")) for e in _ranged_gets(s3, "w/x"))
+    assert len(spans) == 6 and all(b - a + 1 <= MiB for a, b in spans)
+    assert spans[0][0] == 0 and spans[-1][1] == len(data) - 1
+    assert all(spans[k][1] + 1 == spans[k + 1][0] for k in range(5))
+    assert objclient._balanced_limit([MiB] * 4, 2) is None  # whole rounds already
+    assert objclient._balanced_limit([MiB] * 3, 4) is None  # one round

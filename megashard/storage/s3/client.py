@@ -319,6 +319,19 @@ def _owners(gets: Sequence[Tuple[int, int, Any]], jobs: Sequence[Tuple[int, Sequ
     return out
 
 
+def _balanced_limit(lengths: Sequence[int], conns: int) -> Optional[int]:
+    """A smaller GET size when the GETs planned (``lengths``) are more than the connections and not
+    a whole number of rounds of them: the last few would run alone after every other connection
+    has finished (256 MiB and a header in 16 MiB GETs on 16 connections: 16 GETs, then one of
+    12 KiB). Cut into as many whole rounds as the planned GETs need: 32 GETs of ~8 MiB. None:
+    keep the plan."""
+    n = len(lengths)
+    if n <= conns or n % conns == 0:
+        return None
+    rounds = -(-n // conns)
+    return max(1, -(-sum(lengths) // (rounds * conns)))
+
+
 class ObjectStore:
     """One bucket on one S3 endpoint. Thread-safe; cheap to share (``for_url`` caches one per bucket)."""
 
@@ -690,10 +703,15 @@ class ObjectStore:
         tasks: List[Callable[[], int]] = []
         left = [0] * len(jobs)  # per job: GETs still to finish
         owners: List[List[int]] = []  # per task: the jobs it holds bytes of
+        plans = {key: self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2])
+                 for key, idx in by_key.items()}
+        limit = _balanced_limit([g[1] - g[0] for gets in plans.values() for g in gets], threads or connections())
+        if limit is not None:
+            plans = {key: self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2], limit)
+                     for key, idx in by_key.items()}
         for key, idx in by_key.items():
             size, etag = jobs[idx[0]][2], jobs[idx[0]][3]
-            reqs = [r for i in idx for r in jobs[i][1]]
-            gets = self._plan_gets(key, reqs, size)
+            gets = plans[key]
             if not gets:
                 continue
             url = self._presign("get_object", key)
@@ -727,9 +745,10 @@ class ObjectStore:
 
         return sum(_run_parallel([lambda t=t: tracked(t) for t in range(len(tasks))], threads or connections()))
 
-    def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int
+    def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int, limit: Optional[int] = None
                    ) -> List[Tuple[int, int, List[Tuple[Optional[memoryview], int]]]]:
-        """Coalesce requests into runs and cut runs into GETs: (first byte, end, [(view or None=gap, n)])."""
+        """Coalesce requests into runs and cut runs into GETs of at most ``limit`` (default
+        ``MEGASHARD_S3_GET_BYTES``): (first byte, end, [(view or None=gap, n)])."""
         items = []
         for offset, view in reqs:
             mv = _byte_view(view)
@@ -754,7 +773,7 @@ class ObjectStore:
             else:
                 runs.append((offset, [(mv, mv.nbytes)]))
                 end = offset + mv.nbytes
-        limit = get_bytes_limit()
+        limit = limit or get_bytes_limit()
         gets = []
         for start, pieces in runs:
             cur: List[Tuple[Optional[memoryview], int]] = []
@@ -772,7 +791,7 @@ class ObjectStore:
             if cur:
                 gets.append((get_start, pos, cur))
         if overlapping:
-            gets.extend(self._plan_gets(key, overlapping, size))
+            gets.extend(self._plan_gets(key, overlapping, size, limit))
         return gets
 
     def _get_range(self, key: str, url: str, first: int, end: int, pieces: List[Tuple[Optional[memoryview], int]],
