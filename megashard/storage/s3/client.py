@@ -13,6 +13,7 @@ boto3/botocore are imported only when an object URL is actually used.
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import collections
 import hashlib
@@ -177,25 +178,44 @@ class _Threads:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: List["queue.SimpleQueue[Any]"] = []
+        self._all: List[Tuple[threading.Thread, "queue.SimpleQueue[Any]"]] = []
         self._count = 0
+        self._closed = False
 
     def start(self, work: Callable[[], None]) -> threading.Event:
         """Run ``work`` on a thread of its own now; the event is set when it returns."""
         done = threading.Event()
         with self._lock:
+            if self._closed:
+                raise CheckpointError("the S3 client's threads have stopped: the interpreter is exiting")
             inbox = self._idle.pop() if self._idle else None
             if inbox is None:
                 self._count += 1
-                n = self._count
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name=f"megashard-s3-{n}", daemon=True).start()
+                inbox = queue.SimpleQueue()
+                t = threading.Thread(target=self._serve, args=(inbox,), name=f"megashard-s3-{self._count}",
+                                     daemon=True)
+                self._all.append((t, inbox))
+                t.start()
         inbox.put((work, done))
         return done
 
+    def stop(self) -> None:
+        """At exit: end every thread (each after its current work) and wait for them, so none is
+        left inside a call during interpreter teardown."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._all)
+        for _, inbox in threads:
+            inbox.put(None)
+        for t, _ in threads:
+            t.join()
+
     def _serve(self, inbox: "queue.SimpleQueue[Any]") -> None:
         while True:
-            work, done = inbox.get()
+            item = inbox.get()
+            if item is None:
+                return
+            work, done = item
             try:
                 work()  # never raises: _run_parallel's worker keeps its own errors
             finally:
@@ -211,6 +231,15 @@ def _threads() -> _Threads:
         if _POOL is None:
             _POOL = _Threads()
         return _POOL
+
+
+def _stop_threads() -> None:
+    pool = _POOL
+    if pool is not None:
+        pool.stop()
+
+
+atexit.register(_stop_threads)
 
 
 def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
