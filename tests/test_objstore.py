@@ -632,11 +632,12 @@ def test_every_parallel_worker_runs_at_once_even_when_calls_nest() -> None:
 
 
 def test_gets_are_cut_into_whole_rounds_of_the_connections(s3, monkeypatch) -> None:
-    """4 MiB + 100 bytes in 1 MiB GETs on 2 connections would be 5 GETs, the last (100 bytes) alone
-    after the other connection has finished: cut instead into 3 whole rounds, 6 GETs of at most 1 MiB."""
+    """5 MiB in 1 MiB GETs on 2 connections would be 5 GETs, the last alone after the other
+    connection has finished: cut instead into 3 whole rounds, 6 GETs of at most 1 MiB. A last round
+    of a few bytes is left as planned."""
     monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(MiB))
     store = _store(s3)
-    data = os.urandom(4 * MiB + 100)
+    data = os.urandom(5 * MiB)
     etag = store.upload("w/x", len(data), [(0, memoryview(data))], if_none_match=True)
     s3.reset()
     buf = bytearray(len(data))
@@ -648,3 +649,5 @@ def test_gets_are_cut_into_whole_rounds_of_the_connections(s3, monkeypatch) -> N
     assert all(spans[k][1] + 1 == spans[k + 1][0] for k in range(5))
     assert objclient._balanced_limit([MiB] * 4, 2) is None  # whole rounds already
     assert objclient._balanced_limit([MiB] * 3, 4) is None  # one round
+    assert objclient._balanced_limit([MiB] * 4 + [100], 2) is None  # a last round of 100 bytes
+    assert objclient._balanced_limit([16 * MiB] * 17, 16) == -(-17 * 16 * MiB // 32)

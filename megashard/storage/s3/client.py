@@ -349,13 +349,18 @@ def _owners(gets: Sequence[Tuple[int, int, Any]], jobs: Sequence[Tuple[int, Sequ
 
 
 def _balanced_limit(lengths: Sequence[int], conns: int) -> Optional[int]:
-    """A smaller GET size when the GETs planned (``lengths``) are more than the connections and not
-    a whole number of rounds of them: the last few would run alone after every other connection
-    has finished (256 MiB and a header in 16 MiB GETs on 16 connections: 16 GETs, then one of
-    12 KiB). Cut into as many whole rounds as the planned GETs need: 32 GETs of ~8 MiB. None:
-    keep the plan."""
+    """A smaller GET size when the GETs planned (``lengths``, each at most the GET size) are more than
+    the connections and their last, partial round holds half a GET or more: those GETs would run
+    alone after every other connection has finished (17 GETs of 16 MiB on 16 connections: the 17th
+    doubles the load's time). Cut into as many whole rounds as the planned GETs need (34 GETs of
+    8 MiB). None: keep the plan (a last round of a few KiB, such as a file's header, costs a round
+    trip, not a GET's time)."""
     n = len(lengths)
     if n <= conns or n % conns == 0:
+        return None
+    limit = max(lengths)
+    tail = sum(lengths) - (n // conns) * conns * limit  # bytes beyond the whole rounds of full GETs
+    if tail * 2 < limit:
         return None
     rounds = -(-n // conns)
     return max(1, -(-sum(lengths) // (rounds * conns)))
