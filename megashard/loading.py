@@ -190,6 +190,20 @@ class _LoadWork:
     owners: Dict[Tuple[str, str], Any] = field(default_factory=dict)  # (file, name) -> what the index says it holds
     check_crc: bool = False  # load() turns it on: CRC32 of every saved tensor read whole
     crcs: Dict[Tuple[str, str], _Crc] = field(default_factory=dict)
+    by_read: Dict[int, _Crc] = field(default_factory=dict)  # id(op or row job) -> the tensor its bytes are, whole
+
+    def whole(self, c: Optional[_Crc], data: Any, read: Any) -> None:
+        """``read`` (an op or row job) brings exactly the bytes of ``c``'s tensor into ``data``."""
+        if c is not None:
+            c.data = data
+            self.by_read[id(read)] = c
+
+    def arrived(self, read: Any) -> None:
+        """All bytes of an op or row job are in (a reading thread): check its tensor's CRC32 now,
+        while later bytes still download, instead of after the load (:func:`check_crcs`)."""
+        c = self.by_read.get(id(read))
+        if c is not None:
+            c.compute()
 
     def crc(self, file: Optional[str], name: str, what: str, header_offset: Any, data_offset: int, nbytes: int,
             crc32: Any, dtype: torch.dtype, shapes: List[Tuple[int, ...]]) -> Optional[_Crc]:
@@ -367,9 +381,7 @@ def _emit(bp: BoxPlan, view: torch.Tensor, dtype: torch.dtype, work: _LoadWork) 
 
     def read(file: str, offset: int, nbytes: int, dest: torch.Tensor) -> None:
         work.ops.append(_Op(file, offset, nbytes, dest))
-        c = crc(file, offset, nbytes)
-        if c is not None:
-            c.data = dest
+        work.whole(crc(file, offset, nbytes), dest, work.ops[-1])
 
     if wp.direct:
         for r in wp.reads:
@@ -381,9 +393,8 @@ def _emit(bp: BoxPlan, view: torch.Tensor, dtype: torch.dtype, work: _LoadWork) 
         mv = tensor_memoryview(chunk.detach())
         for rr in wp.rows:
             job = _plan_rows(rr, mv, work)
-            c = crc(job[0], job[1], job[2] * len(job[3])) if job is not None else None
-            if c is not None:
-                c.data = job[3]
+            if job is not None:
+                work.whole(crc(job[0], job[1], job[2] * len(job[3])), job[3], job)
     for r in wp.reads:
         if r.buffer == -1:
             read(r.file, r.file_offset, r.nbytes, _bytes_view(chunk)[r.buffer_offset:r.buffer_offset + r.nbytes])
@@ -446,10 +457,8 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
     if nbytes:
         work.ops.append(_Op(file, offset, nbytes, _bytes_view(t)))
         work.touch(file, str(ref.get("name", "")), offset, nbytes, ("state", path))
-        c = work.crc(file, str(ref.get("name", "")), f"state {path or '<root>'}", ref.get("header_offset"), offset,
-                     nbytes, ref.get("crc32"), dtype, [shape])
-        if c is not None:
-            c.data = _bytes_view(t)
+        work.whole(work.crc(file, str(ref.get("name", "")), f"state {path or '<root>'}", ref.get("header_offset"),
+                            offset, nbytes, ref.get("crc32"), dtype, [shape]), work.ops[-1].dest, work.ops[-1])
     if into is not None and not direct:
         work.finish.append(lambda d=into, s=t: d.copy_(s.view(d.shape)))
         return into
@@ -796,7 +805,7 @@ def load(
         comm.agree(err, f"load of {base}")
         if chosen == "own":
             nread, err = comm.run("load/read", lambda: readers.read_own(base, index, work.ops, work.view_ops,
-                                                                          work.row_jobs, threads))
+                                                                          work.row_jobs, threads, work.arrived))
             stats.bytes_read = nread or 0
         elif chosen == "readonce":
             try:

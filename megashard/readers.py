@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,9 +35,13 @@ def _file_size(files: Mapping[str, Any], f: str) -> int:
 
 
 def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple[str, int, memoryview]],
-             row_jobs: Sequence[Tuple[str, int, int, List[memoryview]]], threads: Optional[int]) -> int:
+             row_jobs: Sequence[Tuple[str, int, int, List[memoryview]]], threads: Optional[int],
+             arrived: Optional[Callable[[Any], None]] = None) -> int:
     """Read every planned byte range straight into its destination; returns bytes read.
-    ``files`` is the index (or its file table): names and sizes, checked on open."""
+    ``files`` is the index (or its file table): names and sizes, checked on open.
+    ``arrived(x)``: called with each host op of ``ops`` and each row job of ``row_jobs`` as soon
+    as all its bytes are in, from a reading thread, where the files object can say when (an
+    object store's ``read_files``: while later bytes are still downloading); elsewhere never."""
     index, files = files, getattr(files, "files", files)
     targets: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
     for op in ops:
@@ -70,13 +74,48 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
                 raise CheckpointError(f"{os.path.join(base, f)}: byte range {off}+{run * len(views)} past end of "
                                       f"file ({size} bytes)")
             rows.setdefault(f, []).append((off, run, views))
-        total += cf.read_files([(f, Requests(by_file.get(f, ()), rows[f]) if f in rows else by_file[f],
-                                 _file_size(files, f)) for f in sorted(set(by_file) | set(rows))], threads=nthreads)
+        if arrived is not None and getattr(cf, "batch_reads", False):
+            total += _read_each(cf, files, ops, view_ops, row_jobs, nthreads, arrived)
+        else:
+            total += cf.read_files([(f, Requests(by_file.get(f, ()), rows[f]) if f in rows else by_file[f],
+                                     _file_size(files, f)) for f in sorted(set(by_file) | set(rows))],
+                                   threads=nthreads)
         if on_device:
             with DeviceCopier(device_targets(t for reqs in on_device.values() for _, t in reqs)) as copier:
                 for f, dreqs in sorted(on_device.items()):
                     total += copier.read(partial(cf.read_into, f, size=_file_size(files, f), threads=nthreads), dreqs)
     return total
+
+
+def _read_each(cf: Any, files: Mapping[str, Any], ops: Sequence[Any],
+               view_ops: Sequence[Tuple[str, int, memoryview]],
+               row_jobs: Sequence[Tuple[str, int, int, List[memoryview]]], threads: int,
+               arrived: Callable[[Any], None]) -> int:
+    """:func:`read_own`'s host reads as one ``read_files`` job per op and per row job (the store
+    still coalesces a file's jobs into shared GETs), so that ``arrived`` hears of each one as
+    soon as its own bytes are in."""
+    jobs: List[Tuple[str, Any, int]] = []
+    whose: List[Any] = []  # per job: the op or row job to announce (None: view ops)
+    for op in ops:
+        host, _ = split_targets([(op.offset, op.dest)])
+        if host:  # device destinations go through read_own's DeviceCopier
+            jobs.append((op.file, host, _file_size(files, op.file)))
+            whose.append(op)
+    views: Dict[str, List[Tuple[int, memoryview]]] = {}
+    for f, off, mv in view_ops:
+        views.setdefault(f, []).append((off, mv))
+    for f, reqs in views.items():
+        jobs.append((f, reqs, _file_size(files, f)))
+        whose.append(None)
+    for job in row_jobs:
+        jobs.append((job[0], Requests((), [job[1:]]), _file_size(files, job[0])))
+        whose.append(job)
+
+    def done(i: int) -> None:
+        if whose[i] is not None:
+            arrived(whose[i])
+
+    return cf.read_files(jobs, threads=threads, done=done)
 
 
 def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict[str, Dict[str, Any]],

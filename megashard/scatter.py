@@ -210,7 +210,7 @@ class _Consumer:
             if sched["transport"] == "shm":
                 try:
                     ring = shm.Ring.attach(sched["ring"], sched["consumers"], sched["slots"], sched["slot_bytes"],
-                                           sched["index"])
+                                           sched["index"], populate=sched.get("populate", True) is not False)
                     needed = [k for k, _ in sched["extents"]]
                     ring.set_done(sched["index"], needed[0] if needed else sched["n_extents"])
                     if not shm.pid_alive(sched["reader_pid"]):
@@ -422,7 +422,8 @@ class _Reader:
             if mode == "shm" and self.err is None:
                 direct = self.start_direct(sched)  # this rank's own bytes: read while the ring is made and handed out
                 try:  # before the schedules: they say where to open it
-                    ring = shm.Ring.create(len(self.consumers), sched["slots"], sched["slot_bytes"])
+                    ring = shm.Ring.create(len(self.consumers), sched["slots"], sched["slot_bytes"],
+                                           populate=self.populate_ring())
                 except MegashardError as e:
                     self.fail(_err(e, "creating the node's shared memory ring"))
                     direct.finish(True)  # the load fails; stop reading before the error path touches the tensors
@@ -538,6 +539,12 @@ class _Reader:
         return {"extents": extents, "mine": mine, "direct": direct, "mine_direct": mine_direct,
                 "per_consumer": per_consumer, "slots": max(1, slots), "slot_bytes": slot_bytes}
 
+    def populate_ring(self) -> bool:
+        """Map the ring's pages up front (local files: their reads fill slots at memory speed), or
+        as they are first touched (an object store: each GET's thread maps its slot's pages while
+        it waits on the network, and the ring's GETs start that much sooner)."""
+        return not getattr(self.files, "batch_reads", False)
+
     def ring_bytes(self, sched: Dict[str, Any]) -> int:
         return shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"])
 
@@ -588,7 +595,8 @@ class _Reader:
         for c, r in enumerate(self.consumers):
             files = sorted({d[0] for d in sched["direct"][c]})
             where = {f: j for j, f in enumerate(files)}
-            out[r] = {"transport": "shm", "ring": ring, "consumers": len(self.consumers), "index": c,
+            out[r] = {"transport": "shm", "ring": ring, "populate": self.populate_ring(),
+                      "consumers": len(self.consumers), "index": c,
                       "slots": sched["slots"], "slot_bytes": sched["slot_bytes"], "reader_pid": os.getpid(),
                       "n_extents": len(sched["extents"]), "extents": sorted(sched["per_consumer"][c].items()),
                       "fd_files": files, "direct": [[where[f], a, n, i, pos] for f, a, n, i, pos in sched["direct"][c]]}

@@ -608,3 +608,46 @@ def test_bad_tuning_variables_are_named(s3, monkeypatch) -> None:
     monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", "0")
     with pytest.raises(CheckpointError, match="MEGASHARD_S3_GET_BYTES=0 is below its minimum 1"):
         store.read_into("v/x", [(0, memoryview(bytearray(3)))], size=3, etag=etag)
+
+
+def test_every_parallel_worker_runs_at_once_even_when_calls_nest() -> None:
+    """A bulk call's workers must all be running at once (each holds a connection): an outer call on
+    every connection whose tasks each make an inner parallel call still gets all its workers, and
+    so do the inner calls; a fixed-size executor queued the inner ones behind busy threads."""
+    import threading
+
+    n = objclient.connections()
+    outer = threading.Barrier(n, timeout=20)
+
+    def task() -> int:
+        outer.wait()  # every outer worker is running
+        inner = threading.Barrier(3, timeout=20)
+        return sum(objclient._run_parallel([lambda: inner.wait() + 1] * 3, 3))
+
+    got: List[List[int]] = []
+    t = threading.Thread(target=lambda: got.append(objclient._run_parallel([task] * n, n)), daemon=True)
+    t.start()
+    t.join(60)  # a queued worker never starts: fail, do not hang
+    assert got == [[0 + 1 + 2 + 3] * n], "parallel workers were queued behind busy threads"
+
+
+def test_gets_are_cut_into_whole_rounds_of_the_connections(s3, monkeypatch) -> None:
+    """5 MiB in 1 MiB GETs on 2 connections would be 5 GETs, the last alone after the other
+    connection has finished: cut instead into 3 whole rounds, 6 GETs of at most 1 MiB. A last round
+    of a few bytes is left as planned."""
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(MiB))
+    store = _store(s3)
+    data = os.urandom(5 * MiB)
+    etag = store.upload("w/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    s3.reset()
+    buf = bytearray(len(data))
+    assert store.read_into("w/x", [(0, memoryview(buf))], size=len(data), etag=etag, threads=2) == len(data)
+    assert bytes(buf) == data
+    spans = sorted(tuple(int(x) for x in e["range"][6:].split("-")) for e in _ranged_gets(s3, "w/x"))
+    assert len(spans) == 6 and all(b - a + 1 <= MiB for a, b in spans)
+    assert spans[0][0] == 0 and spans[-1][1] == len(data) - 1
+    assert all(spans[k][1] + 1 == spans[k + 1][0] for k in range(5))
+    assert objclient._balanced_limit([MiB] * 4, 2) is None  # whole rounds already
+    assert objclient._balanced_limit([MiB] * 3, 4) is None  # one round
+    assert objclient._balanced_limit([MiB] * 4 + [100], 2) is None  # a last round of 100 bytes
+    assert objclient._balanced_limit([16 * MiB] * 17, 16) == -(-17 * 16 * MiB // 32)

@@ -156,9 +156,9 @@ def test_rows_go_through_read_into_one_request_each(tmp_path) -> None:
         jobs: List[Any] = []
         real_read_own = readers.read_own
 
-        def watch(base: str, files: Any, ops: Any, view_ops: Any, row_jobs: Any, threads: Any) -> int:
+        def watch(base: str, files: Any, ops: Any, view_ops: Any, row_jobs: Any, threads: Any, *rest: Any) -> int:
             jobs.extend(row_jobs)
-            return real_read_own(base, files, ops, view_ops, row_jobs, threads)
+            return real_read_own(base, files, ops, view_ops, row_jobs, threads, *rest)
 
         readers.read_own = watch
         try:

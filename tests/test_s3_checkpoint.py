@@ -187,8 +187,8 @@ def test_two_ranks_save_and_reshard_with_exact_request_counts(s3, mode):
 
 def test_row_runs_load_bit_exact_in_ranged_gets(s3, monkeypatch):
     """Column halves loaded whole (own): each half's rows reach the object store's files object
-    as one row run (``fastio.Requests``), which reads it as plain requests: bit-exact, and the
-    back-to-back rows coalesce into ranged GETs, not one GET per row."""
+    as one row run (``fastio.Requests``, a job of its own), which reads it as plain requests:
+    bit-exact, and the back-to-back rows of both jobs coalesce into ranged GETs, not one GET per row."""
     from megashard.format.fastio import Requests
     from megashard.sharded import ShardedTensor
 
@@ -212,7 +212,7 @@ def test_row_runs_load_bit_exact_in_ranged_gets(s3, monkeypatch):
     dest = torch.zeros(rows, cols)
     megashard.load({"w": ShardedTensor.from_rank_offsets("w", dest)}, url, mode="own")
     assert_same(dest, full)
-    assert seen == [[rows, rows]]
+    assert seen == [[rows], [rows]]  # one job per row run: each saved half's CRC32 is checked as soon as it is in
     assert 1 <= store.stats.get("GET_RANGE", 0) <= 2, dict(store.stats)  # 2 * 64 rows in one or two GETs
 
 
@@ -671,3 +671,68 @@ def test_scatter_ring_extents_are_read_in_coalesced_gets(s3):
     assert out[0]["transport"] == "shm"
     assert out[0]["stats"].get("GET_RANGE", 0) == 1, out[0]["stats"]
     assert sum(out[1]["stats"].values()) == 0
+
+
+def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, monkeypatch):
+    """On one connection, GETs of 5 MiB: the small tensors' CRC32s are computed (from the bytes of
+    their destinations, then final) before the last GET of the ~12 MiB tensor has even been sent;
+    the load is bit-exact and every tensor's CRC32 is checked exactly once."""
+    from megashard import loading
+    from megashard.storage.s3 import client as objclient
+
+    want = state(big=True)
+    url = s3.url("run/iter_0000012")
+    megashard.save(want, url)
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(5 * MiB))
+    monkeypatch.setenv("MEGASHARD_S3_CONNECTIONS", "1")
+    gets: list = []
+    real_get = objclient.ObjectStore._get_range
+
+    def get_range(self, key, url_, first, end, *a, **kw):
+        n = real_get(self, key, url_, first, end, *a, **kw)
+        gets.append(end)
+        return n
+
+    checked: list = []  # (tensor name, GETs finished by then)
+    real_compute = loading._Crc.compute
+
+    def compute(self, data=None):
+        checked.append((self.name.rsplit("/", 1)[-1], len(gets)))  # "__rank0__/w": rank-local tensor w
+        return real_compute(self, data)
+
+    monkeypatch.setattr(objclient.ObjectStore, "_get_range", get_range)
+    monkeypatch.setattr(loading._Crc, "compute", compute)
+    got, stats = megashard.load(template(want), url, return_stats=True)
+    check_loaded(got, want)
+    tensors = [k for k, v in want.items() if isinstance(v, torch.Tensor)]
+    assert sorted(n for n, _ in checked) == sorted(tensors)  # once each
+    assert stats.crc_checked == sum(v.numel() * v.element_size() for v in want.values() if isinstance(v, torch.Tensor))
+    assert len(gets) >= 3
+    early = [n for n, k in checked if k < len(gets)]
+    assert set(early) >= {"w", "b", "steps"}, (checked, len(gets))
+
+
+def test_the_digest_and_the_index_are_fetched_at_once(s3, monkeypatch):
+    """After the head, a load's digest GET and index GET are in flight together (one round trip,
+    not two): each waits (up to 20 s) for the other; the load is bit-exact with GET 3 as before."""
+    import threading
+
+    from megashard.storage.s3 import client as objclient
+
+    want = state()
+    url = s3.url("run/iter_0000013")
+    megashard.save(want, url)
+    barrier = threading.Barrier(2, timeout=20)
+    met: list = []
+    real = objclient.ObjectStore.get_bytes
+
+    def get_bytes(self, key, *a, **kw):
+        if key.endswith(("/manifest.sha256", "/manifest.index")):
+            barrier.wait()
+            met.append(key.rsplit("/", 1)[-1])
+        return real(self, key, *a, **kw)
+
+    monkeypatch.setattr(objclient.ObjectStore, "get_bytes", get_bytes)
+    got = megashard.load(template(want), url)
+    check_loaded(got, want)
+    assert sorted(met) == ["manifest.index", "manifest.sha256"]

@@ -391,7 +391,7 @@ def _ring_fails_job(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {"pid": os.getpid()}
     real = shm.Ring.create
 
-    def refuse(consumers: int, slots: int, slot_bytes: int) -> Any:
+    def refuse(consumers: int, slots: int, slot_bytes: int, **kw: Any) -> Any:
         raise shm.ShmError("cannot reserve shared memory for the ring (injected)")
 
     if rank == 0:  # the reader: its own bytes are already being read when the ring cannot be made
@@ -578,5 +578,26 @@ def test_shm_ring_protocol_single_process() -> None:
             b.wait_produced(5, me)
         a.close()
         b.close()
+    finally:
+        ring.close()
+
+
+@pytest.mark.parametrize("populate", [True, False])
+def test_shm_ring_pages_mapped_up_front_or_on_first_touch_hold_the_same_bytes(populate: bool) -> None:
+    """A ring mapped without MAP_POPULATE (an object store's: its pages are mapped as the GETs and
+    the consumers first touch them) is still reserved whole at creation and carries the bytes alike."""
+    from megashard import shm
+
+    n = 3 * (1 << 20) + 5
+    ring = shm.Ring.create(consumers=1, slots=2, slot_bytes=n, populate=populate)
+    try:
+        assert os.fstat(ring.fd).st_blocks * 512 >= shm.segment_bytes(1, 2, n)  # reserved, not sparse
+        c = shm.Ring.attach(ring.handle(), 1, 2, n, 0, populate=populate)
+        want = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        ring.slot_memoryview(1, n)[:] = want.numpy().tobytes()
+        ring.publish(1)
+        c.wait_produced(1, os.getpid())
+        assert torch.equal(c.slot(1, n), want) and torch.equal(ring.slot(1, n), want)
+        c.close()
     finally:
         ring.close()

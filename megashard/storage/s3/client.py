@@ -13,18 +13,19 @@ boto3/botocore are imported only when an object URL is actually used.
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import collections
 import hashlib
 import http.client
 import logging
 import os
+import queue
 import random
 import re
 import ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import urlsplit
@@ -148,17 +149,16 @@ def _env_endpoint() -> Optional[str]:
 _STORES: Dict[Tuple[str, Optional[str], Optional[str]], "ObjectStore"] = {}
 _STORES_LOCK = threading.Lock()
 _LOCAL = threading.local()  # per thread: {(scheme, host, port): HTTPConnection}, scratch buffer
-_POOL: Optional[ThreadPoolExecutor] = None
-_POOL_SIZE = 0
+_POOL: Optional["_Threads"] = None
 _POOL_LOCK = threading.Lock()
 
 
 def _after_fork() -> None:
     """A forked child must not share sockets, threads or boto3 clients with its parent."""
-    global _LOCAL, _POOL, _POOL_SIZE, _STORES_LOCK, _POOL_LOCK
+    global _LOCAL, _POOL, _STORES_LOCK, _POOL_LOCK
     _STORES.clear()
     _LOCAL = threading.local()
-    _POOL, _POOL_SIZE = None, 0
+    _POOL = None
     _STORES_LOCK = threading.Lock()
     _POOL_LOCK = threading.Lock()
 
@@ -173,19 +173,82 @@ def clear_store_cache() -> None:
         _STORES.clear()
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
-    global _POOL, _POOL_SIZE
+class _Threads:
+    """Persistent worker threads, so each keeps its connection open between calls. A call gets
+    as many threads at once as it asks for: idle ones, else new ones. (``ThreadPoolExecutor``
+    has a fixed size and counts idle threads loosely: a load's GETs could wait behind busy
+    threads, started only as earlier GETs finished, and nested calls could deadlock.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: List["queue.SimpleQueue[Any]"] = []
+        self._all: List[Tuple[threading.Thread, "queue.SimpleQueue[Any]"]] = []
+        self._count = 0
+        self._closed = False
+
+    def start(self, work: Callable[[], None]) -> threading.Event:
+        """Run ``work`` on a thread of its own now; the event is set when it returns."""
+        done = threading.Event()
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("the S3 client's threads have stopped: the interpreter is exiting")
+            inbox = self._idle.pop() if self._idle else None
+            if inbox is None:
+                self._count += 1
+                inbox = queue.SimpleQueue()
+                t = threading.Thread(target=self._serve, args=(inbox,), name=f"megashard-s3-{self._count}",
+                                     daemon=True)
+                self._all.append((t, inbox))
+                t.start()
+        inbox.put((work, done))
+        return done
+
+    def stop(self) -> None:
+        """At exit: end every thread (each after its current work) and wait for them, so none is
+        left inside a call during interpreter teardown."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._all)
+        for _, inbox in threads:
+            inbox.put(None)
+        for t, _ in threads:
+            t.join()
+
+    def _serve(self, inbox: "queue.SimpleQueue[Any]") -> None:
+        while True:
+            item = inbox.get()
+            if item is None:
+                return
+            work, done = item
+            try:
+                work()  # never raises: _run_parallel's worker keeps its own errors
+            finally:
+                work = None
+                with self._lock:
+                    self._idle.append(inbox)
+                done.set()
+
+
+def _threads() -> _Threads:
+    global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE < n:
-            if _POOL is not None:
-                _POOL.shutdown(wait=False)
-            _POOL_SIZE = max(n, connections())
-            _POOL = ThreadPoolExecutor(max_workers=_POOL_SIZE, thread_name_prefix="megashard-s3")
+        if _POOL is None:
+            _POOL = _Threads()
         return _POOL
 
 
+def _stop_threads() -> None:
+    pool = _POOL
+    if pool is not None:
+        pool.stop()
+
+
+atexit.register(_stop_threads)
+
+
 def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
-    """Run ``tasks`` on up to ``threads`` pool threads; the first failure stops the rest and is raised."""
+    """Run ``tasks`` on up to ``threads`` threads at once (the caller's one of them); the first failure
+    stops the rest and is raised."""
     if threads <= 1 or len(tasks) <= 1:
         return [t() for t in tasks]
     n = min(threads, len(tasks))
@@ -209,9 +272,11 @@ def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
                     errors.append(e)
                 return
 
-    futures = [_pool(n).submit(worker) for _ in range(n)]
-    for f in futures:
-        f.result()
+    pool = _threads()
+    started = [pool.start(worker) for _ in range(n - 1)]
+    worker()
+    for ev in started:
+        ev.wait()
     if errors:
         raise errors[0]
     return results
@@ -264,6 +329,46 @@ def _xml_field(pattern: "re.Pattern[bytes]", body: bytes) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- the store
+
+def _owners(gets: Sequence[Tuple[int, int, Any]], jobs: Sequence[Tuple[int, Sequence[Tuple[int, Any]]]]
+            ) -> List[List[int]]:
+    """Per GET of one object (``(first byte, end, ...)``): the jobs ``(i, reqs)`` it holds bytes of.
+    Each request finds its GETs by bisection (a job of tens of thousands of rows, a load of
+    thousands of jobs: no GET x job scan)."""
+    order = sorted(range(len(gets)), key=lambda k: gets[k][0])
+    starts = [gets[k][0] for k in order]
+    out: List[List[int]] = [[] for _ in gets]
+    for i, reqs in jobs:
+        seen = set()
+        for off, v in reqs:
+            end = off + _byte_view(v).nbytes
+            k = max(0, bisect.bisect_right(starts, off) - 1)
+            while k < len(order) and starts[k] < end:
+                g = order[k]
+                if gets[g][1] > off and end > off and g not in seen:
+                    seen.add(g)
+                    out[g].append(i)
+                k += 1
+    return out
+
+
+def _balanced_limit(lengths: Sequence[int], conns: int) -> Optional[int]:
+    """A smaller GET size when the GETs planned (``lengths``, each at most the GET size) are more than
+    the connections and their last, partial round holds half a GET or more: those GETs would run
+    alone after every other connection has finished (17 GETs of 16 MiB on 16 connections: the 17th
+    doubles the load's time). Cut into as many whole rounds as the planned GETs need (34 GETs of
+    8 MiB). None: keep the plan (a last round of a few KiB, such as a file's header, costs a round
+    trip, not a GET's time)."""
+    n = len(lengths)
+    if n <= conns or n % conns == 0:
+        return None
+    limit = max(lengths)
+    tail = sum(lengths) - (n // conns) * conns * limit  # bytes beyond the whole rounds of full GETs
+    if tail * 2 < limit:
+        return None
+    rounds = -(-n // conns)
+    return max(1, -(-sum(lengths) // (rounds * conns)))
+
 
 class ObjectStore:
     """One bucket on one S3 endpoint. Thread-safe; cheap to share (``for_url`` caches one per bucket)."""
@@ -636,21 +741,25 @@ class ObjectStore:
         tasks: List[Callable[[], int]] = []
         left = [0] * len(jobs)  # per job: GETs still to finish
         owners: List[List[int]] = []  # per task: the jobs it holds bytes of
+        plans = {key: self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2])
+                 for key, idx in by_key.items()}
+        limit = _balanced_limit([g[1] - g[0] for gets in plans.values() for g in gets], threads or connections())
+        if limit is not None:
+            plans = {key: self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2], limit)
+                     for key, idx in by_key.items()}
         for key, idx in by_key.items():
             size, etag = jobs[idx[0]][2], jobs[idx[0]][3]
-            reqs = [r for i in idx for r in jobs[i][1]]
-            gets = self._plan_gets(key, reqs, size)
+            gets = plans[key]
             if not gets:
                 continue
             url = self._presign("get_object", key)
-            if done is not None:
-                spans = [(i, [(off, off + _byte_view(v).nbytes) for off, v in jobs[i][1]]) for i in idx]
+            first = len(tasks)
             for g in gets:
                 tasks.append(lambda key=key, url=url, g=g, size=size, etag=etag:
                              self._get_range(key, url, g[0], g[1], g[2], size, etag))
-                if done is not None:
-                    mine = [i for i, sp in spans if any(a < g[1] and g[0] < b for a, b in sp if b > a)]
-                    owners.append(mine)
+            if done is not None:
+                owners += _owners(gets, [(i, jobs[i][1]) for i in idx])
+                for mine in owners[first:]:
                     for i in mine:
                         left[i] += 1
         if done is None:
@@ -674,9 +783,10 @@ class ObjectStore:
 
         return sum(_run_parallel([lambda t=t: tracked(t) for t in range(len(tasks))], threads or connections()))
 
-    def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int
+    def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int, limit: Optional[int] = None
                    ) -> List[Tuple[int, int, List[Tuple[Optional[memoryview], int]]]]:
-        """Coalesce requests into runs and cut runs into GETs: (first byte, end, [(view or None=gap, n)])."""
+        """Coalesce requests into runs and cut runs into GETs of at most ``limit`` (default
+        ``MEGASHARD_S3_GET_BYTES``): (first byte, end, [(view or None=gap, n)])."""
         items = []
         for offset, view in reqs:
             mv = _byte_view(view)
@@ -701,7 +811,7 @@ class ObjectStore:
             else:
                 runs.append((offset, [(mv, mv.nbytes)]))
                 end = offset + mv.nbytes
-        limit = get_bytes_limit()
+        limit = limit or get_bytes_limit()
         gets = []
         for start, pieces in runs:
             cur: List[Tuple[Optional[memoryview], int]] = []
@@ -719,7 +829,7 @@ class ObjectStore:
             if cur:
                 gets.append((get_start, pos, cur))
         if overlapping:
-            gets.extend(self._plan_gets(key, overlapping, size))
+            gets.extend(self._plan_gets(key, overlapping, size, limit))
         return gets
 
     def _get_range(self, key: str, url: str, first: int, end: int, pieces: List[Tuple[Optional[memoryview], int]],
