@@ -35,6 +35,9 @@ class _IndexFile:
     def read(self, start: int, length: int) -> bytes:
         if self.files is None:
             raise CheckpointError(f"{self.path}: read after the index was closed (internal error)")
+        if start < 0 or length < 0 or start + length > self.size:  # before a claimed length sizes a buffer
+            raise CheckpointError(f"{self.path}: section {start}+{length} lies past the index's {self.size} bytes; "
+                                  "the checkpoint is damaged or hostile")
         out = bytearray(length)
         self.files.read_into(INDEX_NAME, [(start, memoryview(out))], size=self.size, threads=1)
         return bytes(out)

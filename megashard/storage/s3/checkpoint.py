@@ -517,11 +517,12 @@ class ObjectCheckpointFiles:
                 raise CheckpointError(f"{self.path(INDEX_NAME)}: {len(data)} bytes, the manifest says {size}; "
                                       "the checkpoint is damaged or hostile")
             self._index_bytes = data
-        if not reqs:
-            return 0
-        if size is not None and len(self._index_bytes) != size:  # also when it came with the digest
+        if size is not None and self._index_bytes is not None and len(self._index_bytes) != size:
+            # also when it came with the digest: checked on open, before a section's claimed length sizes a buffer
             raise CheckpointError(f"{self.path(INDEX_NAME)}: {len(self._index_bytes)} bytes, the manifest says {size}; "
                                   "the checkpoint is damaged or hostile")
+        if not reqs:
+            return 0
         data, n = self._index_bytes, 0
         for off, mv in reqs:
             if off < 0 or off + len(mv) > len(data):
