@@ -257,3 +257,61 @@ def test_a_deletion_still_running_is_left_to_its_process(tmp_path, monkeypatch):
     assert storage.cleanup_stale_temps(tmp_path, older_than_s=0) == []
     storage.remove_checkpoint(tmp_path / left)  # its own process finishes it
     assert os.listdir(tmp_path) == []
+
+
+KILLED_LATER_DELETER = textwrap.dedent("""
+    import os, sys
+    from megashard import storage
+    real_unlink, n = os.unlink, int(sys.argv[2])
+
+    def die(p, *a, **k):  # killed before its n-th unlink of the deletion
+        global n
+        n -= 1
+        if n < 0:
+            os.kill(os.getpid(), 9)
+        return real_unlink(p, *a, **k)
+
+    os.unlink = die
+    storage.remove_checkpoint(sys.argv[1])
+""")
+
+
+def test_a_deletion_killed_at_any_point_leaves_what_a_clean_up_removes(tmp_path):
+    """The deleter's owner record goes last: killed after any of its unlinks, what is left
+    still names its (dead) deleter, so the next clean-up removes it at once, not after 24 h
+    (seen in test_two_concurrent_savers_and_a_sigkill_leave_a_complete_checkpoint: a
+    `.ckpt.del-*` holding only manifest.sha256)."""
+    megashard.save(state(3), tmp_path / "probe")
+    files = len(os.listdir(tmp_path / "probe"))  # manifest.json, .sha256, .index, .tensors, the owner record
+    storage.remove_checkpoint(tmp_path / "probe")
+    for n in range(1, files):
+        d = tmp_path / f"run{n}"
+        megashard.save(state(3), d / "gone")
+        subprocess.run([sys.executable, "-c", KILLED_LATER_DELETER, str(d / "gone"), str(n)], env=ENV, timeout=120)
+        dead = [x for x in os.listdir(d) if x.startswith(".gone.del-")]
+        assert len(dead) == 1, (n, os.listdir(d))
+        assert storage.OWNER_NAME in os.listdir(d / dead[0]), (n, os.listdir(d / dead[0]))
+        assert storage.cleanup_stale_temps(d) == [str(d / dead[0])], n  # removed: its deleter is dead
+        assert os.listdir(d) == [], n
+
+
+@pytest.mark.parametrize("names", [["a.tensors", "b.tensors"], ["zz.tensors", "00.tensors", "state-r00001.tensors"]])
+def test_a_deletion_removes_its_owner_record_last(tmp_path, monkeypatch, names):
+    """Whatever order the directory lists its entries in, the owner record is unlinked after
+    every other entry: a deleter killed in between leaves a directory naming it."""
+    megashard.save(state(3), tmp_path / "gone")
+    for n in names:  # more entries, so the listing order differs from the creation order
+        (tmp_path / "gone" / n).write_bytes(b"")
+    order = []
+    real_unlink = os.unlink
+
+    def spy(p, *a, **k):
+        order.append(os.path.basename(os.fspath(p)))
+        return real_unlink(p, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", spy)
+    storage.remove_checkpoint(tmp_path / "gone")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+    assert order[-1] == storage.OWNER_NAME, order
+    assert order.count(storage.OWNER_NAME) == 1

@@ -793,6 +793,8 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
         pass
     with os.scandir(dfd) as it:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    # the owner record last: a deleter killed in between leaves a directory that still names it
+    entries.sort(key=lambda e: e[0] == OWNER_NAME)
     for name, is_dir in entries:
         try:
             if is_dir:
