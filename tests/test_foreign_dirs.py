@@ -315,3 +315,28 @@ def test_a_deletion_removes_its_owner_record_last(tmp_path, monkeypatch, names):
     assert os.listdir(tmp_path) == []
     assert order[-1] == storage.OWNER_NAME, order
     assert order.count(storage.OWNER_NAME) == 1
+
+
+def test_the_owner_record_is_composed_before_its_file_exists(tmp_path, monkeypatch):
+    """Composing the record reads /proc (slow on a loaded machine); done after creating the
+    file, a save killed in between left an empty record and its temp dir for 24 h (seen as
+    a `.ckpt.tmp-*` holding an empty .megashard-owner.json)."""
+    from megashard.storage import ownership
+
+    d = tmp_path / "d"
+    d.mkdir()
+    real = ownership.owner_record
+    seen = []
+
+    def spy():
+        seen.append(os.path.exists(d / storage.OWNER_NAME))
+        return real()
+
+    monkeypatch.setattr(ownership, "owner_record", spy)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        ownership.write_owner(fd)
+    finally:
+        os.close(fd)
+    assert seen == [False]
+    assert json.loads((d / storage.OWNER_NAME).read_text())["pid"] == os.getpid()
