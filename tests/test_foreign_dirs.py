@@ -340,3 +340,16 @@ def test_the_owner_record_is_composed_before_its_file_exists(tmp_path, monkeypat
         os.close(fd)
     assert seen == [False]
     assert json.loads((d / storage.OWNER_NAME).read_text())["pid"] == os.getpid()
+
+
+def test_an_empty_deletion_directory_is_removed_at_once(tmp_path):
+    """A deleter killed between unlinking the last entry and removing the directory leaves an
+    empty `.X.del-<hex>`: nothing in it to lose, so the next clean-up removes it (it kept it 24 h:
+    a flake of test_two_concurrent_savers_and_a_sigkill). A non-empty one without a record is kept."""
+    empty = tmp_path / f".ck.del-{'ab12' * 8}"
+    empty.mkdir()
+    kept = tmp_path / f".ck.del-{'cd34' * 8}"
+    kept.mkdir()
+    (kept / "manifest.json").write_text("{}")
+    assert storage.cleanup_stale_temps(tmp_path) == [str(empty)]
+    assert sorted(os.listdir(tmp_path)) == [kept.name]

@@ -53,11 +53,11 @@ def owner_record() -> Dict[str, Any]:
             "start": procinfo.start_time(os.getpid()), "created": time.time()}
 
 
-def write_owner(dfd: int) -> None:
+def write_owner(dfd: int, record: Optional[Dict[str, Any]] = None) -> None:
     """Create the owner record in the directory open as ``dfd`` (fails if there is one). The
     record is composed before the file exists (it reads /proc): a process killed between
     creating and writing the file leaves an empty record, which no clean-up can attribute."""
-    data = json.dumps(owner_record(), sort_keys=True).encode()
+    data = json.dumps(owner_record() if record is None else record, sort_keys=True).encode()
     fd = os.open(OWNER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644,
                  dir_fd=dfd)
     try:

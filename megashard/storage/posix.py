@@ -79,7 +79,8 @@ provably abandoned — its owner record names a process of this
 machine (same boot id, hostname and pid namespace) that no longer runs (no such pid, or
 one started at another time); or it has no such record or one from another machine, holds
 only names megashard writes, and nothing in it changed for ``older_than_s`` (24 h by
-default: another machine's save may still be running, or waiting for an async commit).
+default: another machine's save may still be running, or waiting for an async commit). An empty
+``.<name>.del-<hex>`` (a deletion killed before its last ``rmdir``) is removed at once: nothing in it to lose.
 Without such a record, one holding anything else is never removed. ``.<name>.old-*``
 megashard checkpoints holding only megashard's names go once ``<name>`` is a checkpoint,
 the atomic writes' temporary files once old. Nothing else in the parent is touched.
@@ -106,7 +107,8 @@ from ..errors import CheckpointError, CommitConflictError
 from ..saveroot import TRACKER_MAX, TRACKER_NAME, iteration_dir_name, parse_iteration_dir_name, parse_tracker
 from .base import (MANIFEST_DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, check_member_name, is_url, local_path,
                    manifest_digest, max_manifest_bytes)
-from .ownership import DEFAULT_STALE_AGE_S, OWNER_NAME, host_identity, owner_alive, read_small, why_kept, write_owner
+from .ownership import (DEFAULT_STALE_AGE_S, OWNER_NAME, host_identity, owner_alive, owner_record, read_small, why_kept,
+                        write_owner)
 
 logger = logging.getLogger(__name__)
 
@@ -436,13 +438,14 @@ def make_temp_dir(final_dir: PathLike, token: str) -> str:
     tmp = temp_dir_name(final_dir, token)
     parent = os.path.dirname(tmp)
     os.makedirs(parent, exist_ok=True)
+    record = owner_record()  # composed first (it reads /proc): the directory is never long without it
     try:
         os.mkdir(tmp)
     except FileExistsError:
         raise CheckpointError(f"{tmp} already exists: another save uses the token {token!r}") from None
     dfd = _open_dir(tmp)
     try:
-        write_owner(dfd)
+        write_owner(dfd, record)
     finally:
         os.close(dfd)
     fsync_path(tmp)
@@ -1215,6 +1218,9 @@ def _abandoned(older_than_s: float) -> RemoveCheck:
     now = time.time()
 
     def check(dfd: int, where: str) -> Optional[str]:
+        m = _AUX_RE.match(os.path.basename(where))
+        if m and m.group("kind") == "del" and not os.listdir(dfd):
+            return None  # a deletion killed before its rmdir: nothing left to lose
         return why_kept(owner_alive(dfd), functools.partial(_members_only, dfd),
                         functools.partial(_newest_mtime, dfd), older_than_s, now)
 
