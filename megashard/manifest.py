@@ -468,6 +468,28 @@ class IndexBuilder:
         if slot >= self.slots:
             self.slots = slot + 1
 
+    def records(self, rows: Any, parsed: Dict[str, Any]) -> None:
+        """:meth:`record` for many ``(key, chunk text, order, record text, CRC32)`` rows, slots
+        numbered from :attr:`slots` on in row order. A chunk text is ``[[offset...],[shape...]]``;
+        ``parsed`` (chunk text -> ``(offset, shape)`` tuples, filled here) lets the caller's
+        later calls parse each distinct text once. One call per rank, not one per record
+        (millions at 100k ranks)."""
+        by_key = self._chunks
+        slot = self.slots
+        for key, chunk, order, text, crc in rows:
+            c = parsed.get(chunk)
+            if c is None:
+                off, shp = json.loads(chunk)
+                c = parsed[chunk] = (tuple(off), tuple(shp))
+            groups = by_key[key]
+            got = groups.get(c)
+            if got is None:
+                groups[c] = [(order, text, slot, crc)]
+            else:
+                got.append((order, text, slot, crc))
+            slot += 1
+        self.slots = slot
+
     def object(self, ukey: str, text: str) -> None:
         self._objects.append((ukey, text))
 
