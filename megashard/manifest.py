@@ -468,6 +468,28 @@ class IndexBuilder:
         if slot >= self.slots:
             self.slots = slot + 1
 
+    def records(self, rows: Any, parsed: Dict[str, Any]) -> None:
+        """:meth:`record` for many ``(key, chunk text, order, record text, CRC32)`` rows, slots
+        numbered from :attr:`slots` on in row order. A chunk text is ``[[offset...],[shape...]]``;
+        ``parsed`` (chunk text -> ``(offset, shape)`` tuples, filled here) lets the caller's
+        later calls parse each distinct text once. One call per rank, not one per record
+        (millions at 100k ranks)."""
+        by_key = self._chunks
+        slot = self.slots
+        for key, chunk, order, text, crc in rows:
+            c = parsed.get(chunk)
+            if c is None:
+                off, shp = json.loads(chunk)
+                c = parsed[chunk] = (tuple(off), tuple(shp))
+            groups = by_key[key]
+            got = groups.get(c)
+            if got is None:
+                groups[c] = [(order, text, slot, crc)]
+            else:
+                got.append((order, text, slot, crc))
+            slot += 1
+        self.slots = slot
+
     def object(self, ukey: str, text: str) -> None:
         self._objects.append((ukey, text))
 
@@ -481,6 +503,8 @@ class IndexBuilder:
         sec = self.sec
         crcs: List[int] = []
         slots: List[int] = []
+        # one section per chunk, hundreds of thousands of them at 100k ranks: sec.add (unique) inlined
+        parts, pos, crc32 = sec.parts, sec.size, zlib.crc32
         for key, groups in self._chunks.items():
             chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
             try:
@@ -489,16 +513,25 @@ class IndexBuilder:
                 order = list(groups)
             for chunk in order:
                 recs = groups[chunk]
-                if len(recs) > 1:
-                    recs.sort(key=_first)
                 off, shp = json.loads(chunk) if isinstance(chunk, str) else chunk
-                chunks += (list(off) if isinstance(off, (list, tuple)) else [off])
-                chunks += (list(shp) if isinstance(shp, (list, tuple)) else [shp])
-                text = f"[{len(crcs)}," + ",".join([r[1] for r in recs]) + "]"
-                crcs += [r[3] for r in recs]
-                slots += [r[2] for r in recs]
-                chunks += sec.add(text.encode(), unique=True)
+                chunks += (off if isinstance(off, (list, tuple)) else [off])
+                chunks += (shp if isinstance(shp, (list, tuple)) else [shp])
+                r = recs[0]
+                if len(recs) == 1 and type(r[1]) is str:
+                    data = f"[{len(crcs)},{r[1]}]".encode()
+                    crcs.append(r[3])
+                    slots.append(r[2])
+                else:
+                    recs.sort(key=_first)
+                    data = (f"[{len(crcs)}," + ",".join([r[1] for r in recs]) + "]").encode()
+                    crcs += [r[3] for r in recs]
+                    slots += [r[2] for r in recs]
+                n = len(data)
+                chunks += (pos, n, crc32(data))
+                parts.append(data)
+                pos += n
             self.tensors[key]["chunks"] = chunks
+        sec.size = pos
         self._crcs = np.array(crcs, dtype=np.int64)
         if self._crcs.size and (self._crcs.min() < 0 or self._crcs.max() > 0xFFFFFFFF):
             raise ValueError("a CRC32 lies outside 0..2**32-1")

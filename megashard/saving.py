@@ -626,16 +626,9 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         b = IndexBuilder()
         for k, (dt, gs) in sorted(tensors.items()):
             b.tensor(k, dt, list(gs))
-        slot = 0
         chunks: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}  # chunk text -> (offset, shape), parsed once
         for r in results:
-            for key, chunk, order, text, crc in r["records"]:
-                c = chunks.get(chunk)
-                if c is None:
-                    off, shp = json.loads(chunk)
-                    c = chunks[chunk] = (tuple(off), tuple(shp))
-                b.record(key, c, order, text, slot, crc)
-                slot += 1
+            b.records(r["records"], chunks)
         meta = {k: [r[k] for r in results] for k in META_FIELDS}
         changed = set(META_FIELDS)
     head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,

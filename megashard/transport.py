@@ -14,6 +14,7 @@ import datetime
 import gc
 import json
 import logging
+import lzma
 import math
 import os
 import threading
@@ -434,7 +435,12 @@ def _bounded_failures(failures: Dict[int, str]) -> Dict[int, str]:
 #: ``MEGASHARD_GATHER_GROUP``: ranks per group of :meth:`Comm.coordinate`'s two-level gather
 #: (default: about the square root of the world size; a world up to FLAT_GATHER_MAX ranks is one group).
 FLAT_GATHER_MAX = 64
-PART_ZLIB_LEVEL = 1  # group parts are repetitive JSON: level 1 shrinks them ~15x at ~150 MB/s
+PART_ZLIB_LEVEL = 1  # rank 0's replies to a leader (rank 0 compresses every group's): fast
+#: a leader's part for rank 0 (:func:`pack_part`): xz (LZMA2) preset 1 finds the long repeats of
+#: the members' records and tree parts that zlib's 32 KiB window misses: parts ~4x smaller than
+#: zlib level 1 (DeepSeek-V3, scripts/simulate_scale.py), decompressed at about zlib's speed;
+#: the leaders compress in parallel, ~190 MB/s each
+PART_XZ_PRESET = 1
 
 
 def gather_group_size(world: int) -> int:
@@ -517,8 +523,8 @@ def unpack_messages(texts: Sequence[bytes]) -> Tuple[Dict[int, str], List[Any]]:
 def pack_part(texts: Sequence[bytes]) -> bytes:
     """A leader's part for rank 0: its group's messages, the field texts that several members
     share (the same announcement of data-parallel replicas, the same state-tree keys) stored
-    once, zlib-compressed. Fields are compared and copied as the members' JSON texts: the
-    leader decodes only each message's first line."""
+    once, xz-compressed (:data:`PART_XZ_PRESET`). Fields are compared and copied as the
+    members' JSON texts: the leader decodes only each message's first line."""
     errors: Dict[str, str] = {}
     fields: List[str] = []
     pos: Dict[str, int] = {}
@@ -550,14 +556,14 @@ def pack_part(texts: Sequence[bytes]) -> bytes:
         rows.append(row)
     part = b"".join((b'{"errors":', _dumps_bytes(errors), b',"fields":', _dumps_bytes(fields),
                      b',"table":[', b",".join(table), b'],"rows":', _dumps_bytes(rows), b"}"))
-    return zlib.compress(part, PART_ZLIB_LEVEL)
+    return lzma.compress(part, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=PART_XZ_PRESET)
 
 
 def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
     """Rank 0: a leader's :func:`pack_part` as (errors by position in the group, payloads);
     members' shared values are one object."""
     with _gc_paused():
-        part = json.loads(zlib.decompress(data))
+        part = json.loads(lzma.decompress(data, format=lzma.FORMAT_XZ))
         fields, table = part["fields"], part["table"]
         payloads = [table[row["v"]] if isinstance(row, dict) else {fields[f]: table[j] for f, j in row}
                     for row in part["rows"]]

@@ -264,6 +264,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     replies = saving.coordinate(messages, "simulated", keep)
     t_plan = _clock() - t0
     t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
+    plan_recv0 = tree.recv[0]  # rank 0's bytes of the plan gather (its scatter receives nothing)
 
     # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
     t0 = _clock()
@@ -345,6 +346,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
         "max_rank_recv_bytes_steady": steady_busiest,
         "busiest_rank": busiest_rank,
         "rank0_recv_bytes": first_recv[0],
+        "rank0_recv_bytes_parts": {"plan": plan_recv0, "commit": first_recv[0] - plan_recv0},
         "gather_group": group,
         "gather_groups": len(tree.recv),
         "leader_max_s": round(leader_s, 3),  # the slowest other leader: packing its group's parts, unpacking replies

@@ -7,6 +7,7 @@ failure on a member of the non-leader group raises on every rank, naming that ra
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 
@@ -77,3 +78,14 @@ def test_group_size_defaults_and_parts_round_trip(monkeypatch):
         transport.unpack_messages([msgs[0] + b"x"])
     replies = [{"ok": r} for r in range(3)]
     assert transport.unpack_replies(transport.pack_replies(replies)) == [transport._dumps_bytes(r) for r in replies]
+
+
+def test_part_compresses_repeats_beyond_a_zlib_window():
+    """Members' records repeat each other's texts (keys, file names, tree parts) farther apart
+    than zlib's 32 KiB window; the part stores such a repeat once, and round-trips."""
+    rng = random.Random(3)
+    shared = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(64 << 10))
+    sent = [{"records": [r, shared]} for r in range(8)]  # texts differ: pack_part's dedup keeps all 8
+    part = transport.pack_part([transport.encode_message(None, p) for p in sent])
+    assert transport.unpack_part(part) == ({}, sent)
+    assert len(part) < 2 * len(shared)  # 8 copies of ~50 KB of entropy, stored about once
