@@ -14,7 +14,6 @@ import datetime
 import gc
 import json
 import logging
-import lzma
 import math
 import os
 import threading
@@ -441,6 +440,11 @@ PART_ZLIB_LEVEL = 1  # rank 0's replies to a leader (rank 0 compresses every gro
 #: zlib level 1 (DeepSeek-V3, scripts/simulate_scale.py), decompressed at about zlib's speed;
 #: the leaders compress in parallel, ~190 MB/s each
 PART_XZ_PRESET = 1
+try:  # a Python built without liblzma has no lzma module: its leaders send zlib (unpack_part reads both)
+    import lzma
+except ImportError:  # pragma: no cover - every supported build here has it
+    lzma = None  # type: ignore[assignment]
+_XZ_MAGIC = b"\xfd7zXZ\x00"
 
 
 def gather_group_size(world: int) -> int:
@@ -556,6 +560,8 @@ def pack_part(texts: Sequence[bytes]) -> bytes:
         rows.append(row)
     part = b"".join((b'{"errors":', _dumps_bytes(errors), b',"fields":', _dumps_bytes(fields),
                      b',"table":[', b",".join(table), b'],"rows":', _dumps_bytes(rows), b"}"))
+    if lzma is None:
+        return zlib.compress(part, PART_ZLIB_LEVEL)
     return lzma.compress(part, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=PART_XZ_PRESET)
 
 
@@ -563,7 +569,13 @@ def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
     """Rank 0: a leader's :func:`pack_part` as (errors by position in the group, payloads);
     members' shared values are one object."""
     with _gc_paused():
-        part = json.loads(lzma.decompress(data, format=lzma.FORMAT_XZ))
+        if data[:6] == _XZ_MAGIC:
+            if lzma is None:
+                raise DistributedError({0: "a group leader sent an xz-compressed part and rank 0's Python has no "
+                                           "lzma module: run every rank with the same Python build"}, "gather")
+            part = json.loads(lzma.decompress(data, format=lzma.FORMAT_XZ))
+        else:
+            part = json.loads(zlib.decompress(data))
         fields, table = part["fields"], part["table"]
         payloads = [table[row["v"]] if isinstance(row, dict) else {fields[f]: table[j] for f, j in row}
                     for row in part["rows"]]

@@ -89,3 +89,17 @@ def test_part_compresses_repeats_beyond_a_zlib_window():
     part = transport.pack_part([transport.encode_message(None, p) for p in sent])
     assert transport.unpack_part(part) == ({}, sent)
     assert len(part) < 2 * len(shared)  # 8 copies of ~50 KB of entropy, stored about once
+
+
+def test_a_python_without_lzma_sends_zlib_parts_that_unpack(monkeypatch):
+    """A Python built without liblzma still gathers: its leaders send zlib parts, and
+    unpack_part tells the two apart by the xz magic."""
+    sent = [{"records": [r, "x" * 100]} for r in range(4)]
+    texts = [transport.encode_message(None, p) for p in sent]
+    xz = transport.pack_part(texts)
+    monkeypatch.setattr(transport, "lzma", None)
+    plain = transport.pack_part(texts)
+    assert plain[:6] != xz[:6]
+    assert transport.unpack_part(plain) == ({}, sent)
+    with pytest.raises(DistributedError, match="lzma"):
+        transport.unpack_part(xz)
