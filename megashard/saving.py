@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import hashlib
 import json
 import logging
@@ -54,7 +53,7 @@ from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuild
                        itemsize, record_text, shard_name)
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
                       looks_like_sharded_tensor, object_unique_key, reject_unapplied)
-from .transport import SOLO, Comm
+from .transport import SOLO, Comm, gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -228,24 +227,10 @@ class _Coordinator:
     target: Any = None  # the storage seam (storage.save_target), on rank 0
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Any:
-    """Rank 0's planning and index building create millions of small objects that form no
-    cycles; the cyclic collector would rescan all of them again and again (a third of the
-    coordinator's time at 16,384 ranks, measured with scripts/simulate_scale.py)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def coordinate(messages: List[Dict[str, Any]], token: str, keep: Optional[_Coordinator] = None) -> List[Dict[str, Any]]:
     """Rank 0: validate and assign (a StateDictError names every inconsistency)."""
     plan_id = secrets.randbits(62)  # names this plan in later saves' votes (plan_vote)
-    with _gc_paused():  # the replies too: a collection there rescans the whole plan (0.3 s at 16,384 ranks)
+    with gc_paused():  # the replies too: a collection there rescans the whole plan (0.3 s at 16,384 ranks)
         try:
             assignment = plan.coordinate_save(messages)
         except ValueError as e:
@@ -603,7 +588,7 @@ def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tupl
     joins; it encodes almost nothing itself. With ``skeleton`` (a steady-state commit, see
     :func:`_finish_save`), ranks send their records' CRC32s (``crcs``) and only the fields of
     :data:`META_FIELDS` that changed; the skeleton keeps the others (``skeleton.meta``)."""
-    with _gc_paused():
+    with gc_paused():
         return _build_index(results, tensors, world, layout, skeleton)
 
 

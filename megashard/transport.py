@@ -464,10 +464,10 @@ def gather_group_size(world: int) -> int:
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Any:
-    """Decoding a gathered part creates hundreds of thousands of small objects that form no
-    cycles; the cyclic collector would rescan everything rank 0 holds, again and again, while
-    they are made (about half of rank 0's decoding at 16,384 ranks, scripts/simulate_scale.py)."""
+def gc_paused() -> Any:
+    """Rank 0's decoding, planning and index building create millions of small objects that
+    form no cycles; the cyclic collector would rescan all of them again and again (half of
+    rank 0's decoding and a third of its planning at 16,384 ranks, scripts/simulate_scale.py)."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -514,7 +514,7 @@ def unpack_messages(texts: Sequence[bytes]) -> Tuple[Dict[int, str], List[Any]]:
     """A group's messages (:func:`encode_message`) as (errors by position, payloads)."""
     errors: Dict[int, str] = {}
     payloads: List[Any] = []
-    with _gc_paused():
+    with gc_paused():
         for i, t in enumerate(texts):
             error, names, values = _split_message(t)
             if error:
@@ -568,7 +568,7 @@ def pack_part(texts: Sequence[bytes]) -> bytes:
 def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
     """Rank 0: a leader's :func:`pack_part` as (errors by position in the group, payloads);
     members' shared values are one object."""
-    with _gc_paused():
+    with gc_paused():
         if data[:6] == _XZ_MAGIC:
             if lzma is None:
                 raise DistributedError({0: "a group leader sent an xz-compressed part and rank 0's Python has no "
