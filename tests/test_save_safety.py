@@ -630,3 +630,39 @@ def test_verify_and_inspect_of_a_save_root_wait_for_the_checkpoint_its_tracker_n
         finally:
             t.join()
     capsys.readouterr()
+
+
+def test_a_save_target_another_nodes_commit_is_still_filling_is_waited_for(tmp_path, monkeypatch):
+    """A shared mount whose directory rename is not atomic to other nodes (``weed mount`` shows a
+    renamed directory's entries arriving one by one) lets a save see the name another job is
+    committing as a directory of megashard's files without its ``manifest.json`` yet. The target
+    check waits for it (bounded by ``MEGASHARD_FS_WAIT_S``) instead of refusing; one that stays
+    without a manifest is still refused, and files megashard did not write are refused at once."""
+    import threading
+
+    final = tmp_path / "same" / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, final)
+    manifest = (final / "manifest.json").read_bytes()
+    (final / "manifest.json").unlink()  # the commit's rename, as another node sees it mid-way
+
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "5")
+    t = threading.Timer(0.4, lambda: (final / "manifest.json").write_bytes(manifest))
+    t.start()
+    try:
+        storage.check_save_target(final)
+    finally:
+        t.join()
+
+    (final / "manifest.json").unlink()
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.5")
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"it is not a megashard checkpoint \(it has no manifest.json\)"):
+        storage.check_save_target(final)
+    assert 0.5 <= time.monotonic() - t0 < 5
+
+    (final / "notes.txt").write_text("mine")
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "30")
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"notes.txt"):
+        storage.check_save_target(final)
+    assert time.monotonic() - t0 < 5

@@ -693,17 +693,38 @@ def replace_problem_at(dfd: int, where: str) -> Optional[str]:
     if not regular.get(MANIFEST_NAME):
         if not regular:
             return None
-        return f"it has no {MANIFEST_NAME}" + (f" and holds {shown}" if foreign else "")
+        return NO_MANIFEST + (f" and holds {shown}" if foreign else "")
     if foreign:
         return f"it holds files megashard did not write: {shown}"
     return head_problem(dfd, where)
 
 
+#: :func:`replace_problem` of a directory holding only megashard's names but no manifest.
+NO_MANIFEST = f"it has no {MANIFEST_NAME}"
+
+
 def check_save_target(final_dir: PathLike) -> None:
     """Refuse (CheckpointError naming it) a save target that is not a megashard checkpoint
-    with only megashard's files, an empty directory, or absent (see the module docstring)."""
+    with only megashard's files, an empty directory, or absent (see the module docstring).
+
+    A directory of megashard's files without a manifest may be another node's commit still
+    arriving: a shared mount whose directory rename is not atomic to other nodes (``weed mount``
+    shows the entries of a renamed directory one by one) is waited for, up to :func:`fs_wait_s`,
+    before it is refused as a damaged checkpoint."""
     final = os.path.abspath(os.fspath(final_dir))
     why = replace_problem(final)
+    if why == NO_MANIFEST:
+        t0 = time.monotonic()
+        seen: List[Optional[str]] = [why]
+
+        def settled() -> bool:
+            seen[0] = replace_problem(final)
+            return seen[0] != NO_MANIFEST
+
+        if _poll(settled, fs_wait_s()):
+            logger.info("%s showed its %s after %.2f s (a shared file system's rename arriving; "
+                        "MEGASHARD_FS_WAIT_S bounds the wait)", final, MANIFEST_NAME, time.monotonic() - t0)
+        why = seen[0]
     if why is None:
         return
     if why.startswith("it holds files"):
