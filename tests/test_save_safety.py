@@ -8,6 +8,7 @@ a complete checkpoint; temporaries of dead saves are removed, those of live ones
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -666,3 +667,38 @@ def test_a_save_target_another_nodes_commit_is_still_filling_is_waited_for(tmp_p
     with pytest.raises(CheckpointError, match=r"notes.txt"):
         storage.check_save_target(final)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_commit_looks_again_when_a_shared_mount_fails_a_raced_rename(tmp_path, monkeypatch):
+    """``weed mount`` answers EIO to a rename another node's rename of the same name raced: the
+    commit looks again (a few times) and commits; an error that persists is raised, nothing lost;
+    a deletion whose directory a mount still shows entries of retries its rmdir."""
+    final = tmp_path / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, final)
+    real_rename, real_rmdir = os.rename, os.rmdir
+    fails = {"rename": 2, "rmdir": 1}
+
+    def flaky_rename(src, dst, *a, **kw):
+        if fails["rename"] > 0 and os.fspath(src) == str(final):
+            fails["rename"] -= 1
+            raise OSError(errno.EIO, "Input/output error", src)
+        return real_rename(src, dst, *a, **kw)
+
+    def flaky_rmdir(path, *a, **kw):
+        if fails["rmdir"] > 0:
+            fails["rmdir"] -= 1
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", path)
+        return real_rmdir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "rename", flaky_rename)
+    monkeypatch.setattr(os, "rmdir", flaky_rmdir)
+    megashard.save({"w": torch.arange(5.0)}, final)
+    assert fails == {"rename": 0, "rmdir": 0}
+    assert torch.equal(megashard.load({"w": torch.empty(5)}, final)["w"], torch.arange(5.0))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+    fails["rename"] = 100  # a mount that keeps failing: the save fails, the checkpoint stays
+    with pytest.raises(MegashardError, match="Input/output error"):
+        megashard.save({"w": torch.arange(6.0)}, final)
+    assert torch.equal(megashard.load({"w": torch.empty(5)}, final)["w"], torch.arange(5.0))
+    assert fails["rename"] == 100 - 1 - storage.posix.MAX_RACED_RENAMES

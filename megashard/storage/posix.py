@@ -703,28 +703,38 @@ def replace_problem_at(dfd: int, where: str) -> Optional[str]:
 NO_MANIFEST = f"it has no {MANIFEST_NAME}"
 
 
+def _settled(problem: Callable[[], Optional[str]], where: str) -> Optional[str]:
+    """``problem()``, asked again while it says :data:`NO_MANIFEST`, up to :func:`fs_wait_s`.
+
+    A directory of megashard's files without a manifest may be a commit still arriving: a shared
+    mount whose directory rename is not atomic (``weed mount`` shows the entries of a renamed
+    directory one by one, to its own node too) shows it so for a moment."""
+    why = problem()
+    if why != NO_MANIFEST:
+        return why
+    t0, seen = time.monotonic(), [why]
+
+    def settled() -> bool:
+        seen[0] = problem()
+        return seen[0] != NO_MANIFEST
+
+    if _poll(settled, fs_wait_s()):
+        logger.info("%s showed its %s after %.2f s (a rename arriving on a shared file system; "
+                    "MEGASHARD_FS_WAIT_S bounds the wait)", where, MANIFEST_NAME, time.monotonic() - t0)
+    return seen[0]
+
+
+def _settled_replace_problem_at(dfd: int, where: str) -> Optional[str]:
+    """:func:`replace_problem_at`, waiting out a rename still arriving (:func:`_settled`)."""
+    return _settled(lambda: replace_problem_at(dfd, where), where)
+
+
 def check_save_target(final_dir: PathLike) -> None:
     """Refuse (CheckpointError naming it) a save target that is not a megashard checkpoint
     with only megashard's files, an empty directory, or absent (see the module docstring).
-
-    A directory of megashard's files without a manifest may be another node's commit still
-    arriving: a shared mount whose directory rename is not atomic to other nodes (``weed mount``
-    shows the entries of a renamed directory one by one) is waited for, up to :func:`fs_wait_s`,
-    before it is refused as a damaged checkpoint."""
+    One without a manifest is looked at again for a while first (:func:`_settled`)."""
     final = os.path.abspath(os.fspath(final_dir))
-    why = replace_problem(final)
-    if why == NO_MANIFEST:
-        t0 = time.monotonic()
-        seen: List[Optional[str]] = [why]
-
-        def settled() -> bool:
-            seen[0] = replace_problem(final)
-            return seen[0] != NO_MANIFEST
-
-        if _poll(settled, fs_wait_s()):
-            logger.info("%s showed its %s after %.2f s (a shared file system's rename arriving; "
-                        "MEGASHARD_FS_WAIT_S bounds the wait)", final, MANIFEST_NAME, time.monotonic() - t0)
-        why = seen[0]
+    why = _settled(lambda: replace_problem(final), final)
     if why is None:
         return
     if why.startswith("it holds files"):
@@ -815,29 +825,56 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
         os.unlink(MANIFEST_NAME, dir_fd=dfd)
     except FileNotFoundError:
         pass
-    with os.scandir(dfd) as it:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    # the owner record last: a deleter killed in between leaves a directory that still names it
-    entries.sort(key=lambda e: e[0] == OWNER_NAME)
-    for name, is_dir in entries:
+
+    def emptied() -> bool:
+        with os.scandir(dfd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        # the owner record last: a deleter killed in between leaves a directory that still names it
+        entries.sort(key=lambda e: e[0] == OWNER_NAME)
+        for name, is_dir in entries:
+            try:
+                if is_dir:
+                    shutil.rmtree(name, dir_fd=dfd)  # descriptor-based: never follows a link
+                else:
+                    os.unlink(name, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
         try:
-            if is_dir:
-                shutil.rmtree(name, dir_fd=dfd)  # descriptor-based: never follows a link
-            else:
-                os.unlink(name, dir_fd=dfd)
+            still = os.stat(base, dir_fd=pfd, follow_symlinks=False)
+            if (still.st_dev, still.st_ino) == (opened.st_dev, opened.st_ino):
+                os.rmdir(base, dir_fd=pfd)
         except FileNotFoundError:
             pass
-    try:
-        still = os.stat(base, dir_fd=pfd, follow_symlinks=False)
-        if (still.st_dev, still.st_ino) == (opened.st_dev, opened.st_ino):
-            os.rmdir(base, dir_fd=pfd)
-    except FileNotFoundError:
-        pass
+        except OSError as e:  # a shared mount still showing entries of a rename just made
+            if e.errno != errno.ENOTEMPTY:
+                raise
+            return False
+        return True
+
+    if not _poll(emptied, fs_wait_s()):
+        raise OSError(errno.ENOTEMPTY, f"still not empty after {fs_wait_s():g} s (MEGASHARD_FS_WAIT_S)",
+                      os.path.join(os.path.dirname(path), base))
     return None
 
 
 #: Publishing gives up after this many rounds of other saves committing the same name in between.
 MAX_COMMIT_ROUNDS = 32
+
+
+#: A rename racing another node's rename of the same name on a shared mount may fail with these
+#: (``weed mount`` answers EIO); the commit looks again, at most :data:`MAX_RACED_RENAMES` times.
+_RACED_RENAME_ERRNOS = (errno.EIO, errno.ESTALE)
+MAX_RACED_RENAMES = 5
+
+
+def _raced(e: OSError, raced: List[OSError]) -> bool:
+    """Whether ``e`` may be a shared mount's answer to two nodes renaming one name at once (and
+    another look is still allowed); pauses a little before that look."""
+    if e.errno not in _RACED_RENAME_ERRNOS or len(raced) >= MAX_RACED_RENAMES:
+        return False
+    logger.info("rename failed (%s); another node may be renaming the same name: looking again", e)
+    time.sleep(0.05 * (len(raced) + 1))
+    return True
 
 
 def _fresh_old_name(final: str, token: str, n: int) -> str:
@@ -874,6 +911,7 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
     m = _AUX_RE.match(os.path.basename(temp_dir))
     token = m.group("token") if m else uuid.uuid4().hex
     olds: List[str] = []  # what this commit moved aside: the only names it deletes
+    raced: List[OSError] = []  # renames a shared mount failed while another node's raced them
     for _round in range(MAX_COMMIT_ROUNDS):
         if _occupied(final):
             check_save_target(final)
@@ -882,10 +920,16 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
                 os.rename(final, old)
             except FileNotFoundError:
                 continue  # another save moved it aside just now
+            except OSError as e:
+                if not _raced(e, raced):
+                    raise
+                raced.append(e)
+                if not os.path.lexists(old):
+                    continue
             olds.append(old)
             fsync_path(parent)
             logger.debug("moved existing %s aside to %s", final, old)
-            why = replace_problem(old)
+            why = _settled(lambda: replace_problem(old), old)
             if why is not None:  # replaced by something else since it was checked: put it back
                 olds.pop()
                 _put_back(old, final)
@@ -897,6 +941,9 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
         except OSError as e:
             if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
                 continue  # another save published in between: commit after it
+            if _raced(e, raced) and os.path.lexists(temp_dir):
+                raced.append(e)
+                continue
             if olds and not os.path.lexists(final):
                 _put_back(olds.pop(), final)
             _drop_superseded(olds, final)
@@ -915,7 +962,7 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
         pass
     for old in olds:  # the new checkpoint is durable: the copies this save moved aside are garbage
         try:
-            why = remove_checkpoint(old, check=replace_problem_at)
+            why = remove_checkpoint(old, check=_settled_replace_problem_at)
             if why is not None:
                 logger.warning("committed %s, but left %s: %s", final, old, why)
         except OSError as e:  # committed all the same; recover() or a later clean-up removes it
@@ -986,7 +1033,7 @@ def _drop_superseded(olds: List[str], final: str) -> None:
     checkpoint again (another save's); otherwise they stay for :func:`recover`."""
     if olds and has_manifest(final):
         for old in olds:
-            remove_checkpoint(old, check=replace_problem_at)
+            remove_checkpoint(old, check=_settled_replace_problem_at)
 
 
 def has_manifest(path: str) -> bool:
