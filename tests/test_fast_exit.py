@@ -45,3 +45,25 @@ def test_fast_exit_runs_a_module(tmp_path):
     p = subprocess.run([sys.executable, "-m", "megatron_helpers.fast_exit", "-m", "modprog", "a"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert (p.returncode, p.stdout) == (4, "__main__ ['a']\n"), p.stderr
+
+
+def test_torchrun_runs_again_when_another_process_took_its_port(tmp_path, monkeypatch):
+    """The port the runner picked is taken before torchrun binds it (a shared machine): the launch
+    is run again on another port instead of failing the test that asked for it."""
+    import socket
+
+    sys.path.insert(0, TESTS)
+    from megatron_helpers import runner
+
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'ran')\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = [taken.getsockname()[1]]
+        real = runner.free_port
+        monkeypatch.setattr(runner, "free_port", lambda: ports.pop() if ports else real())
+        run = runner.torchrun(str(script), [], nproc=2, timeout=120)
+    assert run.returncode == 0, run.output[-3000:]
+    assert "rank 0 ran" in run.output and "rank 1 ran" in run.output
+    assert not ports

@@ -64,17 +64,33 @@ def parse(args: List[str], rc: int, out: str) -> Run:
 def torchrun(script: str, args: List[str], nproc: int = 2, timeout: int = 240,
              env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> Run:
     """``python -m torch.distributed.run --nproc-per-node N script args`` on loopback; the launcher and
-    its ranks end without the interpreter's teardown (``megatron_helpers.fast_exit`` says why)."""
-    cmd = [sys.executable, "-m", FAST_EXIT, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", FAST_EXIT, script, *args]
+    its ranks end without the interpreter's teardown (``megatron_helpers.fast_exit`` says why).
+
+    The free port is free when picked, not when torchrun binds it: on a shared machine another
+    process may take it in between. A launch whose rendezvous could not listen is run again on
+    another port (nothing of the script ran), at most :data:`PORT_TRIES` times."""
     e = dict(os.environ)
     e.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(
         p for p in (REPO, TESTS, e.get("PYTHONPATH")) if p)})
     if env:
         e.update(env)
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                       env=e, cwd=cwd or REPO)
+    for _ in range(PORT_TRIES):
+        cmd = [sys.executable, "-m", FAST_EXIT, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", FAST_EXIT, script, *args]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                           env=e, cwd=cwd or REPO)
+        if not (p.returncode != 0 and port_taken(p.stdout)):
+            break
     return parse(cmd, p.returncode, p.stdout)
+
+
+#: Launches on a port another process took first, before giving up.
+PORT_TRIES = 3
+
+
+def port_taken(output: str) -> bool:
+    """Whether torchrun failed because its rendezvous port was taken (``EADDRINUSE``)."""
+    return "server socket has failed to listen" in output and "EADDRINUSE" in output
 
 
 def pretrain(args: List[str], nproc: int = 2, **kw) -> Run:
