@@ -348,7 +348,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     ids.clear()  # the shard ids' tuples: not needed any more (the plan's peak memory, issue 32)
     for i, w in assign_writers(holders, nbytes, preferred, load).items():
         writer[i] = w
-    del holders
+    del holders, nbytes, preferred, load
     # objects: the main replica writes; without one, the first holder
     obj_parsed: Dict[str, List[str]] = {}
     obj_ranks: Dict[str, List[int]] = {}
@@ -419,8 +419,10 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 if own[j] == rank and sha not in upload:
                     upload.append(sha)
                     lead.append([j, blob_count[sha]])
-        replies.append({"write": sorted(writes[rank]), "objects": obj_writes[rank], "blobs": upload,
-                        "blob_owners": list(own), "blob_lead": lead})
+        writes[rank].sort()  # in place, and the ranks sending the same blobs share one owner list:
+        # 131,072 replies are held at once (nothing changes a reply before it is encoded)
+        replies.append({"write": writes[rank], "objects": obj_writes[rank], "blobs": upload,
+                        "blob_owners": own, "blob_lead": lead})
     return SaveAssignment(replies, tensors, blob_owner)
 
 
