@@ -217,15 +217,16 @@ class _Tree:
     @staticmethod
     def decode(own: List[bytes], parts: List[bytes]) -> Tuple[List[Any], float]:
         """Rank 0's decoding as ``transport.Comm.coordinate`` does it (every part decoded while
-        all are held; ``own`` and ``parts`` are emptied, as it drops them): the payloads, in
-        rank order, and rank 0's seconds."""
+        all are held, under one ``gc_paused``; ``own`` and ``parts`` are emptied, as it drops
+        them): the payloads, in rank order, and rank 0's seconds."""
         t1 = _clock()
-        errors, payloads = transport.unpack_messages(own)
-        assert not errors
-        for p in parts:
-            errors, got = transport.unpack_part(p)
+        with transport.gc_paused():
+            errors, payloads = transport.unpack_messages(own)
             assert not errors
-            payloads += got
+            for p in parts:
+                errors, got = transport.unpack_part(p)
+                assert not errors
+                payloads += got
         own.clear()
         parts.clear()
         return payloads, _clock() - t1
