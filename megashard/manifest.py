@@ -10,6 +10,7 @@ naming the manifest path and the offending field. It is never pickled.
 from __future__ import annotations
 
 import bisect
+import io
 import json
 import re
 import zlib
@@ -345,12 +346,19 @@ _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 class _Sections:
-    """The index file being built; identical section texts are stored once."""
+    """The index file being built, in one growing buffer (not a list of parts joined at the
+    end: that held the index twice); identical section texts are stored once."""
 
     def __init__(self) -> None:
-        self.parts: List[bytes] = []
+        self.buf: Optional[io.BytesIO] = io.BytesIO()
         self.size = 0
         self.seen: Dict[bytes, List[int]] = {}
+
+    def write(self, data: Any) -> None:
+        """Append ``data`` (bytes-like) as it is, no section entry."""
+        assert self.buf is not None, "the index sections were taken already"
+        self.buf.write(data)
+        self.size += len(data)
 
     def add(self, data: bytes, unique: bool = False) -> List[int]:
         """``[start, length, crc32]`` of ``data`` (``unique``: never shared with another section)."""
@@ -359,9 +367,17 @@ class _Sections:
             got = [self.size, len(data), zlib.crc32(data)]
             if not unique:
                 self.seen[data] = got
-            self.parts.append(data)
-            self.size += len(data)
+            self.write(data)
         return got
+
+    def take(self) -> bytes:
+        """The sections as one bytes object: ``BytesIO.getvalue`` of an unshared buffer hands
+        over the buffer itself (shrunk in place), so the index is never copied."""
+        assert self.buf is not None, "the index sections were taken already"
+        self.seen = {}
+        data, self.buf = self.buf.getvalue(), None
+        assert len(data) == self.size
+        return data
 
 
 def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], shape: Sequence[int],
@@ -406,8 +422,8 @@ def _crc_region(sec: "_Sections", crcs: Any) -> List[int]:
     view, step = memoryview(data), 4 * CRC_BLOCK
     table = np.array([zlib.crc32(view[a:a + step]) for a in range(0, len(data), step)], dtype="<u4").tobytes()
     start = sec.size
-    sec.parts += [data, table]
-    sec.size += len(data) + len(table)
+    sec.write(data)
+    sec.write(table)
     return [start, len(data) // 4, zlib.crc32(table)]
 
 
@@ -446,8 +462,7 @@ class IndexBuilder:
         if c.size and c.dtype.kind != "u" and (c.min() < 0 or c.max() > 0xFFFFFFFF):
             raise ValueError("a CRC32 lies outside 0..2**32-1")
         b = cls()
-        b.sec.parts.append(skeleton.prefix)
-        b.sec.size = len(skeleton.prefix)
+        b.sec.write(skeleton.prefix)
         b._crcs = c.astype("<u4", copy=False)[skeleton.perm]
         b.skeleton, b._resumed = skeleton, True
         return b
@@ -499,12 +514,16 @@ class IndexBuilder:
 
     def _chunk_sections(self) -> None:
         """Every chunk's records as one section, ``[first, record, ...]``: ``first`` is the
-        position of its first record's CRC32 in the CRC32 region (the others follow)."""
+        position of its first record's CRC32 in the CRC32 region (the others follow). A chunk's
+        records are dropped once written (with the caller's copies gone, their texts too:
+        ``build_index(..., consume=True)``), so the records and the sections are not held
+        whole at once."""
         sec = self.sec
         crcs: List[int] = []
         slots: List[int] = []
         # one section per chunk, hundreds of thousands of them at 100k ranks: sec.add (unique) inlined
-        parts, pos, crc32 = sec.parts, sec.size, zlib.crc32
+        assert sec.buf is not None
+        write, pos, crc32 = sec.buf.write, sec.size, zlib.crc32
         for key, groups in self._chunks.items():
             chunks: List[Any] = []  # flat: offset..., shape..., section start, length, crc32 per chunk
             try:
@@ -512,7 +531,7 @@ class IndexBuilder:
             except TypeError:  # malformed chunk coordinates: kept in arrival order
                 order = list(groups)
             for chunk in order:
-                recs = groups[chunk]
+                recs = groups.pop(chunk)
                 off, shp = json.loads(chunk) if isinstance(chunk, str) else chunk
                 chunks += (off if isinstance(off, (list, tuple)) else [off])
                 chunks += (shp if isinstance(shp, (list, tuple)) else [shp])
@@ -528,7 +547,7 @@ class IndexBuilder:
                     slots += [r[2] for r in recs]
                 n = len(data)
                 chunks += (pos, n, crc32(data))
-                parts.append(data)
+                write(data)
                 pos += n
             self.tensors[key]["chunks"] = chunks
         sec.size = pos
@@ -545,6 +564,7 @@ class IndexBuilder:
         objects and trees instead of those added (and their ids of ranks' trees), and for the
         file table too when ``files`` is None."""
         sec = self.sec
+        prefix = -1  # bytes of a new skeleton's prefix (chunk sections and tensor table)
         if self._resumed:
             assert self.skeleton is not None
             tensors = self.skeleton.tensors
@@ -552,20 +572,18 @@ class IndexBuilder:
             self._chunk_sections()
             tensors = _buckets(sec, self.tensors, TENSOR_BUCKET)
             if self._perm is not None:
-                self.skeleton = IndexSkeleton(b"".join(sec.parts), tensors, self._perm)
-                sec.parts = [self.skeleton.prefix]
+                prefix = sec.size
         crcs = _crc_region(sec, self._crcs)
         head = dict(head)
         head.update(version=MANIFEST_VERSION, tensors=tensors, crcs=crcs)
-        start, first = sec.size, len(sec.parts)
+        start = sec.size
+        new_tail: Optional[Tuple[Dict[str, Any], Any, int]] = None  # (tables, rank_trees, files_at)
         if tail is not None and tail.start == start and files is None:
-            sec.parts.append(tail.data)
-            sec.size += len(tail.data)
+            sec.write(tail.data)
             self.tail = tail
         else:
             if tail is not None and tail.start == start:  # only the file table is new (an object store's ETags)
-                sec.parts.append(tail.data[:tail.files_at - start])
-                sec.size = tail.files_at
+                sec.write(tail.data[:tail.files_at - start])
                 tables = dict(tail.tables)
             else:
                 tail = None
@@ -574,15 +592,20 @@ class IndexBuilder:
                 tables = {"objects": _buckets(sec, objects, OBJECT_BUCKET), "trees": _buckets(sec, trees, TREE_BUCKET)}
             files_at = sec.size  # the file table comes last
             tables["files"] = _buckets(sec, files, FILE_BUCKET)
-            rank_trees = tail.rank_trees if tail is not None else head.get("rank_trees")
-            self.tail = IndexTail(start, b"".join(sec.parts[first:]), tables, rank_trees, files_at)
-            del sec.parts[first:]
-            sec.parts.append(self.tail.data)
+            new_tail = (tables, tail.rank_trees if tail is not None else head.get("rank_trees"), files_at)
+        size = sec.size
+        data = sec.take()
+        # the skeleton and the tail are views of the index bytes, not copies of them
+        if prefix >= 0:
+            self.skeleton = IndexSkeleton(memoryview(data)[:prefix], tensors, self._perm)
+        if new_tail is not None:
+            self.tail = IndexTail(start, memoryview(data)[start:], *new_tail)
+        assert self.tail is not None
         head.update(self.tail.tables)
         if tail is not None:
             head["rank_trees"] = self.tail.rank_trees
-        head["index"] = {"file": INDEX_NAME, "bytes": sec.size}
-        return _dumps(head).encode(), b"".join(sec.parts)
+        head["index"] = {"file": INDEX_NAME, "bytes": size}
+        return _dumps(head).encode(), data
 
 
 @dataclass
@@ -594,7 +617,7 @@ class IndexSkeleton:
     cache's steady state) reuses them: no record is encoded, grouped or sorted, no section
     checksummed again."""
 
-    prefix: bytes
+    prefix: Any  # bytes-like (a view of the index bytes that laid it out)
     tensors: List[Any]
     perm: Any  # numpy int64
     tail: Optional["IndexTail"] = None  # the last index's objects, trees and files (set by its writer)
@@ -609,7 +632,7 @@ class IndexTail:
     changed writes ``data`` up to ``files_at`` and a new file table."""
 
     start: int
-    data: bytes
+    data: Any  # bytes-like (a view of the index bytes that laid it out)
     tables: Dict[str, Any]
     rank_trees: Any
     files_at: int  # where the file table's sections start (the last of the tail)
@@ -646,12 +669,11 @@ def with_files(head: Mapping[str, Any], sections: bytes, files: Mapping[str, Any
     appended, everything else stays byte for byte (``megashard copy``: only the objects'
     ETags differ between storages). The old table's sections stay, unreferenced."""
     sec = _Sections()
-    sec.parts.append(bytes(sections))
-    sec.size = len(sections)
+    sec.write(sections)
     doc = dict(head)
     doc["files"] = _buckets(sec, dict(files), FILE_BUCKET)
     doc["index"] = {"file": INDEX_NAME, "bytes": sec.size}
-    return _dumps(doc).encode(), b"".join(sec.parts)
+    return _dumps(doc).encode(), sec.take()
 
 
 TREE_WHOLE = "__whole__"  # a tree stored as one part (not a plain string-keyed dict)

@@ -307,6 +307,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             got.append(i)
         for i in got:
             held_by[i].append(ranks)
+    templates.clear()  # what is dead is dropped as soon as it is (the plan's peak memory, issue 32)
     tensors = {k: (dt, tuple(gs)) for k, (dt, gs) in kinds.items()}
     holders: Dict[int, Sequence[int]] = {}
     merged: Dict[Tuple[int, ...], List[int]] = {}  # one list per combination of texts (shared heaps)
@@ -325,6 +326,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         if got is None:
             got = merged[combo] = [r for lst in lists for r in lst]
         holders[i] = got
+    del held_by, merged
     preferred: Dict[int, int] = {}
     for rank, m in enumerate(messages):
         if m["main"]:
@@ -343,9 +345,10 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 by_key[sid[0]].append(sid[1:])
         for key, pieces in by_key.items():
             problems += chunk_coverage_problems(key, tensors[key][1], pieces)
+    ids.clear()  # the shard ids' tuples: not needed any more (the plan's peak memory, issue 32)
     for i, w in assign_writers(holders, nbytes, preferred, load).items():
         writer[i] = w
-    del held_by, holders
+    del holders, nbytes, preferred, load
     # objects: the main replica writes; without one, the first holder
     obj_parsed: Dict[str, List[str]] = {}
     obj_ranks: Dict[str, List[int]] = {}
@@ -416,8 +419,10 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 if own[j] == rank and sha not in upload:
                     upload.append(sha)
                     lead.append([j, blob_count[sha]])
-        replies.append({"write": sorted(writes[rank]), "objects": obj_writes[rank], "blobs": upload,
-                        "blob_owners": list(own), "blob_lead": lead})
+        writes[rank].sort()  # in place, and the ranks sending the same blobs share one owner list:
+        # 131,072 replies are held at once (nothing changes a reply before it is encoded)
+        replies.append({"write": writes[rank], "objects": obj_writes[rank], "blobs": upload,
+                        "blob_owners": own, "blob_lead": lead})
     return SaveAssignment(replies, tensors, blob_owner)
 
 

@@ -398,7 +398,8 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
 
     def commit(results: List[Dict[str, Any]]) -> List[Any]:
         head, sections, built[0] = build_index(results, keep.tensors, comm.world_size, layout,
-                                               entry.skeleton if steady and entry is not None else None)
+                                               entry.skeleton if steady and entry is not None else None,
+                                               consume=True)
         # a steady commit's ranks may leave out what they sent last time: the skeleton keeps it
         files = built[0].meta["files"] if built[0] is not None and built[0].meta else [r["files"] for r in results]
         target.commit(token, dict(enumerate(files)), {r: res.get("where") for r, res in enumerate(results)},
@@ -581,20 +582,24 @@ def save(
 
 def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
                 layout: Optional[Mapping[str, Any]],
-                skeleton: Optional[IndexSkeleton] = None) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+                skeleton: Optional[IndexSkeleton] = None, *,
+                consume: bool = False) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
     """Rank 0: the index (``manifest.json``, ``manifest.index`` bytes) from every rank's
     write records, and its skeleton for the next save of the same layout. Ranks send their
     records, objects and tree parts as JSON texts (:func:`_write_job`), so this groups and
     joins; it encodes almost nothing itself. With ``skeleton`` (a steady-state commit, see
     :func:`_finish_save`), ranks send their records' CRC32s (``crcs``) and only the fields of
-    :data:`META_FIELDS` that changed; the skeleton keeps the others (``skeleton.meta``)."""
+    :data:`META_FIELDS` that changed; the skeleton keeps the others (``skeleton.meta``).
+    ``consume``: each result's ``records`` are taken out of it (``None`` after) as they are
+    grouped, so that rank 0 does not hold every rank's decoded records and the index
+    built from them at once (the commit's peak memory)."""
     with gc_paused():
-        return _build_index(results, tensors, world, layout, skeleton)
+        return _build_index(results, tensors, world, layout, skeleton, consume)
 
 
 def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
                  layout: Optional[Mapping[str, Any]],
-                 skeleton: Optional[IndexSkeleton]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+                 skeleton: Optional[IndexSkeleton], consume: bool = False) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
     if skeleton is not None:
         b = IndexBuilder.resume(skeleton, _steady_crcs(results))
         meta = skeleton.meta
@@ -614,6 +619,8 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         chunks: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}  # chunk text -> (offset, shape), parsed once
         for r in results:
             b.records(r["records"], chunks)
+            if consume:
+                r["records"] = None  # type: ignore[index]  # the builder holds what it needs of them
         meta = {k: [r[k] for r in results] for k in META_FIELDS}
         changed = set(META_FIELDS)
     head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,

@@ -244,9 +244,10 @@ class Comm:
             else:
                 members = self._recv_bytes(list(range(1, min(self.world_size, size))), what)
                 parts = self._recv_bytes(list(range(size, self.world_size, size)), what)
-                got = [unpack_messages([mine] + members)]
-                del members
-                got += [unpack_part(p) for p in parts]
+                with gc_paused():  # one pause for all parts: a collection between two would rescan the others
+                    got = [unpack_messages([mine] + members)]
+                    del members
+                    got += [unpack_part(p) for p in parts]
                 del parts
                 replies = self._compute_replies(what, got, compute)
                 del got

@@ -36,8 +36,14 @@ CPU time is that part's work): on a shared machine wall times swing with its loa
 Message sizes are those ``transport.Comm.coordinate`` sends (a rank's ``transport.encode_message``,
 a leader's ``pack_part``, rank 0's ``pack_replies``: each message its own size, plus 8 bytes of size
 exchange). Model chunks are encoded once per ``scale_models.model_class`` (see :func:`_save_state`).
-``coordinator_peak_mb`` is the peak resident memory the coordinator's work adds on top of
-the messages it received (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``).
+``coordinator_peak_mb`` is the peak resident memory rank 0's coordinator work adds on top of
+the bytes it received (Linux ``VmHWM`` after resetting it through ``/proc/self/clear_refs``), the
+largest of three windows (``coordinator_peak_mb_parts``): the plan (decoding the announcements,
+planning, encoding the replies), the commit (decoding the commit messages, building the index)
+and the steady-state commit. Each window starts with rank 0 holding the bytes it received, before
+it decodes them (``*_decoded``: the decoded messages, part of the window), and holds none of what
+the simulated other ranks make (issue 32: before, one window ran from the decoded announcements
+to the index and held the simulated ranks' steady-state records too, and the freed announcements).
 
 ``--storage s3`` adds the object-store request counts of ``docs/s3design`` (the lead's design
 note) for the simulated files and reads: per save, PUTs / multipart parts / LISTs / HEADs
@@ -68,7 +74,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import scale_models as sm  # noqa: E402
-from _bench_worker import _status_kib, reset_peak_rss  # noqa: E402
+from _bench_worker import _status_kib, release_free_memory, reset_peak_rss  # noqa: E402
 
 from megashard import jsonstate, loading, manifest as mf, saving, transport  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
@@ -179,8 +185,15 @@ class _Tree:
     def gather(self, texts_of_ranks: Any) -> Tuple[List[Any], float, List[int]]:
         """Every rank's payload on rank 0 (in rank order), rank 0's decode seconds, and the
         bytes each rank sends."""
-        payloads: List[Any] = []
-        decode = 0.0
+        own, parts, sent = self.collect(texts_of_ranks)
+        payloads, decode = self.decode(own, parts)
+        return payloads, decode, sent
+
+    def collect(self, texts_of_ranks: Any) -> Tuple[List[bytes], List[bytes], List[int]]:
+        """What rank 0 receives: its own group's messages and the other leaders' parts (each
+        leader packs its group, :func:`transport.pack_part`); and the bytes each rank sends."""
+        own: List[bytes] = []
+        parts: List[bytes] = []
         sent: List[int] = []
         texts: List[bytes] = []
         for r, text in enumerate(texts_of_ranks):
@@ -190,21 +203,33 @@ class _Tree:
                 g = r // self.group
                 self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
                 if g == 0:
-                    t1 = _clock()
-                    errors, got = transport.unpack_messages(texts)
+                    own = texts
                 else:
                     t1 = _clock()
                     part = transport.pack_part(texts)
                     self.leader_s[g] += _clock() - t1
                     sent[-len(texts)] = len(part) + SIZE_EXCHANGE
                     self.recv[0] += len(part) + SIZE_EXCHANGE
-                    t1 = _clock()
-                    errors, got = transport.unpack_part(part)
-                decode += _clock() - t1
+                    parts.append(part)
+                texts = []
+        return own, parts, sent
+
+    @staticmethod
+    def decode(own: List[bytes], parts: List[bytes]) -> Tuple[List[Any], float]:
+        """Rank 0's decoding as ``transport.Comm.coordinate`` does it (every part decoded while
+        all are held, under one ``gc_paused``; ``own`` and ``parts`` are emptied, as it drops
+        them): the payloads, in rank order, and rank 0's seconds."""
+        t1 = _clock()
+        with transport.gc_paused():
+            errors, payloads = transport.unpack_messages(own)
+            assert not errors
+            for p in parts:
+                errors, got = transport.unpack_part(p)
                 assert not errors
                 payloads += got
-                texts = []
-        return payloads, decode, sent
+        own.clear()
+        parts.clear()
+        return payloads, _clock() - t1
 
     def scatter(self, replies: Sequence[Any]) -> Tuple[float, List[int]]:
         """Rank 0 sends the replies down; its encode seconds and the bytes each rank receives
@@ -227,6 +252,26 @@ class _Tree:
         """(rank, bytes) of the leader (rank 0 included) that receives the most."""
         g = max(range(len(self.recv)), key=self.recv.__getitem__)
         return g * self.group, self.recv[g]
+
+
+class _Peak:
+    """Rank 0's coordinator memory in one window of work: the peak resident memory above the
+    memory held when it starts (freed heap returned to the OS first, then ``VmHWM`` reset through
+    ``/proc/self/clear_refs``). A window starts when rank 0 holds the bytes it received, before it
+    decodes them, and holds nothing the simulated other ranks made meanwhile."""
+
+    def __init__(self) -> None:
+        release_free_memory()
+        self.base = _status_kib("VmRSS") * 1024
+        self.ok = reset_peak_rss()
+
+    def now(self) -> float:
+        """MB held above the start now."""
+        return round(max(0, _status_kib("VmRSS") * 1024 - self.base) / 2**20, 1)
+
+    def peak(self) -> Optional[float]:
+        """MB of the peak above the start so far (None: the peak cannot be reset here)."""
+        return round(max(0, _status_kib("VmHWM") * 1024 - self.base) / 2**20, 1) if self.ok else None
 
 
 def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Optional[int] = None) -> Dict[str, Any]:
@@ -254,16 +299,19 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             yield text
 
     t0 = _clock()
-    messages, t_decode, send = tree.gather(announcements())
+    own, parts, send = tree.collect(announcements())
     t_announce = _clock() - t0
 
-    rss_before = _status_kib("VmRSS") * 1024
-    peak_ok = reset_peak_rss()
+    mem_plan = _Peak()  # rank 0 holds the announcements it received
+    messages, t_decode = tree.decode(own, parts)
+    t_announce += t_decode
+    plan_decoded = mem_plan.now()
     t0 = _clock()
     keep = saving._Coordinator()
     replies = saving.coordinate(messages, "simulated", keep)
     t_plan = _clock() - t0
     t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
+    plan_peak = mem_plan.peak()  # (rank 0 then drops the announcements, but for its own)
     plan_recv0 = tree.recv[0]  # rank 0's bytes of the plan gather (its scatter receives nothing)
 
     # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
@@ -309,24 +357,31 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             yield transport.encode_message(None, res)
 
     t0 = _clock()
-    results, t_decode_commit, commit_send = tree.gather(commits())
+    own, parts, commit_send = tree.collect(commits())
     t_write = _clock() - t0
+    mem_commit = _Peak()  # rank 0 holds the commit messages it received (and its plan's keep)
+    results, t_decode_commit = tree.decode(own, parts)
+    t_write += t_decode_commit
+    commit_decoded = mem_commit.now()
     t_commit_encode, _ = tree.scatter([{"ok": 0}] * world)
     first_recv = tree.recv[:]
     leader_s = max(tree.leader_s[1:] or [0.0])
 
     t0 = _clock()
     layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
-    head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc)
+    head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc, consume=True)
     t_index = _clock() - t0
-    peak_after = _status_kib("VmHWM") * 1024
+    commit_peak = mem_commit.peak()
     del results
     steady_tree = _Tree(world, group)
-    steady_msgs, t_decode_steady, steady_send = steady_tree.gather(iter(steady_texts))
+    own, parts, steady_send = steady_tree.collect(iter(steady_texts))
     steady_texts = []
+    mem_steady = _Peak()  # rank 0 holds the steady commit messages, and the first index's skeleton
+    steady_msgs, t_decode_steady = steady_tree.decode(own, parts)
     t0 = _clock()  # the steady-state save's commit: the CRC32s into the skeleton
     head2, sections2, _ = saving.build_index(steady_msgs, keep.tensors, world, layout_doc, skeleton)
     t_index_steady = _clock() - t0
+    steady_peak = mem_steady.peak()
     del steady_msgs
     # the same index as a full build of the steady-state save's records (not timed)
     head3, sections3, _ = saving.build_index(steady_results, keep.tensors, world, layout_doc)
@@ -364,7 +419,9 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
         "coordinator_index_s": round(t_index, 3),
         "coordinator_s": round(t_plan + t_index, 3),
         "coordinator_decode_s": round(t_decode + t_decode_commit, 3),
-        "coordinator_peak_mb": round(max(0, peak_after - rss_before) / 2**20, 1) if peak_ok else None,
+        "coordinator_peak_mb": max(plan_peak, commit_peak, steady_peak) if mem_plan.ok else None,
+        "coordinator_peak_mb_parts": {"plan": plan_peak, "plan_decoded": plan_decoded, "commit": commit_peak,
+                                      "commit_decoded": commit_decoded, "steady": steady_peak},
         "coordinator_recv_bytes": first_recv[0],
         "max_rank_send_bytes": {"save/plan": max(send), "save/commit": max(commit_send),
                                 "save/commit steady": max(steady_send)},

@@ -276,6 +276,27 @@ def test_index_skeleton_takes_new_crcs_and_equals_a_fresh_build():
         saving.build_index(steady[:2] + [dict(steady[2], crcs="zz000000")], tensors, 3, None, skel)
 
 
+def test_build_index_consuming_records_gives_the_same_index_and_one_copy_of_it():
+    """Rank 0's commit lets the index builder take the records (``consume``: freed while the index
+    is built, issue 32): the same bytes as a build that leaves them, the skeleton's prefix and tail
+    are views of the index bytes (not second copies), and a steady commit from that skeleton gives
+    the bytes of a full build."""
+    tensors = {"w": ("float32", (6, 6)), "e": ("float32", (0,))}
+    kept = _results(lambda r, i: r * 10 + i)
+    taken = _results(lambda r, i: r * 10 + i)
+    _, sections, _ = saving.build_index(kept, tensors, 3, None)
+    _, sections_c, skel = saving.build_index(taken, tensors, 3, None, consume=True)
+    assert sections_c == sections and type(sections_c) is bytes
+    assert all(r["records"] is None for r in taken) and all(r["records"] for r in kept)
+    assert [r["files"] for r in taken] == [r["files"] for r in kept]  # what the commit reads after
+    assert isinstance(skel.prefix, memoryview) and skel.prefix.obj is sections_c
+    assert isinstance(skel.tail.data, memoryview) and skel.tail.data.obj is sections_c
+    assert bytes(skel.prefix) + sections_c[len(skel.prefix):skel.tail.start] + bytes(skel.tail.data) == sections_c
+    new = _results(lambda r, i: 3 * r + i + 5)
+    _, steady, _ = saving.build_index([saving.steady_commit(r) for r in new], tensors, 3, None, skel)
+    assert steady == saving.build_index(new, tensors, 3, None, consume=True)[1]
+
+
 def test_steady_commit_sends_only_what_changed_and_index_equals_a_fresh_build():
     """Version 3: the chunk sections and tensor table are byte-identical between saves of one
     layout (the CRC32s are in their own region); a rank whose files, objects and state-tree parts
