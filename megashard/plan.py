@@ -228,7 +228,11 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     # every distinct shard gets an integer id; holders are kept as the rank lists of the
     # announcement texts that name it (one list object per text, shared, never copied)
     parsed: Dict[str, List[int]] = {}  # announcement text -> shard ids in order
+    # shard -> its id, by (chunk id, flat start, flat stop), or (chunk id, None) for a whole chunk: a
+    # tuple of small ints hashes in a few steps (keys with offset and shape tuples, a million of them
+    # at 131,072 ranks, were rehashed at every lookup)
     ids: Dict[Tuple, int] = {}
+    chunk_list: List[Tuple[str, Shape, Shape]] = []  # chunk id -> (key, offset, shape)
     nbytes: List[int] = []
     held_by: List[List[List[int]]] = []
     kinds: Dict[str, Tuple[str, List[int]]] = {}  # key -> (dtype, global shape) as first announced
@@ -258,6 +262,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         c = chunk_of.get(ck)
         if c is None:
             c = chunk_of[ck] = len(c_key)
+            chunk_list.append(ck)
             c_key.append(key_no[key])
             c_nd.append(len(off))
             c_dims.extend(off)
@@ -265,13 +270,14 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         return ck + (c, problem)
 
     templates: Dict[str, List[Tuple[Any, ...]]] = {}  # chunk list of "flat" texts -> entry() of each
+
     for text, ranks in by_fixed.items():
         got = parsed[text] = []
         for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
             key, o, cs, c, problem = entry(key, dt, gshape, off, cshape)
             if problem:
                 problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
-            sid = (key, o, cs, tuple(fl) if fl else None)
+            sid = (c, *fl) if fl else (c, None)
             i = ids.get(sid)
             if i is None:
                 i = ids[sid] = len(nbytes)
@@ -296,7 +302,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             if problem:
                 problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
             a, b = ints[3 * j], ints[3 * j + 1]
-            sid = (key, o, cs, (a, b))
+            sid = (c, a, b)
             i = ids.get(sid)
             if i is None:
                 i = ids[sid] = len(nbytes)
@@ -339,8 +345,9 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         doubt = {k for k, ok in zip(kinds, exact) if not ok}
         by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {k: [] for k in doubt}
         for sid in ids:
-            if sid[0] in doubt:
-                by_key[sid[0]].append(sid[1:])
+            key, o, cs = chunk_list[sid[0]]
+            if key in doubt:
+                by_key[key].append((o, cs, None if sid[1:] == (None,) else tuple(sid[1:])))
         for key, pieces in by_key.items():
             problems += chunk_coverage_problems(key, tensors[key][1], pieces)
     for i, w in assign_writers(holders, nbytes, preferred, load).items():
