@@ -367,9 +367,17 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             if u in obj_writer:
                 problems.append(f"object {u!r}: main replica on ranks {obj_writer[u]} and {rank}")
             obj_writer[u] = rank
-    for text, ukeys in obj_parsed.items():
-        for u in ukeys:
-            obj_writer.setdefault(u, obj_ranks[text][0])
+    # each rank's list differs (a few objects are its own) but names mostly the same objects: a million
+    # names at 16,384 ranks, tens of objects each, for tens of thousands of objects. The lists are
+    # walked name by name only when some object has no main replica
+    held: set = set()
+    for ukeys in obj_parsed.values():
+        held.update(ukeys)
+    if len(held) > len(obj_writer):  # objects without a main replica: the first rank holding one writes it
+        for text, ukeys in obj_parsed.items():
+            for u in ukeys:
+                obj_writer.setdefault(u, obj_ranks[text][0])
+    del held
     if problems:
         head = "\n  ".join(problems[:50])
         more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
@@ -385,13 +393,20 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 w = writer[sid]
                 if w in rset:
                     writes[w].append(nfixed[w] + j if flat_part else j)
-    obj_writes: List[List[int]] = [[] for _ in range(world)]
-    for text, ukeys in obj_parsed.items():
-        rset = set(obj_ranks[text])
-        for i, u in enumerate(ukeys):
-            w = obj_writer[u]
-            if w in rset:
-                obj_writes[w].append(i)
+    obj_writes: List[List[int]] = [[] for _ in range(world)]  # per object its writer's entries naming it
+    for u, w in obj_writer.items():
+        ukeys = obj_parsed[messages[w]["objects"]]
+        got = obj_writes[w]
+        i = ukeys.index(u)
+        while i >= 0:
+            got.append(i)
+            try:
+                i = ukeys.index(u, i + 1)  # listed twice (the rank sends the object once)
+            except ValueError:
+                i = -1
+    for got in obj_writes:
+        if len(got) > 1:
+            got.sort()
     # state-tree blobs: the first rank holding one uploads it; every rank also learns the
     # uploader of each of its blobs, and the uploader how many entries share it, which is what
     # lets a later save with the same plan check in one all-reduce that the blobs still group
