@@ -176,11 +176,11 @@ class _Tree:
         self.recv = [0] * -(-world // group)  # bytes each leader (index: group) receives; [0]: rank 0
         self.leader_s = [0.0] * len(self.recv)
 
-    def receive(self, texts_of_ranks: Any) -> Tuple[List[Any], List[int]]:
-        """The gather up to rank 0: the messages of rank 0's group and the other leaders' parts
-        (what rank 0 receives), and the bytes each rank sends. Rank 0 decodes them once all
-        arrived (:meth:`unpack`), as ``transport.Comm.coordinate`` does."""
-        received: List[Any] = []
+    def gather(self, texts_of_ranks: Any) -> Tuple[List[Any], float, List[int]]:
+        """Every rank's payload on rank 0 (in rank order), rank 0's decode seconds, and the
+        bytes each rank sends."""
+        payloads: List[Any] = []
+        decode = 0.0
         sent: List[int] = []
         texts: List[bytes] = []
         for r, text in enumerate(texts_of_ranks):
@@ -190,30 +190,21 @@ class _Tree:
                 g = r // self.group
                 self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
                 if g == 0:
-                    received.append(texts)
+                    t1 = _clock()
+                    errors, got = transport.unpack_messages(texts)
                 else:
                     t1 = _clock()
                     part = transport.pack_part(texts)
                     self.leader_s[g] += _clock() - t1
                     sent[-len(texts)] = len(part) + SIZE_EXCHANGE
                     self.recv[0] += len(part) + SIZE_EXCHANGE
-                    received.append(part)
-                texts = []
-        return received, sent
-
-    def unpack(self, received: List[Any]) -> Tuple[List[Any], float]:
-        """Rank 0 decodes what :meth:`receive` gathered (emptying ``received`` as it goes): every
-        rank's payload in rank order, and its seconds. The caller holds ``transport.gc_paused``
-        over this and rank 0's work that follows (computation, replies), as the coordinator does."""
-        payloads: List[Any] = []
-        t1 = _clock()
-        with transport.gc_paused():
-            for g in range(len(received)):
-                data, received[g] = received[g], None
-                errors, got = transport.unpack_messages(data) if g == 0 else transport.unpack_part(data)
+                    t1 = _clock()
+                    errors, got = transport.unpack_part(part)
+                decode += _clock() - t1
                 assert not errors
                 payloads += got
-        return payloads, _clock() - t1
+                texts = []
+        return payloads, decode, sent
 
     def scatter(self, replies: Sequence[Any]) -> Tuple[float, List[int]]:
         """Rank 0 sends the replies down; its encode seconds and the bytes each rank receives
@@ -263,18 +254,16 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             yield text
 
     t0 = _clock()
-    received, send = tree.receive(announcements())
+    messages, t_decode, send = tree.gather(announcements())
     t_announce = _clock() - t0
-    with transport.gc_paused():  # rank 0 as transport.Comm.coordinate: decode, plan, replies in one pause
-        messages, t_decode = tree.unpack(received)
-        t_announce += t_decode
-        rss_before = _status_kib("VmRSS") * 1024
-        peak_ok = reset_peak_rss()
-        t0 = _clock()
-        keep = saving._Coordinator()
-        replies = saving.coordinate(messages, "simulated", keep)
-        t_plan = _clock() - t0
-        t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
+
+    rss_before = _status_kib("VmRSS") * 1024
+    peak_ok = reset_peak_rss()
+    t0 = _clock()
+    keep = saving._Coordinator()
+    replies = saving.coordinate(messages, "simulated", keep)
+    t_plan = _clock() - t0
+    t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
     plan_recv0 = tree.recv[0]  # rank 0's bytes of the plan gather (its scatter receives nothing)
 
     # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
@@ -320,29 +309,25 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             yield transport.encode_message(None, res)
 
     t0 = _clock()
-    received, commit_send = tree.receive(commits())
+    results, t_decode_commit, commit_send = tree.gather(commits())
     t_write = _clock() - t0
-    with transport.gc_paused():  # rank 0: decode, index, replies in one pause
-        results, t_decode_commit = tree.unpack(received)
-        t_write += t_decode_commit
-        t0 = _clock()
-        layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
-        head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc)
-        t_index = _clock() - t0
-        t_commit_encode, _ = tree.scatter([{"ok": 0}] * world)
-        peak_after = _status_kib("VmHWM") * 1024
-        del results
+    t_commit_encode, _ = tree.scatter([{"ok": 0}] * world)
     first_recv = tree.recv[:]
     leader_s = max(tree.leader_s[1:] or [0.0])
+
+    t0 = _clock()
+    layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+    head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc)
+    t_index = _clock() - t0
+    peak_after = _status_kib("VmHWM") * 1024
+    del results
     steady_tree = _Tree(world, group)
-    received, steady_send = steady_tree.receive(iter(steady_texts))
+    steady_msgs, t_decode_steady, steady_send = steady_tree.gather(iter(steady_texts))
     steady_texts = []
-    with transport.gc_paused():
-        steady_msgs, t_decode_steady = steady_tree.unpack(received)
-        t0 = _clock()  # the steady-state save's commit: the CRC32s into the skeleton
-        head2, sections2, _ = saving.build_index(steady_msgs, keep.tensors, world, layout_doc, skeleton)
-        t_index_steady = _clock() - t0
-        del steady_msgs
+    t0 = _clock()  # the steady-state save's commit: the CRC32s into the skeleton
+    head2, sections2, _ = saving.build_index(steady_msgs, keep.tensors, world, layout_doc, skeleton)
+    t_index_steady = _clock() - t0
+    del steady_msgs
     # the same index as a full build of the steady-state save's records (not timed)
     head3, sections3, _ = saving.build_index(steady_results, keep.tensors, world, layout_doc)
     same_index = sections2 == sections3 and sections2 != sections and digests_same
