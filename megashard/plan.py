@@ -270,7 +270,6 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         return ck + (c, problem)
 
     templates: Dict[str, List[Tuple[Any, ...]]] = {}  # chunk list of "flat" texts -> entry() of each
-
     for text, ranks in by_fixed.items():
         got = parsed[text] = []
         for key, dt, gshape, off, cshape, fl, nb in json.loads(text):

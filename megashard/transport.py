@@ -245,8 +245,9 @@ class Comm:
                 members = self._recv_bytes(list(range(1, min(self.world_size, size))), what)
                 parts = self._recv_bytes(list(range(size, self.world_size, size)), what)
                 # one pause for every part, the computation and the replies: a pause per part let the
-                # collector run between parts, each time over every object decoded so far (a quarter of
-                # rank 0's decoding, scripts/simulate_scale.py); what is freed inside is never scanned
+                # collector run between parts, each time over every object decoded so far (about a quarter
+                # of decoding the commit of 2,048 simulated DeepSeek-V3 ranks); what is freed inside is
+                # never scanned
                 with gc_paused():
                     got = [unpack_messages([mine] + members)]
                     del members
