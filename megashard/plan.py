@@ -369,14 +369,11 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     # each rank's list differs (a few objects are its own) but names mostly the same objects: a million
     # names at 16,384 ranks, tens of objects each, for tens of thousands of objects. The lists are
     # walked name by name only when some object has no main replica
-    held: set = set()
-    for ukeys in obj_parsed.values():
-        held.update(ukeys)
-    if len(held) > len(obj_writer):  # objects without a main replica: the first rank holding one writes it
-        for text, ukeys in obj_parsed.items():
+    written = obj_writer.keys()
+    if not all(written >= set(ukeys) for ukeys in obj_parsed.values()):  # no set of every name (memory)
+        for text, ukeys in obj_parsed.items():  # objects without a main replica: the first rank holding one
             for u in ukeys:
                 obj_writer.setdefault(u, obj_ranks[text][0])
-    del held
     if problems:
         head = "\n  ".join(problems[:50])
         more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
