@@ -588,7 +588,15 @@ class IndexBuilder:
             else:
                 tail = None
                 objects = {u: sec.add(text.encode()) for u, text in self._objects}
-                trees = {tid: [[k] + sec.add(text.encode()) for k, text in parts] for tid, parts in self._trees}
+                placed: Dict[str, List[int]] = {}  # part text -> its section: ranks' trees share most parts
+
+                def part(text: str) -> List[int]:
+                    got = placed.get(text)  # a str caches its hash; encoding + hashing bytes per tree did not
+                    if got is None:
+                        got = placed[text] = sec.add(text.encode())
+                    return got
+
+                trees = {tid: [[k] + part(text) for k, text in parts] for tid, parts in self._trees}
                 tables = {"objects": _buckets(sec, objects, OBJECT_BUCKET), "trees": _buckets(sec, trees, TREE_BUCKET)}
             files_at = sec.size  # the file table comes last
             tables["files"] = _buckets(sec, files, FILE_BUCKET)

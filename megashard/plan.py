@@ -228,7 +228,11 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     # every distinct shard gets an integer id; holders are kept as the rank lists of the
     # announcement texts that name it (one list object per text, shared, never copied)
     parsed: Dict[str, List[int]] = {}  # announcement text -> shard ids in order
+    # shard -> its id, by (chunk id, flat start, flat stop), or (chunk id, None) for a whole chunk: a
+    # tuple of small ints hashes in a few steps (keys with offset and shape tuples, a million of them
+    # at 131,072 ranks, were rehashed at every lookup)
     ids: Dict[Tuple, int] = {}
+    chunk_list: List[Tuple[str, Shape, Shape]] = []  # chunk id -> (key, offset, shape)
     nbytes: List[int] = []
     held_by: List[List[List[int]]] = []
     kinds: Dict[str, Tuple[str, List[int]]] = {}  # key -> (dtype, global shape) as first announced
@@ -258,6 +262,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         c = chunk_of.get(ck)
         if c is None:
             c = chunk_of[ck] = len(c_key)
+            chunk_list.append(ck)
             c_key.append(key_no[key])
             c_nd.append(len(off))
             c_dims.extend(off)
@@ -271,7 +276,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             key, o, cs, c, problem = entry(key, dt, gshape, off, cshape)
             if problem:
                 problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
-            sid = (key, o, cs, tuple(fl) if fl else None)
+            sid = (c, *fl) if fl else (c, None)
             i = ids.get(sid)
             if i is None:
                 i = ids[sid] = len(nbytes)
@@ -296,7 +301,7 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             if problem:
                 problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
             a, b = ints[3 * j], ints[3 * j + 1]
-            sid = (key, o, cs, (a, b))
+            sid = (c, a, b)
             i = ids.get(sid)
             if i is None:
                 i = ids[sid] = len(nbytes)
@@ -341,8 +346,9 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
         doubt = {k for k, ok in zip(kinds, exact) if not ok}
         by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {k: [] for k in doubt}
         for sid in ids:
-            if sid[0] in doubt:
-                by_key[sid[0]].append(sid[1:])
+            key, o, cs = chunk_list[sid[0]]
+            if key in doubt:
+                by_key[key].append((o, cs, None if sid[1:] == (None,) else tuple(sid[1:])))
         for key, pieces in by_key.items():
             problems += chunk_coverage_problems(key, tensors[key][1], pieces)
     ids.clear()  # the shard ids' tuples: not needed any more (the plan's peak memory, issue 32)
@@ -363,9 +369,14 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             if u in obj_writer:
                 problems.append(f"object {u!r}: main replica on ranks {obj_writer[u]} and {rank}")
             obj_writer[u] = rank
-    for text, ukeys in obj_parsed.items():
-        for u in ukeys:
-            obj_writer.setdefault(u, obj_ranks[text][0])
+    # each rank's list differs (a few objects are its own) but names mostly the same objects: a million
+    # names at 16,384 ranks, tens of objects each, for tens of thousands of objects. The lists are
+    # walked name by name only when some object has no main replica
+    written = obj_writer.keys()
+    if not all(written >= set(ukeys) for ukeys in obj_parsed.values()):  # no set of every name (memory)
+        for text, ukeys in obj_parsed.items():  # objects without a main replica: the first rank holding one
+            for u in ukeys:
+                obj_writer.setdefault(u, obj_ranks[text][0])
     if problems:
         head = "\n  ".join(problems[:50])
         more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
@@ -381,13 +392,20 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
                 w = writer[sid]
                 if w in rset:
                     writes[w].append(nfixed[w] + j if flat_part else j)
-    obj_writes: List[List[int]] = [[] for _ in range(world)]
-    for text, ukeys in obj_parsed.items():
-        rset = set(obj_ranks[text])
-        for i, u in enumerate(ukeys):
-            w = obj_writer[u]
-            if w in rset:
-                obj_writes[w].append(i)
+    obj_writes: List[List[int]] = [[] for _ in range(world)]  # per object its writer's entries naming it
+    for u, w in obj_writer.items():
+        ukeys = obj_parsed[messages[w]["objects"]]
+        got = obj_writes[w]
+        i = ukeys.index(u)
+        while i >= 0:
+            got.append(i)
+            try:
+                i = ukeys.index(u, i + 1)  # listed twice (the rank sends the object once)
+            except ValueError:
+                i = -1
+    for got in obj_writes:
+        if len(got) > 1:
+            got.sort()
     # state-tree blobs: the first rank holding one uploads it; every rank also learns the
     # uploader of each of its blobs, and the uploader how many entries share it, which is what
     # lets a later save with the same plan check in one all-reduce that the blobs still group

@@ -264,6 +264,20 @@ def test_coordinator_dedups_replicas_and_assigns_each_shard_once():
     assert a.tensors == {"w": ("float32", (8, 4)), "o": ("float32", (8,))}
 
 
+def test_coordinator_assigns_objects_to_main_replica_else_first_holder():
+    """Each object is written once: by its main replica's rank, else by the first rank listing it;
+    a rank's reply names every entry of its list naming an object it writes (also one listed twice)."""
+    w = [["w", "float32", [8], [0], [8], None, 32]]
+    msgs = [_msg(w, objects=["a", "b", "own0"], objects_main=[False, False, True]),
+            _msg(w, objects=["a", "b", "own1", "b"], objects_main=[True, False, True, False]),
+            _msg(w, objects=["b", "a", "c"])]
+    objs = [r["objects"] for r in plan.coordinate_save(msgs).replies]
+    assert objs == [[1, 2], [0, 2], [2]]  # a: rank 1 (main); b: rank 0 (first); c: rank 2 (only holder)
+    msgs[0] = _msg(w, objects=["a", "own0"], objects_main=[False, True])
+    objs = [r["objects"] for r in plan.coordinate_save(msgs).replies]
+    assert objs == [[1], [0, 1, 2, 3], [2]]  # b first held by rank 1, listed there twice
+
+
 def test_coordinator_reports_inconsistencies():
     import pytest
 
