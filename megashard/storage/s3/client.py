@@ -95,10 +95,27 @@ def single_put_bytes() -> int:
     return max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", 64 * MiB, 1))
 
 
+def _connection_bytes(size: int, part: int, conns: int) -> int:
+    """The most bytes one connection sends when ``size`` goes up in parts of ``part`` on ``conns``
+    connections (whole parts spread evenly, the last, shorter part on a connection with fewer)."""
+    full, rest = divmod(size, part)
+    rounds, spare = divmod(full, conns)
+    return (rounds + (spare > 0)) * part if spare or not rest else rounds * part + rest
+
+
 def part_bytes(size: int) -> int:
     """Multipart part size for an object of ``size`` bytes: ``MEGASHARD_S3_PART_BYTES`` when set, else
-    enough parts to keep every connection busy (size / connections, whole MiB) between 8 and 64 MiB."""
-    default = min(64 * MiB, max(_MIN_DEFAULT_PART, -(-(-(-size // connections())) // MiB) * MiB))
+    enough parts to keep every connection busy (size / connections, whole MiB) between 8 and 64 MiB,
+    made 8, 16, 32 or 64 MiB where no connection then sends more than 1.1x the bytes: parts of a
+    power of two MiB hold whole ranged GETs (:meth:`ObjectStore.read_many` cuts them at multiples of
+    ``MEGASHARD_S3_GET_BYTES``, 16 MiB), so a GET is served from one part (S3; SeaweedFS: from whole
+    4 MiB chunks), not from the ends of two (measured on SeaweedFS: ~20% less server CPU per load)."""
+    conns = connections()
+    default = min(64 * MiB, max(_MIN_DEFAULT_PART, -(-(-(-size // conns)) // MiB) * MiB))
+    if default & (default - 1):  # not a power of two: the largest power of two MiB that costs <= 10%
+        budget = 1.1 * _connection_bytes(size, default, conns)
+        fits = [p for p in (64 * MiB, 32 * MiB, 16 * MiB, 8 * MiB) if _connection_bytes(size, p, conns) <= budget]
+        default = fits[0] if fits else default
     part = max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", default, 1))
     if -(-size // part) > _MAX_PARTS:  # S3 allows 10000 parts: grow the part, in whole MiB
         part = -(-(-(-size // _MAX_PARTS)) // MiB) * MiB
@@ -816,14 +833,18 @@ class ObjectStore:
         for start, pieces in runs:
             cur: List[Tuple[Optional[memoryview], int]] = []
             pos = get_start = start
+            # GETs end at multiples of the limit in the object (whole parts, see part_bytes), unless that
+            # takes more GETs than cutting from the run's start (a short run across a multiple)
+            run_end = start + sum(n for _, n in pieces)
+            grid = 0 if -(-run_end // limit) - start // limit <= -(-(run_end - start) // limit) else start
             for mv, n in pieces:
                 done = 0
                 while done < n:
-                    take = min(n - done, get_start + limit - pos)
+                    take = min(n - done, limit - (pos - grid) % limit)
                     cur.append((mv[done:done + take] if mv is not None else None, take))
                     done += take
                     pos += take
-                    if pos - get_start == limit:
+                    if (pos - grid) % limit == 0:
                         gets.append((get_start, pos, cur))
                         cur, get_start = [], pos
             if cur:
