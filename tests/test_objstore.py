@@ -695,3 +695,19 @@ def test_default_parts_are_a_multiple_of_the_get_size_where_that_costs_no_upload
             objclient._connection_bytes(size, plain, 16)
     monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(17 * MiB))  # set: taken as given
     assert objclient.part_bytes(256 * MiB + 20728) == 17 * MiB
+
+
+def test_a_short_last_part_after_whole_rounds_goes_with_the_part_before(s3, monkeypatch) -> None:
+    """10 MiB + 100 KiB in 5 MiB parts on 2 connections: 2 parts (5 MiB, 5 MiB + 100 KiB), not 3
+    (the third alone in a second round); on 4 connections (no whole round) the short part stays its own."""
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(5 * MiB))
+    monkeypatch.setenv("MEGASHARD_S3_CONNECTIONS", "2")
+    store = _store(s3)
+    data = os.urandom(10 * MiB + 100 * 1024)
+    etag = store.upload("p/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    assert store.stats["MPU_PART"] == 2 and etag.endswith('-2"')
+    buf = bytearray(len(data))
+    store.read_into("p/x", [(0, memoryview(buf))], size=len(data), etag=etag)
+    assert bytes(buf) == data
+    assert objclient._part_spans(len(data), 5 * MiB, 4) == [(0, 5 * MiB), (5 * MiB, 10 * MiB), (10 * MiB, len(data))]
+    assert len(objclient._part_spans(256 * MiB + 20728, 16 * MiB, 16)) == 16
