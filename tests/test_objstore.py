@@ -651,3 +651,63 @@ def test_gets_are_cut_into_whole_rounds_of_the_connections(s3, monkeypatch) -> N
     assert objclient._balanced_limit([MiB] * 3, 4) is None  # one round
     assert objclient._balanced_limit([MiB] * 4 + [100], 2) is None  # a last round of 100 bytes
     assert objclient._balanced_limit([16 * MiB] * 17, 16) == -(-17 * 16 * MiB // 32)
+
+
+def test_gets_are_cut_at_multiples_of_the_get_size(s3, monkeypatch) -> None:
+    """A run's GETs end at multiples of the GET size in the object (a file's tensors start after its
+    header: from byte 8192, 3 MiB + 100 bytes in 1 MiB GETs are [8192, 1 MiB), [1 MiB, 2 MiB), ...), so
+    with parts of a multiple of the GET size (:func:`part_bytes`) no GET spans two parts: S3 serves a
+    part-aligned range from one part, SeaweedFS from whole 4 MiB chunks. Never more GETs than cutting
+    from the run's start: a short run across a multiple stays one GET."""
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(MiB))
+    store = _store(s3)
+    data = os.urandom(5 * MiB)
+    etag = store.upload("a/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    s3.reset()
+    start, n = 8192, 3 * MiB + 100
+    buf = bytearray(n)
+    assert store.read_into("a/x", [(start, memoryview(buf))], size=len(data), etag=etag, threads=4) == n
+    assert bytes(buf) == data[start:start + n]
+    spans = sorted(tuple(int(x) for x in e["range"][6:].split("-")) for e in _ranged_gets(s3, "a/x"))
+    assert spans == [(start, MiB - 1), (MiB, 2 * MiB - 1), (2 * MiB, 3 * MiB - 1), (3 * MiB, start + n - 1)]
+    s3.reset()
+    small = bytearray(MiB // 2)  # [0.75 MiB, 1.25 MiB): one GET, not two
+    store.read_into("a/x", [(3 * MiB // 4, memoryview(small))], size=len(data), etag=etag)
+    assert bytes(small) == data[3 * MiB // 4:3 * MiB // 4 + MiB // 2]
+    assert [e["range"] for e in _ranged_gets(s3, "a/x")] == [f"bytes={3 * MiB // 4}-{5 * MiB // 4 - 1}"]
+
+
+def test_default_parts_are_a_multiple_of_the_get_size_where_that_costs_no_upload_time(monkeypatch) -> None:
+    """The benchmark's 256 MiB file (+ 20 KiB of headers) on 16 connections: 16 parts of 16 MiB and a
+    20 KiB one, not 16 of 17 MiB (whose ranged GETs of 16 MiB each spanned two parts). A size where a
+    power-of-two part would make a connection send more than 1.1x the bytes of the plain size /
+    connections keeps that (272 MiB: 17 parts of 16 MiB would send two on one connection)."""
+    for name in ("MEGASHARD_S3_PART_BYTES", "MEGASHARD_S3_CONNECTIONS", "MEGASHARD_S3_GET_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    assert objclient.part_bytes(256 * MiB + 20728) == 16 * MiB
+    assert objclient.part_bytes(272 * MiB) == 17 * MiB
+    assert objclient.part_bytes(100 * MiB) == 8 * MiB  # the smallest default part already
+    assert objclient.part_bytes(480 * MiB) == 32 * MiB  # 15 parts of 32 MiB, not 16 of 30: 7% more per connection
+    assert objclient.part_bytes(1024 * MiB) == 64 * MiB
+    for size in range(64 * MiB + 1, 4096 * MiB, 7 * MiB + 12345):  # never 10% more bytes on one connection
+        plain = min(64 * MiB, max(8 * MiB, -(-(-(-size // 16)) // MiB) * MiB))
+        assert objclient._connection_bytes(size, objclient.part_bytes(size), 16) <= 1.1 * \
+            objclient._connection_bytes(size, plain, 16)
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(17 * MiB))  # set: taken as given
+    assert objclient.part_bytes(256 * MiB + 20728) == 17 * MiB
+
+
+def test_a_short_last_part_after_whole_rounds_goes_with_the_part_before(s3, monkeypatch) -> None:
+    """10 MiB + 100 KiB in 5 MiB parts on 2 connections: 2 parts (5 MiB, 5 MiB + 100 KiB), not 3
+    (the third alone in a second round); on 4 connections (no whole round) the short part stays its own."""
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(5 * MiB))
+    monkeypatch.setenv("MEGASHARD_S3_CONNECTIONS", "2")
+    store = _store(s3)
+    data = os.urandom(10 * MiB + 100 * 1024)
+    etag = store.upload("p/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    assert store.stats["MPU_PART"] == 2 and etag.endswith('-2"')
+    buf = bytearray(len(data))
+    store.read_into("p/x", [(0, memoryview(buf))], size=len(data), etag=etag)
+    assert bytes(buf) == data
+    assert objclient._part_spans(len(data), 5 * MiB, 4) == [(0, 5 * MiB), (5 * MiB, 10 * MiB), (10 * MiB, len(data))]
+    assert len(objclient._part_spans(256 * MiB + 20728, 16 * MiB, 16)) == 16
