@@ -423,7 +423,7 @@ class _Reader:
                 direct = self.start_direct(sched)  # this rank's own bytes: read while the ring is made and handed out
                 try:  # before the schedules: they say where to open it
                     ring = shm.Ring.create(len(self.consumers), sched["slots"], sched["slot_bytes"],
-                                           populate=self.populate_ring())
+                                           populate=self.populate_ring(), reserve=not self.writes_file_ranges())
                 except MegashardError as e:
                     self.fail(_err(e, "creating the node's shared memory ring"))
                     direct.finish(True)  # the load fails; stop reading before the error path touches the tensors
@@ -544,6 +544,11 @@ class _Reader:
         as they are first touched (an object store: each GET's thread maps its slot's pages while
         it waits on the network, and the ring's GETs start that much sooner)."""
         return not getattr(self.files, "batch_reads", False)
+
+    def writes_file_ranges(self) -> bool:
+        """Whether the ring's slots are filled with ``pwrite`` (:meth:`slot_destination`), not through
+        the mapping: then the ring needs no reservation up front (``shm.Ring.create``'s ``reserve``)."""
+        return getattr(self.files, "file_range", None) is not None and bool(getattr(self.files, "batch_reads", False))
 
     def ring_bytes(self, sched: Dict[str, Any]) -> int:
         return shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"])
@@ -668,7 +673,8 @@ class _Reader:
                     jobs = []
                     for j in range(k, end):
                         e = extents[j]
-                        jobs.append((e.file, [(e.start, ring.slot_memoryview(j, e.stop - e.start))], self.size(e.file)))
+                        jobs.append((e.file, [(e.start, self.slot_destination(ring, j, e.stop - e.start))],
+                                     self.size(e.file)))
                     self.opened().read_files(jobs, threads=ring_threads, done=arrive)
                     if first != end:
                         raise CheckpointError(f"{self.base}: ring extents {first}..{end - 1} were read but not "
@@ -691,6 +697,14 @@ class _Reader:
         if direct.error is not None:
             ring.fail_reader()
             self.fail(_err(direct.error, "reading into this rank's tensors"))
+
+    def slot_destination(self, ring: shm.Ring, j: int, nbytes: int) -> Any:
+        """Where extent ``j``'s bytes go: a byte range of the ring's file where the files object can write
+        one (an object store: ``pwrite`` from a reused buffer costs the reader a third of what faulting in
+        each fresh shared page of the mapping does), else the slot's memory."""
+        if self.writes_file_ranges() and ring.fd is not None:
+            return self.opened().file_range(ring.fd, ring.slot_offset(j), nbytes)
+        return ring.slot_memoryview(j, nbytes)
 
     def publish(self, ring: shm.Ring, extents: Sequence[Any], mine: Mapping[int, Any], j: int) -> None:
         """Extent ``j`` is in its slot: hand it to the consumers, place the reader's own share."""
