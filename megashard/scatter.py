@@ -374,6 +374,7 @@ class _Reader:
         self.nread = 0
         self.files: Any = None
         self.lock = threading.Lock()  # ops' lazy temporaries, shared by the ring and direct-read threads
+        self.ring_handed_off = False  # the ring is closed by its release thread (shm.Ring.close_when_consumed)
 
     def fail(self, msg: str) -> None:
         if self.err is None:
@@ -449,7 +450,7 @@ class _Reader:
                 direct.finish(True)  # (a no-op after a transfer) before its files close
             if self.files is not None:
                 self.files.close()
-            if ring is not None:
+            if ring is not None and not self.ring_handed_off:
                 ring.close()
         return (self.nread, 0, mode), self.err
 
@@ -697,21 +698,9 @@ class _Reader:
         if direct.error is not None:
             ring.fail_reader()
             self.fail(_err(direct.error, "reading into this rank's tensors"))
-        if self.err is None:
-            self.release_ring(ring, len(extents))
-
-    def release_ring(self, ring: shm.Ring, n_extents: int) -> None:
-        """Everything is published: free each slot as soon as every consumer is done with its last
-        extent, while they still copy the later ones (:meth:`shm.Ring.release_slot`), so that the
-        ring's memory is not freed on a rank's path after its last copy. A consumer that fails or dies
-        ends this quietly: the final agreement reports it."""
-        last = {j % ring.slots: j for j in range(n_extents)}
-        try:
-            for j in sorted(last.values()):
-                ring.wait_slot_free(j + ring.slots, self.pids)  # every consumer is done with extent j
-                ring.release_slot(j)
-        except MegashardError as e:
-            log.debug("[rank %d] scatter load: ring slots not released early: %s", self.comm.rank, e)
+        if self.err is None:  # everything is published: free the ring once the consumers are through with
+            ring.close_when_consumed(len(extents), self.pids)  # it, on a thread of its own (off every load's path)
+            self.ring_handed_off = True
 
     def slot_destination(self, ring: shm.Ring, j: int, nbytes: int) -> Any:
         """Where extent ``j``'s bytes go: a byte range of the ring's file where the files object can write

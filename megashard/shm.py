@@ -313,17 +313,26 @@ class Ring:
         _wait(ready, watch, progress, f"a free slot for extent {k}")
         return True
 
-    def release_slot(self, k: int) -> None:
-        """Give back the memory of the slot that holds extent ``k`` (a hole punched in the segment: its pages
-        leave every rank's mapping and are freed now, not when the last rank closes the ring). Why: freeing
-        a 128 MiB ring costs ~60 ms here, on the path of whichever rank closes it last, after its last copy;
-        the reader, idle once everything is published, does it while the consumers still copy."""
-        if self.fd is None:
-            raise ShmError("only the ring's creator can release its slots")
-        off, n = self.slot_offset(k), self.slot_bytes
-        if _LIBC.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off, n) != 0:
-            e = ctypes.get_errno()
-            raise ShmError(f"cannot release ring slot {k % self.slots} (fallocate punch hole): {os.strerror(e)}")
+    def close_when_consumed(self, upto: int, pids: Sequence[int]) -> None:
+        """The reader's :meth:`close`, on a thread of its own: once every consumer is done with extents
+        ``< upto`` (or failed, or died), punch out every slot (the pages leave every rank's mapping and are
+        freed by this thread) and close. Why: freeing a 128 MiB ring costs ~60 ms here, paid by whichever
+        rank drops the last reference, after its last copy, on its load's path; this way no rank's load
+        waits for it. The ring is the thread's from this call on."""
+        def run() -> None:
+            try:
+                if upto > 0:
+                    self.wait_slot_free(upto - 1 + self.slots, pids)
+                if self.fd is not None and self.slots * self.slot_bytes:
+                    if _LIBC.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
+                                       header_bytes(self.consumers), self.slots * self.slot_bytes) != 0:
+                        log.debug("ring memory not punched out: %s", os.strerror(ctypes.get_errno()))
+            except Exception as e:  # noqa: BLE001 - a consumer failed or died: it reports that itself
+                log.debug("ring released without waiting for its consumers: %s", e)
+            finally:
+                self.close()
+
+        threading.Thread(target=run, name="megashard-ring-release", daemon=True).start()
 
     # -- consumer side --------------------------------------------------------------
     def wait_produced(self, k: int, reader_pid: int) -> None:
