@@ -168,6 +168,7 @@ class _Consumer:
         self.threads = threads or default_read_threads()
         self.fds: Dict[str, int] = {}
         self.lock = threading.Lock()  # ops' lazy temporaries, shared by the ring and direct-read threads
+        self.copied_all = False  # every byte is out of the ring: it is unmapped off this load's path
 
     def run(self) -> Tuple[Tuple[int, int, str], Optional[str]]:
         err: Optional[str] = None
@@ -230,7 +231,10 @@ class _Consumer:
             fdpass.close_all(list(self.fds.values()))
             self.fds.clear()
             if ring is not None:
-                ring.close()
+                if self.copied_all:
+                    ring.close_in_background()
+                else:
+                    ring.close()
 
     def read_passed(self, f: str, reqs: List[Tuple[int, memoryview]], threads: int) -> None:
         """Fill ``reqs`` from ``f`` through the descriptor the reader passed (checked on receipt)."""
@@ -295,6 +299,7 @@ class _Consumer:
         if direct.error is not None:
             ring.fail_consumer(me)
             err = err or _err(direct.error, "reading this rank's ranges through the reader's descriptors")
+        self.copied_all = err is None
         return (direct.nread, received, "shm"), err
 
 
