@@ -21,7 +21,10 @@ The segment is an anonymous memory file (``memfd_create``): it has no name in
 ``/dev/shm`` or anywhere else, so it exists exactly as long as some process holds
 it (a descriptor or a mapping) and a crash of every rank at any instant, SIGKILL
 included, leaves nothing behind. It is reserved with ``posix_fallocate`` (so memory
-that cannot be had is an error here, not a SIGBUS later). The other ranks open it
+that cannot be had is an error here, not a SIGBUS later), except where the reader fills
+the slots with ``pwrite`` (an object store's GETs: there a write that cannot get memory
+is an error of that write). Once every consumer is through, the reader frees it on a
+thread of its own (:meth:`Ring.close_when_consumed`). The other ranks open it
 through the reader's ``/proc/<pid>/fd/<fd>`` (the same user's processes may; the
 descriptor's device and inode, sent with the schedule, prove it is the ring), so it
 needs no socket: a rank that cannot take passed descriptors still gets the ring.
