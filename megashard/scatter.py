@@ -168,6 +168,7 @@ class _Consumer:
         self.threads = threads or default_read_threads()
         self.fds: Dict[str, int] = {}
         self.lock = threading.Lock()  # ops' lazy temporaries, shared by the ring and direct-read threads
+        self.copied_all = False  # every byte is out of the ring: it is unmapped off this load's path
 
     def run(self) -> Tuple[Tuple[int, int, str], Optional[str]]:
         err: Optional[str] = None
@@ -230,7 +231,10 @@ class _Consumer:
             fdpass.close_all(list(self.fds.values()))
             self.fds.clear()
             if ring is not None:
-                ring.close()
+                if self.copied_all:
+                    ring.close_in_background()
+                else:
+                    ring.close()
 
     def read_passed(self, f: str, reqs: List[Tuple[int, memoryview]], threads: int) -> None:
         """Fill ``reqs`` from ``f`` through the descriptor the reader passed (checked on receipt)."""
@@ -295,6 +299,7 @@ class _Consumer:
         if direct.error is not None:
             ring.fail_consumer(me)
             err = err or _err(direct.error, "reading this rank's ranges through the reader's descriptors")
+        self.copied_all = err is None
         return (direct.nread, received, "shm"), err
 
 
@@ -374,6 +379,7 @@ class _Reader:
         self.nread = 0
         self.files: Any = None
         self.lock = threading.Lock()  # ops' lazy temporaries, shared by the ring and direct-read threads
+        self.ring_handed_off = False  # the ring is closed by its release thread (shm.Ring.close_when_consumed)
 
     def fail(self, msg: str) -> None:
         if self.err is None:
@@ -423,7 +429,7 @@ class _Reader:
                 direct = self.start_direct(sched)  # this rank's own bytes: read while the ring is made and handed out
                 try:  # before the schedules: they say where to open it
                     ring = shm.Ring.create(len(self.consumers), sched["slots"], sched["slot_bytes"],
-                                           populate=self.populate_ring())
+                                           populate=self.populate_ring(), reserve=not self.writes_file_ranges())
                 except MegashardError as e:
                     self.fail(_err(e, "creating the node's shared memory ring"))
                     direct.finish(True)  # the load fails; stop reading before the error path touches the tensors
@@ -449,7 +455,7 @@ class _Reader:
                 direct.finish(True)  # (a no-op after a transfer) before its files close
             if self.files is not None:
                 self.files.close()
-            if ring is not None:
+            if ring is not None and not self.ring_handed_off:
                 ring.close()
         return (self.nread, 0, mode), self.err
 
@@ -544,6 +550,11 @@ class _Reader:
         as they are first touched (an object store: each GET's thread maps its slot's pages while
         it waits on the network, and the ring's GETs start that much sooner)."""
         return not getattr(self.files, "batch_reads", False)
+
+    def writes_file_ranges(self) -> bool:
+        """Whether the ring's slots are filled with ``pwrite`` (:meth:`slot_destination`), not through
+        the mapping: then the ring needs no reservation up front (``shm.Ring.create``'s ``reserve``)."""
+        return getattr(self.files, "file_range", None) is not None and bool(getattr(self.files, "batch_reads", False))
 
     def ring_bytes(self, sched: Dict[str, Any]) -> int:
         return shm.segment_bytes(len(self.consumers), sched["slots"], sched["slot_bytes"])
@@ -668,7 +679,8 @@ class _Reader:
                     jobs = []
                     for j in range(k, end):
                         e = extents[j]
-                        jobs.append((e.file, [(e.start, ring.slot_memoryview(j, e.stop - e.start))], self.size(e.file)))
+                        jobs.append((e.file, [(e.start, self.slot_destination(ring, j, e.stop - e.start))],
+                                     self.size(e.file)))
                     self.opened().read_files(jobs, threads=ring_threads, done=arrive)
                     if first != end:
                         raise CheckpointError(f"{self.base}: ring extents {first}..{end - 1} were read but not "
@@ -691,6 +703,17 @@ class _Reader:
         if direct.error is not None:
             ring.fail_reader()
             self.fail(_err(direct.error, "reading into this rank's tensors"))
+        if self.err is None:  # everything is published: free the ring once the consumers are through with
+            ring.close_when_consumed(len(extents), self.pids)  # it, on a thread of its own (off every load's path)
+            self.ring_handed_off = True
+
+    def slot_destination(self, ring: shm.Ring, j: int, nbytes: int) -> Any:
+        """Where extent ``j``'s bytes go: a byte range of the ring's file where the files object can write
+        one (an object store: ``pwrite`` from a reused buffer costs the reader a third of what faulting in
+        each fresh shared page of the mapping does), else the slot's memory."""
+        if self.writes_file_ranges() and ring.fd is not None:
+            return self.opened().file_range(ring.fd, ring.slot_offset(j), nbytes)
+        return ring.slot_memoryview(j, nbytes)
 
     def publish(self, ring: shm.Ring, extents: Sequence[Any], mine: Mapping[int, Any], j: int) -> None:
         """Extent ``j`` is in its slot: hand it to the consumers, place the reader's own share."""

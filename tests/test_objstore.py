@@ -254,6 +254,41 @@ def test_read_many_reports_each_job_as_soon_as_its_bytes_are_in(s3, monkeypatch)
     assert seen[3] == (2, [True, True, True, True])
 
 
+def test_read_many_fills_byte_ranges_of_a_file(s3, monkeypatch) -> None:
+    """A destination may be a byte range of an open file (``FileRange``: what scatter's ring slots are for
+    an object store, written with pwrite from a small reused buffer instead of faulting in fresh shared
+    pages): filled bit-exact next to a memoryview destination, coalesced into the same GETs (gap
+    skipped), cut at the GET size, a dropped GET resumed; bytes outside the ranges untouched."""
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(2 * MiB))
+    store = _store(s3)
+    data = os.urandom(5 * MiB)
+    etag = store.upload("f/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    fd = os.memfd_create("test-filerange")
+    try:
+        os.ftruncate(fd, 8 * MiB)
+        os.pwrite(fd, b"\xee" * (8 * MiB), 0)
+        mem = bytearray(1000)
+        # file bytes [100, 100 + 3 MiB) <- object [10, 10 + 3 MiB); memoryview <- object [3 MiB + 500 KiB, +1000);
+        # file bytes [6 MiB, 6 MiB + 1 MiB) <- object [4 MiB, 5 MiB)
+        jobs = [("f/x", [(10, objclient.FileRange(fd, 100, 3 * MiB))], len(data), etag),
+                ("f/x", [(3 * MiB + 500 * 1024, memoryview(mem))], len(data), etag),
+                ("f/x", [(4 * MiB, objclient.FileRange(fd, 6 * MiB, MiB))], len(data), etag)]
+        s3.reset()
+        s3.inject(truncate=300000, count=1, method="GET")
+        assert store.read_many(jobs, threads=1) == 5 * MiB - 10
+        got = os.pread(fd, 8 * MiB, 0)
+        assert got[:100] == b"\xee" * 100
+        assert got[100:100 + 3 * MiB] == data[10:10 + 3 * MiB]
+        assert got[100 + 3 * MiB:6 * MiB] == b"\xee" * (6 * MiB - 100 - 3 * MiB)
+        assert got[6 * MiB:7 * MiB] == data[4 * MiB:5 * MiB] and got[7 * MiB:] == b"\xee" * MiB
+        assert bytes(mem) == data[3 * MiB + 500 * 1024:3 * MiB + 500 * 1024 + 1000]
+        gets = _ranged_gets(s3, "f/x")
+        assert len(gets) == 4 and all(e["if_match"] == etag for e in gets), gets  # 3 GETs + 1 resumed
+        assert store.stats["GET_RANGE"] == 4
+    finally:
+        os.close(fd)
+
+
 def test_read_into_overlapping_requests_and_typed_views(s3) -> None:
     store = _store(s3)
     data = os.urandom(3 * MiB)

@@ -39,7 +39,7 @@ from ...saveroot import TRACKER_MAX, TRACKER_NAME, parse_iteration_dir_name, par
 from ..base import MANIFEST_DIGEST_NAME as DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, manifest_digest
 from ..base import max_manifest_bytes as _max_head
 from ..ownership import DEFAULT_STALE_AGE_S, why_kept
-from .client import ObjectInfo, ObjectStore, ObjectTooLargeError, _run_parallel, connections, part_bytes, single_put_bytes
+from .client import FileRange, ObjectInfo, ObjectStore, ObjectTooLargeError, _run_parallel, connections, part_bytes, single_put_bytes
 from .url import check_object_name, child, parse_url
 
 log = logging.getLogger(__name__)
@@ -465,6 +465,12 @@ class ObjectCheckpointFiles:
             return self._index_bytes  # fetched with the digest (read_manifest_bytes), pinned to the head's ETag
         data, _ = self.store.get_bytes(self.object_key(name), limit, if_match=self._etag(name))
         return data
+
+    @staticmethod
+    def file_range(fd: int, offset: int, nbytes: int) -> FileRange:
+        """A destination for :meth:`read_files` that is ``nbytes`` of open file ``fd`` at ``offset``
+        (scatter's ring slots: written with ``pwrite``, see :class:`FileRange`)."""
+        return FileRange(fd, offset, nbytes)
 
     def read_into(self, name: str, reqs: Sequence[Tuple[int, memoryview]], *, size: Optional[int] = None,
                   threads: Optional[int] = None) -> int:

@@ -329,7 +329,49 @@ def _scratch() -> memoryview:
     return buf
 
 
-def _byte_view(view: Any) -> memoryview:
+class FileRange:
+    """A read destination that is ``nbytes`` of an open file at ``offset``: a GET fills it through the
+    thread's small scratch buffer and ``pwrite``. Why: scatter's ring is an anonymous memory file whose
+    slots an object store's GETs fill once each; written through a mapping, every fresh shared page costs
+    the reader a fault (~0.4 ms per MiB on top of the copy, measured), written with ``pwrite`` the
+    kernel fills them in the page cache (a fallocated page is not even zeroed)."""
+
+    __slots__ = ("fd", "offset", "nbytes")
+
+    def __init__(self, fd: int, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0:
+            raise ValueError(f"file range {offset}+{nbytes}")
+        self.fd, self.offset, self.nbytes = fd, offset, nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __getitem__(self, s: slice) -> "FileRange":
+        start, stop, step = s.indices(self.nbytes)
+        if step != 1:
+            raise ValueError("a file range slices with step 1 only")
+        return FileRange(self.fd, self.offset + start, max(0, stop - start))
+
+    def write(self, pos: int, data: memoryview) -> None:
+        """Write ``data`` at ``pos`` within the range (all of it)."""
+        if pos < 0 or pos + data.nbytes > self.nbytes:
+            raise ValueError(f"{data.nbytes} bytes at {pos} exceed the file range's {self.nbytes}")
+        done = 0
+        while done < data.nbytes:
+            try:
+                n = os.pwrite(self.fd, data[done:], self.offset + pos + done)
+            except OSError as e:  # not a network error: never retried as one
+                raise CheckpointError(f"cannot write downloaded bytes into the destination file (descriptor "
+                                      f"{self.fd}, offset {self.offset + pos + done}): {e}") from None
+            if n <= 0:
+                raise CheckpointError(f"writing downloaded bytes into descriptor {self.fd} made no progress")
+            done += n
+
+
+def _byte_view(view: Any) -> Any:
+    """A 1-D byte memoryview of ``view``, or ``view`` itself when it is a :class:`FileRange`."""
+    if isinstance(view, FileRange):
+        return view
     mv = view if isinstance(view, memoryview) else memoryview(view)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
@@ -901,8 +943,12 @@ class ObjectStore:
                 while got < acc:
                     mv, n = pieces[i]
                     off = got - starts[i]
-                    dest = mv[off:] if mv is not None else scratch[:n - off]
-                    r = resp.readinto(dest)
+                    if isinstance(mv, FileRange):  # through the scratch buffer into the file
+                        r = resp.readinto(scratch[:min(n - off, len(scratch))])
+                        if r:
+                            mv.write(off, scratch[:r])
+                    else:
+                        r = resp.readinto(mv[off:] if mv is not None else scratch[:n - off])
                     if not r:
                         raise http.client.IncompleteRead(b"", acc - got)
                     got += r
