@@ -43,7 +43,7 @@ the messages it received (Linux ``VmHWM`` after resetting it through ``/proc/sel
 note) for the simulated files and reads: per save, PUTs / multipart parts / LISTs / HEADs
 (:func:`s3_save_requests`, exact, from the index's file table); per load, GETs in ``own``
 mode (every rank: head, digest, the index (whole up to ``MEGASHARD_S3_INDEX_WHOLE_BYTES``, else
-its HEAD and the ranged GETs of the blocks holding the sections it reads, through the load's own
+its last block and the ranged GETs of the blocks holding the sections it reads, through the load's own
 block reader: ``s3_rank_index_read_bytes`` / ``s3_rank_index_gets``, the busiest sampled rank),
 its data runs coalesced over gaps <= 1 MiB and cut into <= 16 MiB GETs) and in ``scatter`` mode (only each node's reader:
 head, digest, the whole index, the node's bytes once), from the same load plans. Load
@@ -414,6 +414,7 @@ def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank:
                 v[:] = sections[o:o + len(v)]
 
         blocks = s3ck.IndexBlocks(len(sections), fetch, "simulated")
+        blocks.read_into([(len(sections) - 1, memoryview(bytearray(1)))])  # the last block, with the digest
 
     def read_section(s: int, n: int) -> bytes:
         section_reads.append(n)
@@ -518,13 +519,14 @@ def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: i
 
 def s3_own_gets(ranges: Sequence[Range], index_gets: Optional[int] = None) -> Dict[str, int]:
     """One rank's requests in an own load: head, digest and the whole index (3 GETs) or, with
-    ``index_gets`` (an index above ``MEGASHARD_S3_INDEX_WHOLE_BYTES``), head, digest (2 GETs), the
-    index's HEAD and its ranged block GETs (``index``); one HEAD per file it reads from (size and
-    ETag, before allocating), its data runs."""
+    ``index_gets`` (an index above ``MEGASHARD_S3_INDEX_WHOLE_BYTES``), head, digest (2 GETs) and
+    the index's ranged block GETs (``index``: its last block with the digest, then the blocks holding
+    the sections it reads); one HEAD per file it reads from (size and ETag, before allocating), its
+    data runs."""
     files = len({f for f, _o, n in ranges if n})
     if index_gets is None:
         return {"GET": 3, "HEAD": files, "data": s3_range_gets(ranges)}
-    return {"GET": 2, "HEAD": files + 1, "index": index_gets, "data": s3_range_gets(ranges)}
+    return {"GET": 2, "HEAD": files, "index": index_gets, "data": s3_range_gets(ranges)}
 
 
 def s3_scatter_gets(reader_ranges: Sequence[Range], node_ranges: Sequence[Range]) -> Dict[str, int]:

@@ -485,9 +485,12 @@ class ObjectCheckpointFiles:
         """The head, checked against the digest its save wrote (no listing). A head that names its
         index's ETag and claims at most :func:`index_whole_bytes` has the index fetched whole (pinned
         to that ETag, at most the head's size limit) at the same time as the digest: one round trip
-        less for every load. A larger index has its HEAD (real size and ETag) fetched then instead,
-        and only the blocks holding the sections a rank reads later (:meth:`_read_index`). Nothing
-        fetched beside the digest is used before the digest has matched the head."""
+        less for every load. A larger index has its last block fetched then instead (a ranged GET
+        pinned to that ETag, whose ``Content-Range`` proves the object's real size equals the head's
+        claim: the checks of a HEAD, with bytes every rank reads: the state trees and the file table
+        are at the end), and later only the blocks holding the sections a rank reads
+        (:meth:`_read_index`); a head without the index's ETag has the index's HEAD fetched instead.
+        Nothing fetched beside the digest is used before the digest has matched the head."""
         where = f"{self.base}/{MANIFEST_NAME}"
         data, etag = self.store.get_bytes(f"{self.key}/{MANIFEST_NAME}", _max_head())
         doc = _parse_head(data, where)
@@ -506,6 +509,8 @@ class ObjectCheckpointFiles:
         ranged = isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > index_whole_bytes()
         if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 0:
             pass  # version 1, or refused when the index is opened
+        elif ranged and self._index_etag is not None and claimed <= _max_head():
+            gets.append(lambda: self._prefetch_index_tail(claimed))
         elif ranged:
             gets.append(self._prefetch_index_info)
         elif self._index_etag is not None:
@@ -518,11 +523,31 @@ class ObjectCheckpointFiles:
             raise CheckpointError(f"{where}: SHA-256 does not match {self.path(DIGEST_NAME)}: the manifest is damaged "
                                   "(or was replaced while it was read: try again)")
         self.head_etag = etag
-        if index and ranged:
+        if index and isinstance(index[0], IndexBlocks):
+            self._index_blocks = index[0]
+        elif index and ranged:
             self._index_info = index[0]
         elif index:
             self._index_bytes = index[0]
         return data
+
+    def _prefetch_index_tail(self, size: int) -> Optional[IndexBlocks]:
+        """A block reader of the index with its last block in (its GET pinned to the head's index
+        ETag and checked against ``size``), or None (:meth:`_read_index` checks with a HEAD, and says why)."""
+        blocks = self._new_index_blocks(size, self._index_etag)
+        try:
+            blocks.read_into([(size - 1, memoryview(bytearray(1)))])
+        except CheckpointError:
+            return None
+        return blocks
+
+    def _new_index_blocks(self, size: int, etag: Optional[str]) -> IndexBlocks:
+        key = self.object_key(_index_name())
+
+        def fetch(got: List[Tuple[int, memoryview]]) -> None:
+            self.store.read_many([(key, got, size, etag)])
+
+        return IndexBlocks(size, fetch, self.path(_index_name()))
 
     def _prefetch_index_info(self) -> Optional[ObjectInfo]:
         """The index's HEAD, or None (:meth:`open` asks again, and says why)."""
@@ -605,7 +630,8 @@ class ObjectCheckpointFiles:
         """The index's sections are small and many. An index of at most :func:`index_whole_bytes`
         (or one read without its size): the whole index in one GET, once. A larger one: its blocks
         holding the sections asked for (:class:`IndexBlocks`), each GET pinned to the head's index
-        ETag (or, where the head has none, to the one its HEAD saw) and checked against its size.
+        ETag (or, where the head has none, to the one its HEAD saw) and checked against its size
+        (the last block came with the digest, :meth:`read_manifest_bytes`; without it, a HEAD first).
         Checked on the first call, even one without requests (the index is opened that way,
         :class:`megashard.index._IndexFile`): its size against the head's ``size``, before any
         section's length, which the head claims, sizes a buffer."""
@@ -647,13 +673,8 @@ class ObjectCheckpointFiles:
             if size > _max_head():
                 raise CheckpointError(f"{self.path(name)}: the manifest claims {size} bytes, more than "
                                       f"MEGASHARD_MAX_MANIFEST_BYTES={_max_head()}; the checkpoint is damaged or hostile")
-            info = self.open(name, size)  # real size and ETag (HEAD, fetched with the digest), before any buffer
-            key, etag = self.object_key(name), self._index_etag or info.etag
-
-            def fetch(got: List[Tuple[int, memoryview]]) -> None:
-                self.store.read_many([(key, got, size, etag)])
-
-            self._index_blocks = IndexBlocks(size, fetch, self.path(name))
+            info = self.open(name, size)  # real size and ETag (a HEAD), before any buffer
+            self._index_blocks = self._new_index_blocks(size, self._index_etag or info.etag)
         return self._index_blocks.read_into(reqs)
 
     def tensor_reader(self, name: str) -> Any:
