@@ -757,6 +757,9 @@ def test_hostile_s3_checkpoint(attack, index_read, s3, tmp_path, capsys, monkeyp
     # no key outside the checkpoint was ever asked for
     outside = sorted({r["key"] for r in s3.requests() if not r["key"].startswith(c.key + "/")})
     assert not outside, f"{attack.__name__}: requests outside the checkpoint: {outside}"
+    if index_read == "ranged":  # the index only ever in ranged GETs
+        assert not [r for r in s3.requests() if r["key"].endswith("/manifest.index") and r["method"] == "GET"
+                    and not r["range"]]
     assert peak < 32 << 20, f"{attack.__name__}: {peak} bytes allocated although every object is tiny"
 
 
