@@ -773,6 +773,16 @@ def test_a_load_reads_only_the_index_blocks_holding_its_sections(s3, monkeypatch
         megashard.load(got, url)
         return {k: v.data for k, v in got.items()}
 
+    from megashard import index as index_mod
+
+    sections = []  # (start, length) of every section the load reads
+    real_read = index_mod._IndexFile.read
+
+    def read(self, start, length):
+        sections.append((start, length))
+        return real_read(self, start, length)
+
+    monkeypatch.setattr(index_mod._IndexFile, "read", read)
     s3.reset()
     check_loaded(load(some), some)
     idx = index_requests()
@@ -785,6 +795,10 @@ def test_a_load_reads_only_the_index_blocks_holding_its_sections(s3, monkeypatch
     assert all(a % 1024 == 0 for a, _ in spans) and len(ranged) <= 16, spans
     spans.sort()
     assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:])), spans  # no byte fetched twice
+    # the blocks fetched are those holding its sections (and the last), but for read-ahead of a few
+    touched = {b for a, n in sections for b in range(a // 1024, (a + n - 1) // 1024 + 1)} | {(size - 1) // 1024}
+    got = {b for a, e in spans for b in range(a // 1024, e // 1024 + 1)}
+    assert touched <= got and len(got - touched) <= len(touched) // 4, (sorted(got - touched), len(touched))
     others = [r for r in s3.requests() if r["method"] == "GET" and not r["key"].endswith("/manifest.index")
               and not r["range"]]
     assert sorted(r["key"].rsplit("/", 1)[-1] for r in others) == ["manifest.json", "manifest.sha256"]
