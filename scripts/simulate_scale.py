@@ -48,8 +48,10 @@ to the index and held the simulated ranks' steady-state records too, and the fre
 ``--storage s3`` adds the object-store request counts of ``docs/s3design`` (the lead's design
 note) for the simulated files and reads: per save, PUTs / multipart parts / LISTs / HEADs
 (:func:`s3_save_requests`, exact, from the index's file table); per load, GETs in ``own``
-mode (every rank: head, digest, the index sections it reads, its data runs coalesced over
-gaps <= 1 MiB and cut into <= 16 MiB GETs) and in ``scatter`` mode (only each node's reader:
+mode (every rank: head, digest, the index (whole up to ``MEGASHARD_S3_INDEX_WHOLE_BYTES``, else
+its last block and the ranged GETs of the blocks holding the sections it reads, through the load's own
+block reader: ``s3_rank_index_read_bytes`` / ``s3_rank_index_gets``, the busiest sampled rank),
+its data runs coalesced over gaps <= 1 MiB and cut into <= 16 MiB GETs) and in ``scatter`` mode (only each node's reader:
 head, digest, the whole index, the node's bytes once), from the same load plans. Load
 totals are exact when every rank (node) is sampled, else the sampled mean times the ranks
 (nodes), marked ``est``.
@@ -77,6 +79,7 @@ import scale_models as sm  # noqa: E402
 from _bench_worker import _status_kib, release_free_memory, reset_peak_rss  # noqa: E402
 
 from megashard import jsonstate, loading, manifest as mf, saving, transport  # noqa: E402
+from megashard.storage.s3 import checkpoint as s3ck  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
 
 _clock = time.process_time  # see the module docstring: CPU seconds, not wall seconds
@@ -449,16 +452,33 @@ def _leaves(x: Any) -> List[Any]:
 
 
 def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank: int, quirk: bool = False,
-              rows_ok: bool = True, ranges: bool = False) -> Dict[str, Any]:
+              rows_ok: bool = True, ranges: bool = False, s3_index: bool = False) -> Dict[str, Any]:
     """One rank's load planning against the index (own mode; ``rows_ok=False``: as a scatter
     load plans): what it reads of the index, how long parse + plan take, bytes needed vs
     read, temporaries; with ``ranges``, also the byte ranges it reads (``ranges``) and its
-    index section reads (``section_reads``: lengths)."""
+    index section reads (``section_reads``: lengths). ``s3_index``: its index reads go through
+    the object store's block reader (``s3ck.IndexBlocks``, as an own load on S3 reads an index
+    above ``MEGASHARD_S3_INDEX_WHOLE_BYTES``): ``s3_index_gets`` and ``s3_index_bytes`` (bytes
+    transferred, gaps a GET spans included); the whole index in one GET below that size."""
     template = sm.rank_state_dict(model, layout, rank, swiglu_dist_opt_quirk=quirk)
     section_reads: List[int] = []
+    fetches: List[List[Range]] = []
+    blocks = None
+    if s3_index and len(sections) > s3ck.index_whole_bytes():
+        def fetch(reqs: List[Tuple[int, memoryview]]) -> None:
+            fetches.append([("index", o, len(v)) for o, v in reqs])
+            for o, v in reqs:
+                v[:] = sections[o:o + len(v)]
+
+        blocks = s3ck.IndexBlocks(len(sections), fetch, "simulated")
+        blocks.read_into([(len(sections) - 1, memoryview(bytearray(1)))])  # the last block, with the digest
 
     def read_section(s: int, n: int) -> bytes:
         section_reads.append(n)
+        if blocks is not None:
+            out = bytearray(n)
+            blocks.read_into([(s, memoryview(out))])
+            return bytes(out)
         return sections[s:s + n]
 
     t0 = _clock()
@@ -488,6 +508,10 @@ def plan_rank(head: bytes, sections: bytes, model: str, layout: sm.Layout, rank:
            "needed_bytes": needed, "read_bytes": read, "temp_bytes": temps, "problems": problems[:5]}
     if ranges:
         out.update(ranges=spans, section_reads=section_reads)
+    if s3_index:
+        out["s3_index_gets"] = sum(s3_range_gets(f) for f in fetches) if blocks is not None else 1
+        out["s3_index_bytes"] = (sum(hi - lo for f in fetches for lo, hi in _runs(f, S3_GAP_BYTES))
+                                 if blocks is not None else len(sections))
     return out
 
 
@@ -550,10 +574,16 @@ def s3_range_gets(ranges: Sequence[Range], gap: int = S3_GAP_BYTES, get_bytes: i
     return sum(-(-(hi - lo) // get_bytes) for lo, hi in _runs(ranges, gap))
 
 
-def s3_own_gets(ranges: Sequence[Range]) -> Dict[str, int]:
-    """One rank's requests in an own load: head, digest and the whole index (3 GETs), one HEAD
-    per file it reads from (size and ETag, before allocating), its data runs."""
-    return {"GET": 3, "HEAD": len({f for f, _o, n in ranges if n}), "data": s3_range_gets(ranges)}
+def s3_own_gets(ranges: Sequence[Range], index_gets: Optional[int] = None) -> Dict[str, int]:
+    """One rank's requests in an own load: head, digest and the whole index (3 GETs) or, with
+    ``index_gets`` (an index above ``MEGASHARD_S3_INDEX_WHOLE_BYTES``), head, digest (2 GETs) and
+    the index's ranged block GETs (``index``: its last block with the digest, then the blocks holding
+    the sections it reads); one HEAD per file it reads from (size and ETag, before allocating), its
+    data runs."""
+    files = len({f for f, _o, n in ranges if n})
+    if index_gets is None:
+        return {"GET": 3, "HEAD": files, "data": s3_range_gets(ranges)}
+    return {"GET": 2, "HEAD": files, "index": index_gets, "data": s3_range_gets(ranges)}
 
 
 def s3_scatter_gets(reader_ranges: Sequence[Range], node_ranges: Sequence[Range]) -> Dict[str, int]:
@@ -584,8 +614,9 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
         per_rank.setdefault(int(info["rank"]), []).append(int(info.get("bytes", 0)))
     save = s3_save_requests(sizes)
     world = layout.world
-    own = [plan_rank(head, sections, model, layout, r, ranges=True) for r in _sample(world, sample)]
-    own_gets = [s3_own_gets(p["ranges"]) for p in own]
+    own = [plan_rank(head, sections, model, layout, r, ranges=True, s3_index=True) for r in _sample(world, sample)]
+    ranged = len(sections) > s3ck.index_whole_bytes()
+    own_gets = [s3_own_gets(p["ranges"], p["s3_index_gets"] if ranged else None) for p in own]
     nodes = -(-world // ranks_per_node)
     node_gets = []
     for nd in _sample(nodes, sample):
@@ -598,6 +629,12 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
         "s3_save_total": sum(sum(v.values()) for k, v in save.items() if k != "resave_extra"),
         "s3_save_max_rank_uploads": max(sum(v.values()) for v in
                                         (s3_save_requests(b)["upload"] for b in per_rank.values())),
+        "s3_index_whole_bytes": s3ck.index_whole_bytes(),  # MEGASHARD_S3_INDEX_WHOLE_BYTES: above it, ranged
+        "s3_index_block_bytes": s3ck.index_block_bytes(),
+        "s3_rank_index_read_bytes": max(p["s3_index_bytes"] for p in own),  # what leaves the store per rank
+        "s3_rank_index_gets": max(p["s3_index_gets"] for p in own),
+        "s3_rank_index_read_bytes_whole": len(sections),  # one GET of the whole index (below the threshold)
+        "s3_job_index_read_bytes": _total([{"bytes": p["s3_index_bytes"]} for p in own], world)["bytes"],
         "s3_load_own_gets": _total(own_gets, world),
         "s3_load_own_max_rank_gets": max(sum(g.values()) for g in own_gets),
         "s3_load_scatter_gets": _total(node_gets, nodes),

@@ -718,12 +718,18 @@ S3_ATTACKS = [_s3_dotdot_name, _s3_dotdot_to_root, _s3_absolute_name, _s3_url_en
               _s3_index_etag_stale]
 
 
+@pytest.mark.parametrize("index_read", ["whole", "ranged"])
 @pytest.mark.parametrize("attack", S3_ATTACKS, ids=lambda f: f.__name__.strip("_"))
-def test_hostile_s3_checkpoint(attack, s3, tmp_path, capsys):
+def test_hostile_s3_checkpoint(attack, index_read, s3, tmp_path, capsys, monkeypatch):
+    """``index_read``: the index fetched whole with the digest (the default for one this small),
+    or in ranged block reads (what a large one gets: MEGASHARD_S3_INDEX_WHOLE_BYTES=0)."""
     import tracemalloc
 
     c = _S3Ckpt(s3, tmp_path)
     attack(c)
+    if index_read == "ranged":
+        monkeypatch.setenv("MEGASHARD_S3_INDEX_WHOLE_BYTES", "0")
+        monkeypatch.setenv("MEGASHARD_S3_INDEX_BLOCK_BYTES", "512")
     s3.reset()
     outcomes = {}
     tracemalloc.start()
@@ -751,6 +757,9 @@ def test_hostile_s3_checkpoint(attack, s3, tmp_path, capsys):
     # no key outside the checkpoint was ever asked for
     outside = sorted({r["key"] for r in s3.requests() if not r["key"].startswith(c.key + "/")})
     assert not outside, f"{attack.__name__}: requests outside the checkpoint: {outside}"
+    if index_read == "ranged":  # the index only ever in ranged GETs
+        assert not [r for r in s3.requests() if r["key"].endswith("/manifest.index") and r["method"] == "GET"
+                    and not r["range"]]
     assert peak < 32 << 20, f"{attack.__name__}: {peak} bytes allocated although every object is tiny"
 
 

@@ -736,3 +736,118 @@ def test_the_digest_and_the_index_are_fetched_at_once(s3, monkeypatch):
     got = megashard.load(template(want), url)
     check_loaded(got, want)
     assert sorted(met) == ["manifest.index", "manifest.sha256"]
+
+
+def _many(n: int = 1500) -> dict:
+    g = torch.Generator().manual_seed(11)
+    return {f"t{i:04d}": torch.randn(8, 4, generator=g) for i in range(n)}
+
+
+def test_a_load_reads_only_the_index_blocks_holding_its_sections(s3, monkeypatch):
+    """A large index (here: above an 8 KiB MEGASHARD_S3_INDEX_WHOLE_BYTES, 1 KiB blocks) is not
+    fetched whole: beside the digest only its last block (its Content-Range: the real size, before
+    any buffer), then ranged GETs pinned to the head's index ETag of the blocks holding the sections this load
+    reads: a few keys' load fetches a small share of it, bit-exact; a load of every key
+    reads it all, each byte once, neighbouring blocks in one GET, bit-exact."""
+    from megashard.sharded import ShardedTensor
+
+    want = _many()
+    url = s3.url("big/iter_0000001")
+    megashard.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in want.items()}, url)
+    store, key = ObjectStore.for_url(url)
+    head = json.loads(store.get_bytes(f"{key}/manifest.json", 1 << 20)[0])
+    size, etag = head["index"]["bytes"], head["index"]["etag"]
+    assert size > 48 << 10, size  # many blocks
+    monkeypatch.setenv("MEGASHARD_S3_INDEX_WHOLE_BYTES", str(8 << 10))
+    monkeypatch.setenv("MEGASHARD_S3_INDEX_BLOCK_BYTES", "1024")
+    some = {k: want[k] for k in ("t0007", "t0300")}
+
+    def index_requests():
+        return [r for r in s3.requests() if r["key"].endswith("/manifest.index")]
+
+    def sharded(s):
+        return {k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in s.items()}
+
+    def load(s):
+        got = sharded(s)
+        megashard.load(got, url)
+        return {k: v.data for k, v in got.items()}
+
+    from megashard import index as index_mod
+
+    sections = []  # (start, length) of every section the load reads
+    real_read = index_mod._IndexFile.read
+
+    def read(self, start, length):
+        sections.append((start, length))
+        return real_read(self, start, length)
+
+    monkeypatch.setattr(index_mod._IndexFile, "read", read)
+    s3.reset()
+    check_loaded(load(some), some)
+    idx = index_requests()
+    assert not [r for r in idx if not r["range"]], idx  # never the whole object (nor a HEAD: the last block's GET checks)
+    ranged = [r for r in idx if r["range"]]
+    assert ranged and all(r["method"] == "GET" and r["if_match"] == etag and r["status"] == 206 for r in ranged)
+    spans = [tuple(int(x) for x in r["range"].split("=")[1].split("-")) for r in ranged]
+    fetched = sum(b - a + 1 for a, b in spans)
+    assert fetched < size // 2, (fetched, size, spans)  # its tree (every key's part: one rank saved all) and 2 keys'
+    assert all(a % 1024 == 0 for a, _ in spans) and len(ranged) <= 16, spans
+    spans.sort()
+    assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:])), spans  # no byte fetched twice
+    # the blocks fetched are those holding its sections (and the last), but for read-ahead of a few
+    touched = {b for a, n in sections for b in range(a // 1024, (a + n - 1) // 1024 + 1)} | {(size - 1) // 1024}
+    got = {b for a, e in spans for b in range(a // 1024, e // 1024 + 1)}
+    assert touched <= got and len(got - touched) <= len(touched) // 4, (sorted(got - touched), len(touched))
+    others = [r for r in s3.requests() if r["method"] == "GET" and not r["key"].endswith("/manifest.index")
+              and not r["range"]]
+    assert sorted(r["key"].rsplit("/", 1)[-1] for r in others) == ["manifest.json", "manifest.sha256"]
+
+    s3.reset()
+    check_loaded(load(want), want)  # every key: every block
+    ranged = [r for r in index_requests() if r["range"]]
+    spans = sorted(tuple(int(x) for x in r["range"].split("=")[1].split("-")) for r in ranged)
+    assert len(ranged) < size // 1024 // 1.5, len(ranged)  # fewer GETs than blocks: neighbours share them
+    assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:])), spans
+
+    monkeypatch.delenv("MEGASHARD_S3_INDEX_WHOLE_BYTES")  # default 4 MiB: small, fetched whole with the digest
+    s3.reset()
+    check_loaded(load(some), some)
+    assert [(r["method"], r["range"]) for r in index_requests()] == [("GET", None)]
+
+
+def test_index_blocks_give_the_bytes_asked_for_and_refuse_ranges_past_the_end():
+    """:class:`IndexBlocks` against plain bytes: random reads are the bytes at their offsets,
+    each block fetched once (while cached), a range past the claimed size refused before any fetch."""
+    import random
+
+    data = bytes(random.Random(5).randbytes(100_003))
+    fetches = []
+
+    def fetch(reqs):
+        fetches.append([(o, len(v)) for o, v in reqs])
+        for o, v in reqs:
+            v[:] = data[o:o + len(v)]
+
+    blocks = objck.IndexBlocks(len(data), fetch, "s3://b/k/manifest.index", block=4096, ahead_bytes=0)
+    rnd = random.Random(6)
+    for _ in range(300):
+        a = rnd.randrange(len(data))
+        n = rnd.randrange(min(9000, len(data) - a) + 1)
+        out = bytearray(n)
+        assert blocks.read_into([(a, memoryview(out))]) == n
+        assert bytes(out) == data[a:a + n]
+    fetched = [o for f in fetches for o, _ in f]
+    assert len(fetched) == len(set(fetched)) <= -(-len(data) // 4096)
+    n = len(fetches)
+    with pytest.raises(CheckpointError, match="past its end"):
+        blocks.read_into([(len(data) - 10, memoryview(bytearray(11)))])
+    assert len(fetches) == n
+    # a scan reads ahead: 25 blocks in far fewer fetches
+    scan = objck.IndexBlocks(len(data), fetch, "x", block=4096, ahead_bytes=64 << 10)
+    fetches.clear()
+    for a in range(0, len(data), 1000):
+        out = bytearray(min(1000, len(data) - a))
+        scan.read_into([(a, memoryview(out))])
+        assert bytes(out) == data[a:a + len(out)]
+    assert len(fetches) <= 6, fetches

@@ -206,6 +206,32 @@ def test_s3_report_small_config_exact():
                                            "total": 6 + sum(reader_files) + sum(node_files)}
     assert (rep["s3_load_own_gets"]["data"], rep["s3_load_scatter_gets"]["data"]) == (22, 12)  # as computed today
 
+    assert rep["s3_rank_index_read_bytes"] == rep["s3_rank_index_read_bytes_whole"] == len(sections)
+    assert rep["s3_rank_index_gets"] == 1
+
+
+def test_s3_report_ranged_index_reads(monkeypatch):
+    """An index above MEGASHARD_S3_INDEX_WHOLE_BYTES (here 0; 1 KiB blocks): each rank's own load
+    is head + digest (2 GETs) and the index's block GETs (``index``: its last block, then those of
+    its sections), as many as the
+    load's block reader fetches, and fewer bytes than the whole index; the data GETs are as before."""
+    monkeypatch.setenv("MEGASHARD_S3_INDEX_WHOLE_BYTES", "0")
+    monkeypatch.setenv("MEGASHARD_S3_INDEX_BLOCK_BYTES", "1024")
+    layout = sm.Layout(tp=2, pp=2, dp=2, distributed_optimizer=True)
+    out = ss.simulate_save("tiny-gpt", layout)
+    head, sections = out["_head"], out["_sections"]
+    rep = ss.s3_report(head, sections, "tiny-gpt", layout, sample=16, ranks_per_node=2)
+    plans = [ss.plan_rank(head, sections, "tiny-gpt", layout, r, ranges=True, s3_index=True) for r in range(8)]
+    files_read = [len({f for f, _, n in p["ranges"] if n}) for p in plans]
+    assert all(p["index_read_bytes"] - len(head) <= p["s3_index_bytes"] < len(sections) for p in plans), (
+        [p["s3_index_bytes"] for p in plans], len(sections))
+    assert rep["s3_rank_index_read_bytes"] == max(p["s3_index_bytes"] for p in plans)
+    assert rep["s3_rank_index_gets"] == max(p["s3_index_gets"] for p in plans) >= 1
+    own = rep["s3_load_own_gets"]
+    assert own["GET"] == 16 and own["HEAD"] == sum(files_read)
+    assert own["index"] == sum(p["s3_index_gets"] for p in plans)
+    assert own["data"] == sum(ss.s3_range_gets(p["ranges"]) for p in plans)
+
 
 def test_load_bytes_report_small_config_exact():
     """--load-bytes on TP2·DP2 (4 ranks, 2 per node, both nodes sampled): ``own`` is every rank's

@@ -32,6 +32,7 @@ import json
 import logging
 import re
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ...errors import CheckpointError, CommitConflictError, CommitOutcomeUnknownError
@@ -39,7 +40,8 @@ from ...saveroot import TRACKER_MAX, TRACKER_NAME, parse_iteration_dir_name, par
 from ..base import MANIFEST_DIGEST_NAME as DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, manifest_digest
 from ..base import max_manifest_bytes as _max_head
 from ..ownership import DEFAULT_STALE_AGE_S, why_kept
-from .client import FileRange, ObjectInfo, ObjectStore, ObjectTooLargeError, _run_parallel, connections, part_bytes, single_put_bytes
+from .client import (FileRange, MiB, ObjectInfo, ObjectStore, ObjectTooLargeError, _env_int, _run_parallel,
+                     connections, get_bytes_limit, part_bytes, single_put_bytes)
 from .url import check_object_name, child, parse_url
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,89 @@ DATA_PREFIX = ".megashard-save-"
 HEAD_FIELD = "data_prefix"
 _DATA_PREFIX_RE = re.compile(r"\.megashard-save-[A-Za-z0-9_-]{1,64}\Z")
 _DIGEST_RE = re.compile(rb"[0-9a-f]{64}\n")
+_INDEX_CACHE_BYTES = 64 * MiB  # index blocks a load keeps (a rank needs a few MiB of them; verify reads on)
+
+
+def index_whole_bytes() -> int:
+    """Largest ``manifest.index`` a load fetches whole, in one GET beside the digest's
+    (``MEGASHARD_S3_INDEX_WHOLE_BYTES``, default 4 MiB): below it a rank needs a large share of
+    it anyway and ranged reads would cost more round trips than the bytes they save; above it
+    (Llama-3-70B at 16,384 ranks: 8.2 MB; at 131,072: 47 MB, more for larger models) a rank reads
+    only the blocks holding its sections."""
+    return _env_int("MEGASHARD_S3_INDEX_WHOLE_BYTES", 4 * MiB, 0)
+
+
+def index_block_bytes() -> int:
+    """The unit of ranged index reads (``MEGASHARD_S3_INDEX_BLOCK_BYTES``, default 256 KiB): a rank's
+    ~150 sections fall into ~12 such blocks at 16,384 ranks (64 KiB: ~30 GETs; 1 MiB: twice the bytes)."""
+    return _env_int("MEGASHARD_S3_INDEX_BLOCK_BYTES", 256 << 10, 1)
+
+
+class IndexBlocks:
+    """Ranged reads of one ``manifest.index`` of ``size`` bytes (already checked against the
+    object's real size) in aligned blocks of ``block`` bytes, kept (least recently used first
+    out, beyond ``cache_bytes``) so a rank's neighbouring sections share GETs. A miss right after
+    the previous one's blocks (a scan: ``verify``, ``inspect``) reads ahead, doubling up to one
+    ``MEGASHARD_S3_GET_BYTES``. ``fetch(reqs)``: fill ``(offset, view)`` requests (one call per
+    miss, its blocks adjacent). No store here: the simulator counts what a load would fetch."""
+
+    def __init__(self, size: int, fetch: Callable[[List[Tuple[int, memoryview]]], Any], where: str,
+                 block: Optional[int] = None, cache_bytes: int = _INDEX_CACHE_BYTES,
+                 ahead_bytes: Optional[int] = None) -> None:
+        self.size, self.fetch, self.where = size, fetch, where
+        self.block = block or index_block_bytes()
+        self.cache: "OrderedDict[int, bytes]" = OrderedDict()
+        self.cache_blocks = max(1, cache_bytes // self.block)
+        self.max_ahead = max(0, (ahead_bytes if ahead_bytes is not None else get_bytes_limit()) // self.block - 1)
+        self.ahead = 0
+        self.next_block = -1  # the block after the last miss's
+        self.fetched = self.gets = 0  # bytes and fetch calls
+
+    def read_into(self, reqs: Sequence[Tuple[int, memoryview]]) -> int:
+        for off, mv in reqs:  # before anything is fetched or allocated
+            if off < 0 or off + len(mv) > self.size:
+                raise CheckpointError(f"{self.where}: byte range {off}+{len(mv)} past its end ({self.size} bytes); "
+                                      "the checkpoint is damaged or hostile")
+        n = 0
+        for off, mv in reqs:
+            if not len(mv):
+                continue
+            first, last = off // self.block, (off + len(mv) - 1) // self.block
+            missing = [b for b in range(first, last + 1) if b not in self.cache]
+            if missing:
+                self._miss(missing[0], missing[-1])
+            pos = 0
+            for b in range(first, last + 1):
+                data = self.cache[b]
+                self.cache.move_to_end(b)
+                a = off + pos - b * self.block
+                take = min(len(mv) - pos, len(data) - a)
+                mv[pos:pos + take] = data[a:a + take]
+                pos += take
+            n += len(mv)
+            while len(self.cache) > self.cache_blocks:  # after the copy: never a block this request needs
+                self.cache.popitem(last=False)
+        return n
+
+    def _miss(self, first: int, last: int) -> None:
+        self.ahead = min(max(1, 2 * self.ahead), self.max_ahead) if first == self.next_block else 0
+        end, stop = last + 1, min(last + 1 + self.ahead, -(-self.size // self.block))
+        while end < stop and end not in self.cache:  # read ahead up to the first block already here
+            end += 1
+        bufs = [(b, bytearray(min(self.block, self.size - b * self.block))) for b in range(first, end)
+                if b not in self.cache]
+        self.fetch([(b * self.block, memoryview(buf)) for b, buf in bufs])
+        self.gets += 1
+        for b, buf in bufs:
+            self.fetched += len(buf)
+            self.cache[b] = bytes(buf)
+        self.next_block = end
+
+
+def _index_name() -> str:
+    from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
+
+    return INDEX_NAME
 
 
 def _location(url: str) -> Tuple[ObjectStore, str, str]:
@@ -352,7 +437,9 @@ class ObjectCheckpointFiles:
         self._prefix: Optional[str] = getattr(index, "data_prefix", None)
         self._index_etag: Optional[str] = getattr(index, "index_etag", None)
         self._infos: Dict[str, ObjectInfo] = {}
-        self._index_bytes: Optional[bytes] = None
+        self._index_bytes: Optional[bytes] = None  # the whole index (fetched whole: small, or a scatter reader's)
+        self._index_info: Optional[ObjectInfo] = None  # its HEAD, fetched with the digest (ranged reads)
+        self._index_blocks: Optional[IndexBlocks] = None  # ranged reads of a large index
 
     @staticmethod
     def read_threads() -> int:
@@ -397,9 +484,14 @@ class ObjectCheckpointFiles:
 
     def read_manifest_bytes(self) -> bytes:
         """The head, checked against the digest its save wrote (no listing). A head that names its
-        index's ETag has the index fetched (pinned to that ETag, at most the head's size limit) at
-        the same time as the digest: one round trip less for every load; the index's bytes are
-        used only once the digest has matched the head (:meth:`_read_index` checks their size)."""
+        index's ETag and claims at most :func:`index_whole_bytes` has the index fetched whole (pinned
+        to that ETag, at most the head's size limit) at the same time as the digest: one round trip
+        less for every load. A larger index has its last block fetched then instead (a ranged GET
+        pinned to that ETag, whose ``Content-Range`` proves the object's real size equals the head's
+        claim: the checks of a HEAD, with bytes every rank reads: the state trees and the file table
+        are at the end), and later only the blocks holding the sections a rank reads
+        (:meth:`_read_index`); a head without the index's ETag has the index's HEAD fetched instead.
+        Nothing fetched beside the digest is used before the digest has matched the head."""
         where = f"{self.base}/{MANIFEST_NAME}"
         data, etag = self.store.get_bytes(f"{self.key}/{MANIFEST_NAME}", _max_head())
         doc = _parse_head(data, where)
@@ -411,9 +503,18 @@ class ObjectCheckpointFiles:
         self._prefix = check_data_prefix(doc.get(HEAD_FIELD), where)
         idx = doc.get("index")
         self._index_etag = idx.get("etag") if isinstance(idx, dict) and isinstance(idx.get("etag"), str) else None
-        self._index_bytes = None
+        self._index_bytes = self._index_info = self._index_blocks = None
+        self._infos.pop(_index_name(), None)
+        claimed = idx.get("bytes") if isinstance(idx, dict) else None
         gets: List[Callable[[], Any]] = [lambda: self.store.get_bytes(self.object_key(DIGEST_NAME), 1024)]
-        if self._index_etag is not None:
+        ranged = isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > index_whole_bytes()
+        if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 0:
+            pass  # version 1, or refused when the index is opened
+        elif ranged and self._index_etag is not None and claimed <= _max_head():
+            gets.append(lambda: self._prefetch_index_tail(claimed))
+        elif ranged:
+            gets.append(self._prefetch_index_info)
+        elif self._index_etag is not None:
             gets.append(self._prefetch_index)
         (raw, _), *index = _run_parallel(gets, len(gets))
         if not _DIGEST_RE.fullmatch(raw):
@@ -423,8 +524,38 @@ class ObjectCheckpointFiles:
             raise CheckpointError(f"{where}: SHA-256 does not match {self.path(DIGEST_NAME)}: the manifest is damaged "
                                   "(or was replaced while it was read: try again)")
         self.head_etag = etag
-        self._index_bytes = index[0] if index else None
+        if index and isinstance(index[0], IndexBlocks):
+            self._index_blocks = index[0]
+        elif index and ranged:
+            self._index_info = index[0]
+        elif index:
+            self._index_bytes = index[0]
         return data
+
+    def _prefetch_index_tail(self, size: int) -> Optional[IndexBlocks]:
+        """A block reader of the index with its last block in (its GET pinned to the head's index
+        ETag and checked against ``size``), or None (:meth:`_read_index` checks with a HEAD, and says why)."""
+        blocks = self._new_index_blocks(size, self._index_etag)
+        try:
+            blocks.read_into([(size - 1, memoryview(bytearray(1)))])
+        except CheckpointError:
+            return None
+        return blocks
+
+    def _new_index_blocks(self, size: int, etag: Optional[str]) -> IndexBlocks:
+        key = self.object_key(_index_name())
+
+        def fetch(got: List[Tuple[int, memoryview]]) -> None:
+            self.store.read_many([(key, got, size, etag)])
+
+        return IndexBlocks(size, fetch, self.path(_index_name()))
+
+    def _prefetch_index_info(self) -> Optional[ObjectInfo]:
+        """The index's HEAD, or None (:meth:`open` asks again, and says why)."""
+        try:
+            return self.store.head(self.object_key(_index_name()))
+        except CheckpointError:
+            return None
 
     def _prefetch_index(self) -> Optional[bytes]:
         """The index's bytes, or None when they cannot be had: the head is checked first (its
@@ -442,7 +573,7 @@ class ObjectCheckpointFiles:
         info = self._infos.get(name)
         if info is None:
             key = self.object_key(name)
-            info = self.store.head(key)
+            info = self._index_info if name == _index_name() and self._index_info is not None else self.store.head(key)
             if info is None:
                 raise CheckpointError(f"{self.path(name)}: no such object")
             want = self._etag(name)
@@ -503,12 +634,18 @@ class ObjectCheckpointFiles:
         return n + self.store.read_many(jobs_s3, done=None if done is None else (lambda j: done(where[j])))
 
     def _read_index(self, reqs: Sequence[Tuple[int, memoryview]], size: Optional[int]) -> int:
-        """The index's sections are small and many: the whole index in one GET, once. Read (and
-        its size checked against the head's ``size``) on the first call, even one without
-        requests: the index is opened that way (:class:`megashard.index._IndexFile`), before
-        any section's length, which the head claims, sizes a buffer."""
+        """The index's sections are small and many. An index of at most :func:`index_whole_bytes`
+        (or one read without its size): the whole index in one GET, once. A larger one: its blocks
+        holding the sections asked for (:class:`IndexBlocks`), each GET pinned to the head's index
+        ETag (or, where the head has none, to the one its HEAD saw) and checked against its size
+        (the last block came with the digest, :meth:`read_manifest_bytes`; without it, a HEAD first).
+        Checked on the first call, even one without requests (the index is opened that way,
+        :class:`megashard.index._IndexFile`): its size against the head's ``size``, before any
+        section's length, which the head claims, sizes a buffer."""
         from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
 
+        if self._index_bytes is None and size is not None and size > index_whole_bytes():
+            return self._read_index_ranged(reqs, size)
         if self._index_bytes is None and (reqs or size is not None):
             limit = _max_head() if size is None else min(size, _max_head())
             try:
@@ -536,6 +673,16 @@ class ObjectCheckpointFiles:
             mv[:] = data[off:off + len(mv)]
             n += len(mv)
         return n
+
+    def _read_index_ranged(self, reqs: Sequence[Tuple[int, memoryview]], size: int) -> int:
+        name = _index_name()
+        if self._index_blocks is None or self._index_blocks.size != size:
+            if size > _max_head():
+                raise CheckpointError(f"{self.path(name)}: the manifest claims {size} bytes, more than "
+                                      f"MEGASHARD_MAX_MANIFEST_BYTES={_max_head()}; the checkpoint is damaged or hostile")
+            info = self.open(name, size)  # real size and ETag (a HEAD), before any buffer
+            self._index_blocks = self._new_index_blocks(size, self._index_etag or info.etag)
+        return self._index_blocks.read_into(reqs)
 
     def tensor_reader(self, name: str) -> Any:
         """A :class:`~megashard.format.TensorFileReader` of a copy of the whole object in an
