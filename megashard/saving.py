@@ -39,7 +39,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -189,7 +189,7 @@ def _tree_parts(st: _SaveState, rank: int) -> List[Tuple[str, str]]:
     (Megatron's args, iteration, ...) get the same id and are sent and stored once;
     parts holding this rank's own tensors are this rank's alone."""
     tree = st.tree
-    local_tops = {_top(lt.path) for lt in st.local}
+    local_tops = _path_prefixes(lt.path for lt in st.local)
     if isinstance(tree, dict) and jsonstate.TAG not in tree and TREE_WHOLE not in tree:
         items = list(tree.items())
     else:
@@ -205,8 +205,17 @@ def _tree_parts(st: _SaveState, rank: int) -> List[Tuple[str, str]]:
     return out
 
 
-def _top(path: str) -> str:
-    return path.split(".", 1)[0].split("[", 1)[0]
+def _path_prefixes(paths: Iterable[str]) -> Set[str]:
+    """Every prefix of these state paths that ends where a key or index does (``a.b[0].c``:
+    ``a``, ``a.b``, ``a.b[0]``, itself). A top-level key may hold dots itself
+    (``layer.0.weight``), so its tensors' paths cannot be cut back to it at the first dot: a key
+    in this set may hold one of these paths (a key that merely looks like a prefix is taken as
+    this rank's own too, which costs only sharing)."""
+    out: Set[str] = set()
+    for p in paths:
+        out.add(p)
+        out.update(p[:i] for i, ch in enumerate(p) if ch in ".[")
+    return out
 
 
 def announce(st: _SaveState, rank: int) -> Dict[str, Any]:
