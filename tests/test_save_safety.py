@@ -702,3 +702,35 @@ def test_a_commit_looks_again_when_a_shared_mount_fails_a_raced_rename(tmp_path,
         megashard.save({"w": torch.arange(6.0)}, final)
     assert torch.equal(megashard.load({"w": torch.empty(5)}, final)["w"], torch.arange(5.0))
     assert fails["rename"] == 100 - 1 - storage.posix.MAX_RACED_RENAMES
+
+
+def test_a_commit_whose_moved_aside_copy_lost_its_manifest_to_a_raced_rename_commits(tmp_path, monkeypatch):
+    """Two nodes moving one checkpoint aside at the same moment on ``weed mount`` split its entries
+    between their two names: this save's copy holds megashard's files without the manifest. That
+    copy is superseded like any other: the save commits and removes it; a copy holding files
+    megashard did not write is still put back and the save refused."""
+    final = tmp_path / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, final)
+    real_rename = os.rename
+    stray = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    stray.mkdir()
+    intrude = {"file": None}
+
+    def split_rename(src, dst, *a, **kw):
+        real_rename(src, dst, *a, **kw)
+        if os.fspath(src) == str(final) and ".old-" in os.fspath(dst):
+            if intrude["file"]:
+                Path(dst, intrude["file"]).write_text("mine")
+            else:
+                real_rename(Path(dst, "manifest.json"), stray / "manifest.json")  # the other node's half
+
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.3")
+    monkeypatch.setattr(os, "rename", split_rename)
+    megashard.save({"w": torch.arange(5.0)}, final)
+    assert torch.equal(megashard.load({"w": torch.empty(5)}, final)["w"], torch.arange(5.0))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+    intrude["file"] = "notes.txt"
+    with pytest.raises(MegashardError, match="no longer a megashard checkpoint"):
+        megashard.save({"w": torch.arange(6.0)}, final)
+    assert (final / "notes.txt").read_text() == "mine"

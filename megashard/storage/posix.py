@@ -101,7 +101,7 @@ import socket
 import stat
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from ..errors import CheckpointError, CommitConflictError
 from ..saveroot import TRACKER_MAX, TRACKER_NAME, iteration_dir_name, parse_iteration_dir_name, parse_tracker
@@ -729,6 +729,13 @@ def _settled_replace_problem_at(dfd: int, where: str) -> Optional[str]:
     return _settled(lambda: replace_problem_at(dfd, where), where)
 
 
+def _fragment_ok(dfd: int, where: str) -> Optional[str]:
+    """:func:`replace_problem_at` of a copy this commit moved aside that held megashard's files
+    without their manifest (:func:`commit_dir`): that is no reason to keep it, anything else is."""
+    why = replace_problem_at(dfd, where)
+    return None if why == NO_MANIFEST else why
+
+
 def check_save_target(final_dir: PathLike) -> None:
     """Refuse (CheckpointError naming it) a save target that is not a megashard checkpoint
     with only megashard's files, an empty directory, or absent (see the module docstring).
@@ -912,6 +919,7 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
     token = m.group("token") if m else uuid.uuid4().hex
     olds: List[str] = []  # what this commit moved aside: the only names it deletes
     raced: List[OSError] = []  # renames a shared mount failed while another node's raced them
+    fragments: Set[str] = set()  # of olds: parts of a checkpoint another node's raced rename split
     for _round in range(MAX_COMMIT_ROUNDS):
         if _occupied(final):
             check_save_target(final)
@@ -930,7 +938,14 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
             fsync_path(parent)
             logger.debug("moved existing %s aside to %s", final, old)
             why = _settled(lambda: replace_problem(old), old)
-            if why is not None:  # replaced by something else since it was checked: put it back
+            if why == NO_MANIFEST:
+                # only megashard's files, its manifest elsewhere: another node moved the same checkpoint
+                # aside at the same moment on a mount whose directory renames are not atomic (weed mount
+                # splits the entries between the two names). It is superseded like any copy moved aside
+                fragments.add(old)
+                logger.warning("%s moved aside without its %s (another node's rename raced this one on a "
+                               "mount whose renames are not atomic): committing after it", final, MANIFEST_NAME)
+            elif why is not None:  # replaced by something else since it was checked: put it back
                 olds.pop()
                 _put_back(old, final)
                 raise CheckpointError(f"refusing to replace {final}: it is no longer a megashard checkpoint "
@@ -962,7 +977,7 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
         pass
     for old in olds:  # the new checkpoint is durable: the copies this save moved aside are garbage
         try:
-            why = remove_checkpoint(old, check=_settled_replace_problem_at)
+            why = remove_checkpoint(old, check=_fragment_ok if old in fragments else _settled_replace_problem_at)
             if why is not None:
                 logger.warning("committed %s, but left %s: %s", final, old, why)
         except OSError as e:  # committed all the same; recover() or a later clean-up removes it
