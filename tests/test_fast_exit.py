@@ -55,8 +55,8 @@ def test_torchrun_runs_again_when_another_process_took_its_port(tmp_path, monkey
     sys.path.insert(0, TESTS)
     from megatron_helpers import runner
 
-    script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('rank', os.environ['RANK'], 'ran')\n")
+    script = tmp_path / "hello.py"  # each rank leaves a file (their output may interleave)
+    script.write_text(f"import os, pathlib\npathlib.Path({str(tmp_path)!r}, 'rank' + os.environ['RANK']).touch()\n")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -65,5 +65,5 @@ def test_torchrun_runs_again_when_another_process_took_its_port(tmp_path, monkey
         monkeypatch.setattr(runner, "free_port", lambda: ports.pop() if ports else real())
         run = runner.torchrun(str(script), [], nproc=2, timeout=120)
     assert run.returncode == 0, run.output[-3000:]
-    assert "rank 0 ran" in run.output and "rank 1 ran" in run.output
+    assert (tmp_path / "rank0").exists() and (tmp_path / "rank1").exists(), run.output[-3000:]
     assert not ports
