@@ -275,14 +275,17 @@ def floor_put(store: ObjectStore, key: str, flat: memoryview, streams: int) -> N
         "Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]})
 
 
-def floor_get(store: ObjectStore, key: str, dest: memoryview, streams: int) -> None:
-    """The object as ``streams`` equal ranged GETs on as many connections, read into ``dest``."""
+def floor_get(store: ObjectStore, key: str, dest: memoryview, streams: int,
+              on_get: Optional[Callable[[int, int, float, float, float], None]] = None) -> None:
+    """The object as ``streams`` equal ranged GETs on as many connections, read into ``dest``;
+    ``on_get(start, stop, t_sent, t_headers, t_done)`` (``time.perf_counter``) after each GET."""
     url = store.boto3_client().generate_presigned_url("get_object", Params={"Bucket": store.bucket, "Key": key},
                                                       ExpiresIn=3600)
     n = len(dest)
     step = -(-n // streams)
 
     def get(a: int) -> None:
+        t0 = time.perf_counter()
         b = min(n, a + step)
         conn, target = _connect(url)
         try:
@@ -290,6 +293,7 @@ def floor_get(store: ObjectStore, key: str, dest: memoryview, streams: int) -> N
             conn.putheader("Range", f"bytes={a}-{b - 1}")
             conn.endheaders()
             resp = conn.getresponse()
+            th = time.perf_counter()
             if resp.status != 206 or int(resp.getheader("Content-Length", "-1")) != b - a:
                 raise RuntimeError(f"floor GET {key}: HTTP {resp.status} length {resp.getheader('Content-Length')}")
             got = a
@@ -300,6 +304,8 @@ def floor_get(store: ObjectStore, key: str, dest: memoryview, streams: int) -> N
                 got += r
         finally:
             conn.close()
+        if on_get is not None:
+            on_get(a, b, t0, th, time.perf_counter())
 
     with ThreadPoolExecutor(streams) as ex:
         list(ex.map(get, range(0, n, step)))

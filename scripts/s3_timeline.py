@@ -96,34 +96,10 @@ def instrument() -> None:
 
 def floor_get(store: ObjectStore, key: str, dest: memoryview, streams: int) -> None:
     """bench_s3.floor_get with each GET recorded."""
-    url = store.boto3_client().generate_presigned_url("get_object", Params={"Bucket": store.bucket, "Key": key},
-                                                      ExpiresIn=3600)
-    n = len(dest)
-    step = -(-n // streams)
+    def on_get(a: int, b: int, t0: float, th: float, t1: float) -> None:
+        record("GET_RANGE", t0 - T0[0], t1 - T0[0], bytes=b - a, headers=th - T0[0])
 
-    def get(a: int) -> None:
-        t0 = now()
-        b = min(n, a + step)
-        conn, target = B._connect(url)
-        try:
-            conn.putrequest("GET", target, skip_accept_encoding=True)
-            conn.putheader("Range", f"bytes={a}-{b - 1}")
-            conn.endheaders()
-            resp = conn.getresponse()
-            th = now()
-            got = a
-            while got < b:
-                r = resp.readinto(dest[got:b])
-                if not r:
-                    raise RuntimeError("short")
-                got += r
-        finally:
-            conn.close()
-        record("GET_RANGE", t0, now(), bytes=b - a, headers=th)
-
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(streams) as ex:
-        list(ex.map(get, range(0, n, step)))
+    B.floor_get(store, key, dest, streams, on_get=on_get)
 
 
 def summary(events: List[Dict[str, Any]], total: float, conns: int) -> Dict[str, Any]:
