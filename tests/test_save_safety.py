@@ -734,3 +734,58 @@ def test_a_commit_whose_moved_aside_copy_lost_its_manifest_to_a_raced_rename_com
     with pytest.raises(MegashardError, match="no longer a megashard checkpoint"):
         megashard.save({"w": torch.arange(6.0)}, final)
     assert (final / "notes.txt").read_text() == "mine"
+
+
+def _dir_path(fd) -> str:
+    """The path of a directory descriptor (``/proc/self/fd``), or '' for a path argument."""
+    return os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else os.fspath(fd)
+
+
+def test_a_commit_looks_again_when_its_moved_aside_copy_cannot_be_listed(tmp_path, monkeypatch):
+    """On ``weed mount`` a directory this commit just moved aside can be opened yet not listed
+    (ENOENT: another node's rename of the same name moved or emptied it meanwhile). That is a raced
+    rename like EIO: the commit looks again (bounded by ``MEGASHARD_FS_WAIT_S``) and commits, deleting
+    only what it created; a listing that keeps failing fails the save with an error naming the copy,
+    the checkpoint and what to do, and the previous checkpoint stays."""
+    final = tmp_path / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, final)
+    real_scandir, real_rename = os.scandir, os.rename
+    fails = {"list": 2, "steal": False}
+    other = tmp_path / ".ckpt.old-othernode"  # the name another node moved the checkpoint to
+
+    def flaky_scandir(path=".", *a, **kw):
+        where = _dir_path(path)
+        if fails["list"] > 0 and ".ckpt.old-" in os.path.basename(where) and "othernode" not in where:
+            fails["list"] -= 1
+            if fails["steal"] and os.path.isdir(where):  # the other node's rename took it, entries and all
+                real_rename(where, other)
+            raise OSError(errno.ENOENT, "No such file or directory", path)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "2")
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    megashard.save({"w": torch.arange(5.0)}, final)  # the listing shows again on a later look
+    assert fails["list"] == 0
+    assert torch.equal(megashard.load({"w": torch.empty(5)}, final)["w"], torch.arange(5.0))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+    fails.update(list=1, steal=True)  # the copy is gone: another node holds it under its own name
+    megashard.save({"w": torch.arange(6.0)}, final)
+    assert fails["list"] == 0
+    assert torch.equal(megashard.load({"w": torch.empty(6)}, final)["w"], torch.arange(6.0))
+    assert sorted(os.listdir(tmp_path)) == [".ckpt.old-othernode", "ckpt"]  # not this save's to delete
+    assert torch.equal(megashard.load({"w": torch.empty(5)}, other)["w"], torch.arange(5.0))
+    storage.remove_checkpoint(other)
+
+    fails.update(list=10**6, steal=False)  # a listing that never comes back: refused, nothing lost
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.5")
+    with pytest.raises(MegashardError) as ei:
+        megashard.save({"w": torch.arange(7.0)}, final)
+    msg = str(ei.value)
+    assert "cannot be listed (No such file or directory)" in msg and str(final) in msg, msg
+    assert "retry" in msg and "MEGASHARD_FS_WAIT_S" in msg, msg
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    found = storage.locate(final)
+    assert found is not None, os.listdir(tmp_path)
+    assert torch.equal(megashard.load({"w": torch.empty(6)}, found)["w"], torch.arange(6.0))
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
