@@ -769,13 +769,18 @@ def test_a_commit_looks_again_when_its_moved_aside_copy_cannot_be_listed(tmp_pat
     assert torch.equal(megashard.load({"w": torch.empty(5)}, final)["w"], torch.arange(5.0))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
-    fails.update(list=1, steal=True)  # the copy is gone: another node holds it under its own name
-    megashard.save({"w": torch.arange(6.0)}, final)
+    # the copy is gone: another node holds it under its own name. The commit (without the save's
+    # clean-up of superseded copies afterwards) deletes only what it created
+    fails.update(list=1, steal=True)
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    tmp = _mk(Path(storage.temp_dir_name(final, "aaaa")), 6)
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    storage.commit_dir(tmp, final)
     assert fails["list"] == 0
-    assert torch.equal(megashard.load({"w": torch.empty(6)}, final)["w"], torch.arange(6.0))
-    assert sorted(os.listdir(tmp_path)) == [".ckpt.old-othernode", "ckpt"]  # not this save's to delete
+    assert torch.equal(loaded_w(final), state(6)["w"].data)
+    assert sorted(os.listdir(tmp_path)) == [".ckpt.old-othernode", "ckpt"]
     assert torch.equal(megashard.load({"w": torch.empty(5)}, other)["w"], torch.arange(5.0))
-    storage.remove_checkpoint(other)
+    assert storage.remove_checkpoint(other) is None
 
     fails.update(list=10**6, steal=False)  # a listing that never comes back: refused, nothing lost
     monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.5")
@@ -787,5 +792,39 @@ def test_a_commit_looks_again_when_its_moved_aside_copy_cannot_be_listed(tmp_pat
     monkeypatch.setattr(os, "scandir", real_scandir)
     found = storage.locate(final)
     assert found is not None, os.listdir(tmp_path)
-    assert torch.equal(megashard.load({"w": torch.empty(6)}, found)["w"], torch.arange(6.0))
+    assert torch.equal(loaded_w(found), state(6)["w"].data)
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_a_save_target_that_cannot_be_listed_for_a_moment_is_looked_at_again(tmp_path, monkeypatch):
+    """The target itself can be opened yet not listed while another node's rename moves it (weed
+    mount): the check looks again instead of calling it 'not a megashard checkpoint'; when that
+    persists, the error says what happened and what to do, and nothing changed."""
+    final = tmp_path / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, final)
+    real_scandir = os.scandir
+    fails = {"list": 2}
+
+    def flaky_scandir(path=".", *a, **kw):
+        if fails["list"] > 0 and _dir_path(path) == str(final):
+            fails["list"] -= 1
+            raise OSError(errno.ENOENT, "No such file or directory", path)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "2")
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    storage.check_save_target(final)
+    assert fails["list"] == 0
+
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    before = tree(tmp_path)
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    fails["list"] = 10**6
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.3")
+    with pytest.raises(CheckpointError) as ei:
+        storage.check_save_target(final)
+    msg = str(ei.value)
+    assert f"cannot save to {final} now" in msg and "cannot be listed (No such file or directory)" in msg, msg
+    assert "not a megashard checkpoint" not in msg and "retry" in msg, msg
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    assert tree(tmp_path) == before

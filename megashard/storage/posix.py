@@ -687,6 +687,8 @@ def replace_problem_at(dfd: int, where: str) -> Optional[str]:
         with os.scandir(dfd) as it:
             regular = {e.name: e.is_file(follow_symlinks=False) for e in it}
     except OSError as e:
+        if e.errno in _VANISHING_ERRNOS:  # one message per errno: _settled looks again at these
+            return f"it cannot be listed ({os.strerror(e.errno)})"
         return f"it cannot be listed ({e.strerror})"
     foreign = sorted(n for n, reg in regular.items() if not (reg and _megashard_member(n)))
     shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 8 else "")
@@ -702,31 +704,54 @@ def replace_problem_at(dfd: int, where: str) -> Optional[str]:
 #: :func:`replace_problem` of a directory holding only megashard's names but no manifest.
 NO_MANIFEST = f"it has no {MANIFEST_NAME}"
 
+#: Listing a directory just opened fails with these when it is gone meanwhile: on a shared mount
+#: another node's rename moved or emptied it (``weed mount`` answers ENOENT; NFS ESTALE).
+_VANISHING_ERRNOS = (errno.ENOENT, errno.ESTALE)
 
-def _settled(problem: Callable[[], Optional[str]], where: str) -> Optional[str]:
-    """``problem()``, asked again while it says :data:`NO_MANIFEST`, up to :func:`fs_wait_s`.
+#: :func:`replace_problem` of a directory that could be opened but not listed (:data:`_VANISHING_ERRNOS`).
+VANISHED = tuple(f"it cannot be listed ({os.strerror(n)})" for n in _VANISHING_ERRNOS)
+
+#: What :func:`_settled` looks at again: a rename still arriving or another node's rename racing this look.
+_UNSETTLED = (NO_MANIFEST,) + VANISHED
+
+
+def _settled(problem: Callable[[], Optional[str]], where: str,
+             unsettled: Tuple[str, ...] = _UNSETTLED) -> Optional[str]:
+    """``problem()``, asked again while its answer is one of ``unsettled``, up to :func:`fs_wait_s`.
 
     A directory of megashard's files without a manifest may be a commit still arriving: a shared
     mount whose directory rename is not atomic (``weed mount`` shows the entries of a renamed
-    directory one by one, to its own node too) shows it so for a moment."""
+    directory one by one, to its own node too) shows it so for a moment. A directory that could be
+    opened but not listed (:data:`VANISHED`) was moved or emptied by another node's rename of the
+    same name meanwhile: looked at again (by path), it is gone, or shows what it holds."""
     why = problem()
-    if why != NO_MANIFEST:
+    if why not in unsettled:
         return why
     t0, seen = time.monotonic(), [why]
 
     def settled() -> bool:
         seen[0] = problem()
-        return seen[0] != NO_MANIFEST
+        return seen[0] not in unsettled
 
     if _poll(settled, fs_wait_s()):
-        logger.info("%s showed its %s after %.2f s (a rename arriving on a shared file system; "
-                    "MEGASHARD_FS_WAIT_S bounds the wait)", where, MANIFEST_NAME, time.monotonic() - t0)
+        logger.info("%s: %s at first, settled after %.2f s (a rename arriving or racing on a shared file "
+                    "system; MEGASHARD_FS_WAIT_S bounds the wait)", where, why, time.monotonic() - t0)
     return seen[0]
 
 
 def _settled_replace_problem_at(dfd: int, where: str) -> Optional[str]:
-    """:func:`replace_problem_at`, waiting out a rename still arriving (:func:`_settled`)."""
-    return _settled(lambda: replace_problem_at(dfd, where), where)
+    """:func:`replace_problem_at`, waiting out a rename still arriving (:func:`_settled`). A descriptor
+    that cannot be listed stays so: :func:`remove_checkpoint` opens the path again instead."""
+    return _settled(lambda: replace_problem_at(dfd, where), where, (NO_MANIFEST,))
+
+
+def _vanished_error(what: str, path: str, why: str, final: str) -> CheckpointError:
+    """The error of a directory that stayed unlistable (:data:`VANISHED`) for all of :func:`fs_wait_s`."""
+    return CheckpointError(
+        f"{what}: {path} was opened but {why[3:]} for {fs_wait_s():g} s: another node keeps renaming or deleting "
+        "it on a shared mount whose directory renames are not atomic (weed mount), or the mount lost it. Nothing "
+        f"was deleted (`megashard recover {final}` restores a copy a save moved aside); retry the save, and raise "
+        "MEGASHARD_FS_WAIT_S to look longer")
 
 
 def _fragment_ok(dfd: int, where: str) -> Optional[str]:
@@ -744,6 +769,8 @@ def check_save_target(final_dir: PathLike) -> None:
     why = _settled(lambda: replace_problem(final), final)
     if why is None:
         return
+    if why in VANISHED:
+        raise _vanished_error(f"cannot save to {final} now", final, why, final)
     if why.startswith("it holds files"):
         raise CheckpointError(
             f"refusing to save to {final}: {why}. A save replaces the whole directory and would delete them; "
@@ -945,6 +972,10 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
                 fragments.add(old)
                 logger.warning("%s moved aside without its %s (another node's rename raced this one on a "
                                "mount whose renames are not atomic): committing after it", final, MANIFEST_NAME)
+            elif why in VANISHED:  # another node's rename keeps it from this one: nothing to decide on
+                olds.pop()
+                _put_back(old, final)
+                raise _vanished_error(f"could not commit {temp_dir} as {final}", old, why, final)
             elif why is not None:  # replaced by something else since it was checked: put it back
                 olds.pop()
                 _put_back(old, final)
