@@ -828,3 +828,79 @@ def test_a_save_target_that_cannot_be_listed_for_a_moment_is_looked_at_again(tmp
     assert "not a megashard checkpoint" not in msg and "retry" in msg, msg
     monkeypatch.setattr(os, "scandir", real_scandir)
     assert tree(tmp_path) == before
+
+
+def test_a_deletion_whose_directory_cannot_be_listed_looks_again(tmp_path, monkeypatch):
+    """A copy being removed that was opened but cannot be listed (weed mount: another node's rename
+    moved or emptied it meanwhile) is opened again by its path and removed, not left behind."""
+    old = _mk(tmp_path / ".ckpt.old-aaaa", 1)
+    real_scandir = os.scandir
+    fails = {"list": 2}
+
+    def flaky_scandir(path=".", *a, **kw):
+        if fails["list"] > 0 and isinstance(path, int) and _dir_path(path) == str(old):
+            fails["list"] -= 1
+            raise OSError(errno.ENOENT, "No such file or directory", path)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    assert storage.remove_checkpoint(old, check=storage.posix._settled_replace_problem_at) is None
+    assert fails["list"] == 0 and os.listdir(tmp_path) == []
+
+
+def test_a_clean_up_goes_on_past_a_leftover_another_node_is_removing(tmp_path, monkeypatch):
+    """One leftover that cannot be listed (another node's deletion or rename has it) does not stop
+    the clean-up of the others."""
+    busy = tmp_path / f".ckpt.del-{'0' * 32}"
+    busy.mkdir()
+    (busy / "manifest.index").write_bytes(b"x")
+    empty = tmp_path / f".ckpt.del-{'f' * 32}"
+    empty.mkdir()
+    real_listdir, real_scandir = os.listdir, os.scandir
+
+    def gone(fn):
+        def call(path=".", *a, **kw):
+            if isinstance(path, int) and _dir_path(path) == str(busy):
+                raise OSError(errno.ENOENT, "No such file or directory", path)
+            return fn(path, *a, **kw)
+        return call
+
+    monkeypatch.setattr(os, "listdir", gone(real_listdir))
+    monkeypatch.setattr(os, "scandir", gone(real_scandir))
+    assert storage.cleanup_stale_temps(tmp_path) == [str(empty)]
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [busy.name]
+
+
+def test_a_save_removes_its_own_deletion_directory_a_mount_brings_back(tmp_path, monkeypatch):
+    """``weed mount`` can finish a directory rename after the renaming process removed the renamed
+    directory: the deletion's ``.<name>.del-*`` directory shows up again, holding the copy's files (no
+    owner record, so no other process can ever attribute it). The save that created it removes it
+    in its clean-up; one it did not create stays."""
+    final = tmp_path / "ckpt"
+    megashard.save(state(1), final)
+    files = {n: (final / n).read_bytes() for n in os.listdir(final)}
+    theirs = tmp_path / f".ckpt.del-{'a' * 32}"  # another process's, as fresh as ours
+    theirs.mkdir()
+    for n, b in files.items():
+        (theirs / n).write_bytes(b)
+    real_rmdir = os.rmdir
+    back = []
+
+    def late_rename(path, *a, **kw):
+        real_rmdir(path, *a, **kw)
+        name = os.fspath(path)
+        if name.startswith(".ckpt.del-") and not back:  # the rest of the rename arrives after the rmdir
+            back.append(name)
+            again = tmp_path / name
+            again.mkdir()
+            for n, b in files.items():
+                (again / n).write_bytes(b)
+
+    monkeypatch.setattr(os, "rmdir", late_rename)
+    megashard.save(state(2), final)
+    monkeypatch.undo()
+    assert back
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", theirs.name])
+    assert torch.equal(loaded_w(final), state(2)["w"].data)
+    assert {n: (theirs / n).read_bytes() for n in os.listdir(theirs)} == files
