@@ -80,8 +80,11 @@ machine (same boot id, hostname and pid namespace) that no longer runs (no such 
 one started at another time); or it has no such record or one from another machine, holds
 only names megashard writes, and nothing in it changed for ``older_than_s`` (24 h by
 default: another machine's save may still be running, or waiting for an async commit). An empty
-``.<name>.del-<hex>`` (a deletion killed before its last ``rmdir``) is removed at once: nothing in it to lose.
-Without such a record, one holding anything else is never removed. ``.<name>.old-*``
+``.<name>.del-<hex>`` (a deletion killed before its last ``rmdir``) is removed at once: nothing in it to lose,
+and so is one this process's own deletion created that holds only megashard's files (``weed mount`` can
+finish a directory rename after the directory was removed, bringing the name back; :data:`_OWN_DELETIONS`).
+Without such a record, one holding anything else is never removed. A leftover that cannot be listed (another
+node is renaming or removing it) is left for a later clean-up; the others are still looked at. ``.<name>.old-*``
 megashard checkpoints holding only megashard's names go once ``<name>`` is a checkpoint,
 the atomic writes' temporary files once old. Nothing else in the parent is touched.
 """
@@ -99,6 +102,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -806,22 +810,63 @@ def remove_checkpoint(path: PathLike, check: Optional[RemoveCheck] = None) -> Op
     except FileNotFoundError:
         return None
     try:
-        try:
-            dfd = _open_dir(base, dir_fd=pfd)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            why = "it is a symbolic link or a file, not a directory"
-            logger.warning("leaving %s: %s", path, why)
-            return why
-        try:
-            return _remove_dir(pfd, base, dfd, path, check)
-        finally:
-            os.close(dfd)
+        for look in range(MAX_RACED_RENAMES + 1):
+            try:
+                dfd = _open_dir(base, dir_fd=pfd)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                why = "it is a symbolic link or a file, not a directory"
+                logger.warning("leaving %s: %s", path, why)
+                return why
+            try:
+                why = _remove_dir(pfd, base, dfd, path, check)
+            finally:
+                os.close(dfd)
+            if why not in VANISHED or look == MAX_RACED_RENAMES:
+                return why
+            # opened but not listable: another node's rename moved or emptied it; its path, opened
+            # again, names what is there now (or nothing)
+            logger.info("%s: %s; looking again", path, why)
+            time.sleep(0.05 * (look + 1))
+        return why
     finally:
         os.close(pfd)
+
+
+#: The ``.<name>.del-*`` directories this process's :func:`remove_checkpoint` renamed a checkpoint (or a
+#: temporary) to, by path, oldest first, at most :data:`_OWN_DELETIONS_MAX`. ``weed mount`` can finish a
+#: directory rename after the renaming process removed the renamed directory: the ``.del-*`` name shows
+#: up again holding the copy's files (the owner record may be missing: no other process could attribute
+#: it for a day). This process created that name, so its clean-up (:func:`cleanup_stale_temps`, run by
+#: every commit) removes it, when it holds only files megashard writes (:func:`_own_deletion_check`).
+_OWN_DELETIONS: Dict[str, None] = {}
+_OWN_DELETIONS_MAX = 4096
+_OWN_DELETIONS_LOCK = threading.Lock()  # saves of one process may run in threads (async saves)
+
+
+def _own_deletion(path: str) -> bool:
+    return os.path.abspath(path) in _OWN_DELETIONS
+
+
+def _remember_deletion(path: str) -> None:
+    with _OWN_DELETIONS_LOCK:
+        _OWN_DELETIONS[os.path.abspath(path)] = None
+        while len(_OWN_DELETIONS) > _OWN_DELETIONS_MAX:
+            del _OWN_DELETIONS[next(iter(_OWN_DELETIONS))]
+
+
+def _forget_deletion(path: str) -> None:
+    with _OWN_DELETIONS_LOCK:
+        _OWN_DELETIONS.pop(os.path.abspath(path), None)
+
+
+def _own_deletion_check(dfd: int, where: str) -> Optional[str]:
+    """A :data:`RemoveCheck` for a ``.del-*`` directory this process created (:data:`_OWN_DELETIONS`):
+    removable when it holds nothing but files megashard writes."""
+    return None if _members_only(dfd) else "it holds names megashard does not write"
 
 
 def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[RemoveCheck]) -> Optional[str]:
@@ -855,6 +900,7 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
             why = "it was replaced by something else while being removed"
             logger.warning("leaving %s: %s", path, why)
             return why
+        _remember_deletion(os.path.join(os.path.dirname(path), trash))
     try:
         os.unlink(MANIFEST_NAME, dir_fd=dfd)
     except FileNotFoundError:
@@ -1382,10 +1428,19 @@ def cleanup_stale_temps(
                 check = replace_problem_at
             elif kind == "del" and not _ATOMIC_TEMP_TOKEN.match(m.group("token")):
                 continue  # not a name remove_checkpoint gives
+            elif _own_deletion(p):
+                check = _own_deletion_check
             else:
                 check = abandoned
-            if remove_checkpoint(p, check=check) is not None or os.path.lexists(p):
+            try:
+                if remove_checkpoint(p, check=check) is not None or os.path.lexists(p):
+                    continue
+            except OSError as e:  # another node's rename or deletion has it: not this clean-up's to finish
+                if e.errno not in _VANISHING_ERRNOS:
+                    raise
+                logger.info("left %s for now: %s (another node renaming or removing it on a shared mount)", p, e)
                 continue
+            _forget_deletion(p)
         else:
             if not (kind == "tmp" and stat.S_ISREG(st.st_mode) and _ATOMIC_TEMP_TOKEN.match(m.group("token"))
                     and (m.group("name") == TRACKER_NAME or _megashard_member(m.group("name")))
