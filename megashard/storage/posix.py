@@ -836,12 +836,13 @@ def remove_checkpoint(path: PathLike, check: Optional[RemoveCheck] = None) -> Op
         os.close(pfd)
 
 
-#: The ``.<name>.del-*`` directories this process's :func:`remove_checkpoint` renamed a checkpoint (or a
-#: temporary) to, by path, oldest first, at most :data:`_OWN_DELETIONS_MAX`. ``weed mount`` can finish a
-#: directory rename after the renaming process removed the renamed directory: the ``.del-*`` name shows
-#: up again holding the copy's files (the owner record may be missing: no other process could attribute
-#: it for a day). This process created that name, so its clean-up (:func:`cleanup_stale_temps`, run by
-#: every commit) removes it, when it holds only files megashard writes (:func:`_own_deletion_check`).
+#: The ``.<name>.del-*`` directories this process's :func:`remove_checkpoint` finished removing, by path,
+#: oldest first, at most :data:`_OWN_DELETIONS_MAX`. ``weed mount`` can finish a directory rename after
+#: the renaming process removed the renamed directory: the ``.del-*`` name shows up again holding the
+#: copy's files (the owner record may be missing: no other process could attribute it for a day). This
+#: process created that name and its deletion is over (one interrupted or still running is never listed
+#: here: the owner rule keeps it), so its clean-up (:func:`cleanup_stale_temps`, run by every commit)
+#: removes it, when it holds only files megashard writes (:func:`_own_deletion_check`).
 _OWN_DELETIONS: Dict[str, None] = {}
 _OWN_DELETIONS_MAX = 4096
 _OWN_DELETIONS_LOCK = threading.Lock()  # saves of one process may run in threads (async saves)
@@ -900,7 +901,6 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
             why = "it was replaced by something else while being removed"
             logger.warning("leaving %s: %s", path, why)
             return why
-        _remember_deletion(os.path.join(os.path.dirname(path), trash))
     try:
         os.unlink(MANIFEST_NAME, dir_fd=dfd)
     except FileNotFoundError:
@@ -934,6 +934,7 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
     if not _poll(emptied, fs_wait_s()):
         raise OSError(errno.ENOTEMPTY, f"still not empty after {fs_wait_s():g} s (MEGASHARD_FS_WAIT_S)",
                       os.path.join(os.path.dirname(path), base))
+    _remember_deletion(os.path.join(os.path.dirname(path), base))  # finished: should the name come back
     return None
 
 
