@@ -198,12 +198,17 @@ class _LoadWork:
             c.data = data
             self.by_read[id(read)] = c
 
-    def arrived(self, read: Any) -> None:
+    def arrived(self, read: Any, crc: Optional[int] = None) -> None:
         """All bytes of an op or row job are in (a reading thread): check its tensor's CRC32 now,
-        while later bytes still download, instead of after the load (:func:`check_crcs`)."""
+        while later bytes still download, instead of after the load (:func:`check_crcs`). ``crc``:
+        the CRC32 of exactly those bytes, already computed by the reads as they landed (an object
+        store's GETs, :meth:`~megashard.storage.s3.client.ObjectStore.read_many`): nothing left to do."""
         c = self.by_read.get(id(read))
         if c is not None:
-            c.compute()
+            if crc is not None:
+                c.data_crc = crc
+            else:
+                c.compute()
 
     def crc(self, file: Optional[str], name: str, what: str, header_offset: Any, data_offset: int, nbytes: int,
             crc32: Any, dtype: torch.dtype, shapes: List[Tuple[int, ...]]) -> Optional[_Crc]:

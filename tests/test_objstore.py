@@ -254,6 +254,48 @@ def test_read_many_reports_each_job_as_soon_as_its_bytes_are_in(s3, monkeypatch)
     assert seen[3] == (2, [True, True, True, True])
 
 
+def test_read_many_computes_each_jobs_crc32_as_its_bytes_land(s3, monkeypatch) -> None:
+    """``crcs``: each job's CRC32 (its requests' bytes concatenated in the order given) is computed by
+    the GETs as they fill the destinations and set before ``done(i)``, equal to zlib's over the
+    delivered bytes: a job cut over several GETs (at the GET size), a job of two requests (rows) shared
+    with another job's GET (gap skipped), a request for bytes another job also asks for (read again),
+    a destination that is a file range, a job with nothing to read, and a GET dropped mid-body and
+    resumed (its CRC32 resumes with it)."""
+    import zlib
+
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(2 * MiB))
+    store = _store(s3)
+    data = os.urandom(7 * MiB + 123)
+    etag = store.upload("c/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    fd = os.memfd_create("test-crc-filerange")
+    try:
+        os.ftruncate(fd, MiB)
+        spans = [[(5, 5 * MiB)],  # over three GETs
+                 [(5 * MiB + 100, 1000), (5 * MiB + 1100, 3000)],  # two requests back to back
+                 [(5 * MiB + 200, 50)],  # bytes job 1 also reads
+                 [(7 * MiB, 123)],
+                 []]
+        bufs = [[bytearray(n) for _, n in reqs] for reqs in spans]
+        jobs = [("c/x", [(o, memoryview(b)) for (o, _), b in zip(reqs, bb)], len(data), etag)
+                for reqs, bb in zip(spans, bufs)]
+        jobs.append(("c/x", [(6 * MiB, objclient.FileRange(fd, 0, MiB))], len(data), etag))
+        want = [zlib.crc32(b"".join(data[o:o + n] for o, n in reqs)) for reqs in spans]
+        want.append(zlib.crc32(data[6 * MiB:7 * MiB]))
+        seen: List[Tuple[int, object]] = []
+        crcs: List[object] = [None] * len(jobs)
+        s3.reset()
+        s3.inject(truncate=300000, count=1, method="GET")
+        store.read_many(jobs, threads=2, done=lambda i: seen.append((i, crcs[i])), crcs=crcs)
+        assert crcs == want
+        assert sorted(seen) == sorted(enumerate(want))  # each set before its done()
+        assert [b"".join(bytes(b) for b in bb) for bb in bufs] == [b"".join(data[o:o + n] for o, n in reqs)
+                                                                  for reqs in spans]
+        assert os.pread(fd, MiB, 0) == data[6 * MiB:7 * MiB]
+        assert store.retries["GET_RANGE"] == 1  # the dropped GET was resumed
+    finally:
+        os.close(fd)
+
+
 def test_read_many_fills_byte_ranges_of_a_file(s3, monkeypatch) -> None:
     """A destination may be a byte range of an open file (``FileRange``: what scatter's ring slots are for
     an object store, written with pwrite from a small reused buffer instead of faulting in fresh shared

@@ -674,9 +674,10 @@ def test_scatter_ring_extents_are_read_in_coalesced_gets(s3):
 
 
 def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, monkeypatch):
-    """On one connection, GETs of 5 MiB: the small tensors' CRC32s are computed (from the bytes of
-    their destinations, then final) before the last GET of the ~12 MiB tensor has even been sent;
-    the load is bit-exact and every tensor's CRC32 is checked exactly once."""
+    """On one connection, GETs of 5 MiB: the small tensors' CRC32s are final (computed by the GETs
+    as their bytes landed, handed over with the read) before the last GET of the ~12 MiB tensor has
+    even been sent; no tensor's bytes are read again for it (``_Crc.compute`` never runs); the load
+    is bit-exact and every tensor's CRC32 is checked exactly once."""
     from megashard import loading
     from megashard.storage.s3 import client as objclient
 
@@ -694,18 +695,26 @@ def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, m
         return n
 
     checked: list = []  # (tensor name, GETs finished by then)
+    real_arrived = loading._LoadWork.arrived
+
+    def arrived(self, read, crc=None):
+        c = self.by_read.get(id(read))
+        if c is not None:
+            assert crc is not None, c.name
+            checked.append((c.name.rsplit("/", 1)[-1], len(gets)))  # "__rank0__/w": rank-local tensor w
+        return real_arrived(self, read, crc)
+
+    computed: list = []
     real_compute = loading._Crc.compute
-
-    def compute(self, data=None):
-        checked.append((self.name.rsplit("/", 1)[-1], len(gets)))  # "__rank0__/w": rank-local tensor w
-        return real_compute(self, data)
-
+    monkeypatch.setattr(loading._Crc, "compute", lambda self, data=None: computed.append(self.name) or
+                        real_compute(self, data))
     monkeypatch.setattr(objclient.ObjectStore, "_get_range", get_range)
-    monkeypatch.setattr(loading._Crc, "compute", compute)
+    monkeypatch.setattr(loading._LoadWork, "arrived", arrived)
     got, stats = megashard.load(template(want), url, return_stats=True)
     check_loaded(got, want)
     tensors = [k for k, v in want.items() if isinstance(v, torch.Tensor)]
     assert sorted(n for n, _ in checked) == sorted(tensors)  # once each
+    assert computed == []
     assert stats.crc_checked == sum(v.numel() * v.element_size() for v in want.values() if isinstance(v, torch.Tensor))
     assert len(gets) >= 3
     early = [n for n, k in checked if k < len(gets)]

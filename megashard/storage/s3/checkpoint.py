@@ -430,6 +430,8 @@ class ObjectCheckpointFiles:
     passes_descriptors = False
     #: scatter's ring reader reads every free slot's extent in one call (coalesced, parallel GETs)
     batch_reads = True
+    #: ``read_files(..., crcs=)``: each job's CRC32 computed by the GETs as its bytes land
+    crc_on_read = True
 
     def __init__(self, url: str, index: Any = None) -> None:
         self.store, self.key, self.base = _location(url)
@@ -610,11 +612,14 @@ class ObjectCheckpointFiles:
         return self.read_files([(name, reqs, size)])
 
     def read_files(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], Optional[int]]], *,
-                   threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None) -> int:
+                   threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None,
+                   crcs: Optional[List[Optional[int]]] = None) -> int:
         """:meth:`read_into` of several members ``(name, reqs, size)`` at once: every GET of every
         object in one queue on the store's connections, none idle while bytes remain (jobs of one
         member share GETs where adjacent). ``done(i)``: called as soon as job ``i``'s bytes are all
-        in (from a GET's thread; see :meth:`ObjectStore.read_many`)."""
+        in (from a GET's thread; see :meth:`ObjectStore.read_many`). ``crcs`` (one entry per job):
+        ``crcs[i]`` set before ``done(i)`` to the CRC32 of job ``i``'s bytes (its requests in order),
+        computed as they land (:meth:`ObjectStore.read_many`); None for the index's."""
         from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
 
         n = 0
@@ -629,9 +634,20 @@ class ObjectCheckpointFiles:
                 jobs_s3.append((self.object_key(name), reqs, size, self._etag(name)))
                 where.append(i)
                 continue
+            elif crcs is not None:
+                crcs[i] = 0  # the CRC32 of no bytes
             if done is not None:
                 done(i)
-        return n + self.store.read_many(jobs_s3, done=None if done is None else (lambda j: done(where[j])))
+        sub: Optional[List[Optional[int]]] = None if crcs is None else [None] * len(jobs_s3)
+
+        def finished(j: int) -> None:
+            if crcs is not None and sub is not None:
+                crcs[where[j]] = sub[j]
+            if done is not None:
+                done(where[j])
+
+        track = done is not None or crcs is not None
+        return n + self.store.read_many(jobs_s3, done=finished if track else None, crcs=sub)
 
     def _read_index(self, reqs: Sequence[Tuple[int, memoryview]], size: Optional[int]) -> int:
         """The index's sections are small and many. An index of at most :func:`index_whole_bytes`
