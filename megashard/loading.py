@@ -347,8 +347,12 @@ def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -
     if problems:  # strict=False: a shard it cannot fill comes back as None, not as the unfilled template
         work.problems += problems
         return None
+    # before anything is allocated for the bytes a file claims to hold; a shard read straight into the
+    # template's own tensor allocates nothing from the claims: where every read checks its file itself
+    # (an object store's GETs), the reads are the check
+    reads_only = dest is not None and all(bp.wp.direct or not bp.wp.buffers for bp in boxes)
     for f in sorted({r.file for bp in boxes for r in bp.records if r.file}):
-        index.confirm_file(f)  # before anything is allocated for the bytes it claims to hold
+        index.confirm_file(f, reads_only)
     if dest is None:  # unsaved parts (allow_shape_mismatch) read as zeros, never as stale memory
         alloc = torch.zeros if sh.allow_shape_mismatch else torch.empty
         dest = alloc(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
@@ -696,6 +700,7 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
             head, sections = read_index_bytes(base)
             own = index_from_bytes(head, sections, where)
             own.check_file = partial(check_file_size, base, index=own)
+            own.reads_check_files = storage.is_url(base)
             # the ranks it goes to allocate from it and cannot check a file themselves. On an object
             # store they receive their bytes only through this reader, whose every GET checks the
             # object's size and ETag before any byte is delivered (and scatter allocates a

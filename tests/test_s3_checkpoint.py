@@ -860,3 +860,38 @@ def test_index_blocks_give_the_bytes_asked_for_and_refuse_ranges_past_the_end():
         scan.read_into([(a, memoryview(out))])
         assert bytes(out) == data[a:a + len(out)]
     assert len(fetches) <= 6, fetches
+
+
+def test_shards_read_into_the_templates_tensors_need_no_head_first(s3):
+    """A load whose shards all go straight into the template's own tensors allocates nothing from the
+    index's claims, so it sends no HEAD before its GETs (each ranged GET checks the object's size,
+    Content-Range, and version, If-Match, before a byte of it lands): GET 3 (head, digest, index) and
+    the ranged GETs. A shard the load must allocate (a template without data) still has its object's
+    size and ETag checked first (one HEAD). An object replaced by one of another size after the commit
+    still fails the load naming it, and bytes of the replacement never reach the template."""
+    from megashard.sharded import ShardedTensor
+
+    g = torch.Generator().manual_seed(5)
+    want = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16)}
+    url = s3.url("nohead/iter_0000001")
+    megashard.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in want.items()}, url)
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
+    dest = {k: torch.zeros_like(v) for k, v in want.items()}
+    megashard.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in dest.items()}, url, mode="own")
+    for k in want:
+        assert_same(dest[k], want[k])
+    assert store.stats.get("HEAD", 0) == 0 and store.stats["GET"] == 3 and store.stats["GET_RANGE"] >= 1, \
+        dict(store.stats)
+    store.stats.clear()
+    got = megashard.load({"a": ShardedTensor("a", None, (64, 32), (0, 0), local_shape=(64, 32), dtype=torch.float32)},
+                         url, mode="own")
+    assert_same(got["a"], want["a"])
+    assert store.stats["HEAD"] == 1, dict(store.stats)
+    name, data = next(iter(_data_names(url).items()))
+    key = next(o.key for n, o in _objects(url).items() if n.endswith("/" + name))
+    store.put_bytes(key, data + b"\0" * 4096)  # another size (and ETag)
+    dest = {k: torch.zeros_like(v) for k, v in want.items()}
+    with pytest.raises(CheckpointError, match=name):
+        megashard.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in dest.items()}, url, mode="own")
+    assert all(not t.any() for t in dest.values())
