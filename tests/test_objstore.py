@@ -153,6 +153,34 @@ def test_get_bytes_limit_and_if_match(s3) -> None:
         store.get_bytes("k/missing", 1000)
 
 
+def test_get_bytes_is_a_presigned_get_read_as_boto3_would(s3, monkeypatch) -> None:
+    """A load's head, digest and index are whole-object GETs before its first ranged GET: sent on the
+    thread's own connection (presigned, like the bulk path), never through boto3's request pipeline,
+    answered as before: bytes and ETag; If-Match; a 503 and a body cut short retried; a missing
+    object, an answer over the limit (refused before its body is read), a missing bucket named."""
+    store = _store(s3)
+    etag = store.put_bytes("g/head", b"x" * 700)
+    client = store.boto3_client()
+    monkeypatch.setattr(client, "get_object", lambda **kw: pytest.fail("get_bytes went through boto3"))
+    s3.reset()
+    s3.inject(503, code="SlowDown", count=1, method="GET", match="g/head")
+    s3.inject(truncate=100, count=1, method="GET", match="g/head")
+    assert store.get_bytes("g/head", 1000, if_match=etag) == (b"x" * 700, etag)
+    assert [e["status"] for e in s3.requests() if e["method"] == "GET"] == [503, 200, 200]
+    assert all(e["if_match"] == etag for e in s3.requests() if e["method"] == "GET")
+    assert store.retries["GET"] == 2
+    with pytest.raises(ObjectChangedError, match=f"s3://{s3.bucket}/g/head.*412.*changed since the checkpoint"):
+        store.get_bytes("g/head", 1000, if_match='"0123456789abcdef0123456789abcdef"')
+    with pytest.raises(objclient.ObjectTooLargeError, match=f"s3://{s3.bucket}/g/head is 700 bytes, more than the 699"):
+        store.get_bytes("g/head", 699)
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/g/missing.*404.*does not exist"):
+        store.get_bytes("g/missing", 1000)
+    assert store.get_bytes("g/head", 700) == (b"x" * 700, etag)  # the connection is still good after them
+    other, _ = ObjectStore.for_url("s3://no-such-bucket-megashard/x")
+    with pytest.raises(CheckpointError, match="no-such-bucket-megashard.*(does not exist|may not exist)"):
+        other.get_bytes("x/y", 10)
+
+
 # Stores answer the same situation differently; megashard goes by what the answer means. The server's own
 # answer is one case, the other vendor's is injected by the proxy (the object or bucket is really missing).
 _VENDOR_ANSWERS = {"server": None, "AWS 404 NoSuchKey": (404, "NoSuchKey"),
