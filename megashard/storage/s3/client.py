@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _GAP_BYTES = MiB  # requests at most this far apart are read by one GET (the gap into a scratch buffer)
+# a GET computing CRC32s reads this much at a time (``readinto`` returns only once its view is full) and
+# checksums it while it is still in cache and the next bytes are on their way: the CRC32 of a 16 MiB GET
+# then ends ~1 slice after its last byte, not a pass over 16 MiB after it
+_CRC_SLICE = MiB
 _MIN_PART = 5 * MiB  # S3's smallest multipart part (all but the last)
 _MIN_DEFAULT_PART = 8 * MiB  # smaller parts only add requests
 _MAX_PART = 5 * 1024 * MiB
@@ -1038,10 +1042,12 @@ class ObjectStore:
                             mv.write(off, scratch[:r])
                             if part is not None:
                                 part.crc = isal_zlib.crc32(scratch[:r], part.crc)
-                    else:
-                        r = resp.readinto(mv[off:] if mv is not None else scratch[:n - off])
-                        if r and part is not None:
+                    elif part is not None:  # a slice at a time, so its CRC32 runs while later bytes arrive
+                        r = resp.readinto(mv[off:off + min(n - off, _CRC_SLICE)])
+                        if r:
                             part.crc = isal_zlib.crc32(mv[off:off + r], part.crc)
+                    else:  # readinto fills the whole view before it returns
+                        r = resp.readinto(mv[off:] if mv is not None else scratch[:n - off])
                     if not r:
                         raise http.client.IncompleteRead(b"", acc - got)
                     got += r
