@@ -181,6 +181,27 @@ def test_get_bytes_is_a_presigned_get_read_as_boto3_would(s3, monkeypatch) -> No
         other.get_bytes("x/y", 10)
 
 
+def test_get_bytes_many_sends_every_request_before_reading_an_answer(s3) -> None:
+    """Several whole-object GETs from one thread, each on its own connection, all sent before any answer
+    is read: per request its bytes and ETag, or the error get_bytes raises for it (412 on If-Match,
+    404, over its limit), a transient failure (503) sent again with get_bytes' retries; the thread's
+    connections are good for the next requests."""
+    store = _store(s3)
+    ea = store.put_bytes("gm/a", b"a" * 10)
+    eb = store.put_bytes("gm/b", b"b" * 20)
+    s3.reset()
+    s3.inject(503, code="SlowDown", count=1, method="GET", match="gm/b")
+    got = store.get_bytes_many([("gm/a", 100, ea), ("gm/b", 100, None), ("gm/a", 100, eb), ("gm/none", 100, None),
+                                ("gm/b", 19, None)])
+    assert got[:2] == [(b"a" * 10, ea), (b"b" * 20, eb)]
+    assert isinstance(got[2], ObjectChangedError) and "gm/a" in str(got[2])
+    assert isinstance(got[3], CheckpointError) and "does not exist" in str(got[3])
+    assert isinstance(got[4], objclient.ObjectTooLargeError) and "gm/b is 20 bytes" in str(got[4])
+    # five sent at once (the 20-byte answer over its limit of 19 is refused unread), the 503 once more
+    assert sorted(e["status"] for e in s3.requests() if e["method"] == "GET") == [200, 200, 200, 404, 412, 503]
+    assert store.get_bytes_many([("gm/a", 100, None), ("gm/b", 100, None)]) == [(b"a" * 10, ea), (b"b" * 20, eb)]
+
+
 # Stores answer the same situation differently; megashard goes by what the answer means. The server's own
 # answer is one case, the other vendor's is injected by the proxy (the object or bucket is really missing).
 _VENDOR_ANSWERS = {"server": None, "AWS 404 NoSuchKey": (404, "NoSuchKey"),

@@ -723,28 +723,50 @@ def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, m
 
 def test_the_digest_and_the_index_are_fetched_at_once(s3, monkeypatch):
     """After the head, a load's digest GET and index GET are in flight together (one round trip,
-    not two): each waits (up to 20 s) for the other; the load is bit-exact with GET 3 as before."""
+    not two), and from one thread: both requests are sent before either answer is read (no other
+    thread to wake, which a loaded machine may start milliseconds late); the load is bit-exact
+    with GET 3 as before, and a damaged digest is still reported before anything about the index."""
+    import http.client
     import threading
-
-    from megashard.storage.s3 import client as objclient
 
     want = state()
     url = s3.url("run/iter_0000013")
     megashard.save(want, url)
-    barrier = threading.Barrier(2, timeout=20)
-    met: list = []
-    real = objclient.ObjectStore.get_bytes
+    events: list = []
+    real_end, real_resp = http.client.HTTPConnection.endheaders, http.client.HTTPConnection.getresponse
+    targets: dict = {}
 
-    def get_bytes(self, key, *a, **kw):
-        if key.endswith(("/manifest.sha256", "/manifest.index")):
-            barrier.wait()
-            met.append(key.rsplit("/", 1)[-1])
-        return real(self, key, *a, **kw)
+    def endheaders(self, *a, **kw):
+        name = (self._buffer[0].split(b" ")[1].split(b"?")[0].rsplit(b"/", 1)[-1].decode()
+                if self._buffer else "?")
+        targets[id(self)] = name
+        events.append(("send", name, threading.get_ident()))
+        return real_end(self, *a, **kw)
 
-    monkeypatch.setattr(objclient.ObjectStore, "get_bytes", get_bytes)
+    def getresponse(self):
+        events.append(("answer", targets.get(id(self)), threading.get_ident()))
+        return real_resp(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "endheaders", endheaders)
+    monkeypatch.setattr(http.client.HTTPConnection, "getresponse", getresponse)
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
     got = megashard.load(template(want), url)
+    monkeypatch.setattr(http.client.HTTPConnection, "endheaders", real_end)
+    monkeypatch.setattr(http.client.HTTPConnection, "getresponse", real_resp)
     check_loaded(got, want)
-    assert sorted(met) == ["manifest.index", "manifest.sha256"]
+    assert store.stats["GET"] == 3, dict(store.stats)
+    mine = [e for e in events if e[1] in ("manifest.sha256", "manifest.index")]
+    assert [e[:2] for e in mine] == [("send", "manifest.sha256"), ("send", "manifest.index"),
+                                     ("answer", "manifest.sha256"), ("answer", "manifest.index")], events
+    assert len({e[2] for e in mine}) == 1
+    store.put_bytes(f"{url[len('s3://' + s3.bucket + '/'):]}/{_digest_key(url)}", b"0" * 64 + b"\n")
+    with pytest.raises(CheckpointError, match="SHA-256 does not match"):
+        megashard.load(template(want), url)
+
+
+def _digest_key(url: str) -> str:
+    return next(n for n in _objects(url) if n.endswith("/manifest.sha256"))
 
 
 def _many(n: int = 1500) -> dict:

@@ -510,6 +510,7 @@ class ObjectCheckpointFiles:
         claimed = idx.get("bytes") if isinstance(idx, dict) else None
         gets: List[Callable[[], Any]] = [lambda: self.store.get_bytes(self.object_key(DIGEST_NAME), 1024)]
         ranged = isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > index_whole_bytes()
+        whole = False
         if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 0:
             pass  # version 1, or refused when the index is opened
         elif ranged and self._index_etag is not None and claimed <= _max_head():
@@ -517,8 +518,16 @@ class ObjectCheckpointFiles:
         elif ranged:
             gets.append(self._prefetch_index_info)
         elif self._index_etag is not None:
-            gets.append(self._prefetch_index)
-        (raw, _), *index = _run_parallel(gets, len(gets))
+            whole = True
+        if whole:  # both sent from this thread before either answer is read (no thread to wake)
+            got = self.store.get_bytes_many([(self.object_key(DIGEST_NAME), 1024, None),
+                                             (self.object_key(_index_name()), _max_head(), self._index_etag)])
+            if isinstance(got[0], BaseException):
+                raise got[0]
+            # the index's error (if any) is :meth:`_read_index`'s to report, after the digest's verdict
+            raw, index = got[0][0], [None if isinstance(got[1], BaseException) else got[1][0]]
+        else:
+            (raw, _), *index = _run_parallel(gets, len(gets))
         if not _DIGEST_RE.fullmatch(raw):
             raise CheckpointError(f"{self.path(DIGEST_NAME)}: not one line of 64 lowercase hex digits; the checkpoint "
                                   "is damaged")
@@ -556,16 +565,6 @@ class ObjectCheckpointFiles:
         """The index's HEAD, or None (:meth:`open` asks again, and says why)."""
         try:
             return self.store.head(self.object_key(_index_name()))
-        except CheckpointError:
-            return None
-
-    def _prefetch_index(self) -> Optional[bytes]:
-        """The index's bytes, or None when they cannot be had: the head is checked first (its
-        digest's verdict comes before any about the index), :meth:`_read_index` asks again."""
-        from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
-
-        try:
-            return self.read_bytes(INDEX_NAME, _max_head())
         except CheckpointError:
             return None
 

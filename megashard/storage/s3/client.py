@@ -662,53 +662,102 @@ class ObjectStore:
         Answers are read as boto3 would: 412 on ``if_match`` is :class:`ObjectChangedError`, 5xx and
         SlowDown are retried, other errors name the object and what the status means."""
         url = self._presign("get_object", key)
-        where = self.url(key)
 
         def attempt(n_try: int) -> Tuple[bytes, str]:
             self._count("GET", retry=n_try > 0)
-            conn, target = self._connection(url)
-            try:
-                conn.putrequest("GET", target, skip_accept_encoding=True)
-                if if_match:
-                    conn.putheader("If-Match", if_match)
-                conn.endheaders()
-                resp = conn.getresponse()
-            except (OSError, http.client.HTTPException) as e:
-                self._drop(url)
-                raise _Retryable(f"connection error: {e!r}") from None
-            if resp.status != 200:
-                code, message = self._error_response(url, resp)
-                code = code or str(resp.status)
-                if resp.status in _RETRY_STATUS or code in _RETRY_CODES:
-                    raise _Retryable(f"HTTP {resp.status} {code}")
-                if resp.status == 412 or (resp.status == 409 and code == "ConditionalRequestConflict"):
-                    raise ObjectChangedError(self._message("get_object", key, resp.status, code, message)
-                                             + "; another writer changed the object first; the object changed "
-                                             "since the checkpoint was written")
-                raise CheckpointError(self._message("get_object", key, resp.status, code, message))
-            try:
-                size = int(resp.getheader("Content-Length") or "")
-            except ValueError:
-                self._drop(url)
-                raise CheckpointError(f"GET of {where}: the endpoint sent no Content-Length") from None
-            if size > limit:
-                self._drop(url)  # its body is never read
-                raise ObjectTooLargeError(f"{where} is {size} bytes, more than the {limit} bytes megashard reads "
-                                          f"for this object; it is not a megashard file")
-            etag = resp.getheader("ETag")
-            try:
-                data = resp.read(size)
-            except (OSError, http.client.HTTPException) as e:
-                self._drop(url)
-                raise _Retryable(f"connection lost reading the body: {e!r}") from None
-            if len(data) != size:
-                self._drop(url)
-                raise _Retryable(f"got {len(data)} of {size} bytes")
-            if not etag:
-                raise CheckpointError(f"GET of {where}: the endpoint returned no ETag")
-            return data, etag
+            conn = self._send_get(url, if_match)
+            return self._whole_answer(key, url, conn, limit)
 
         return self._retrying("GET", "get_object", key, attempt)
+
+    def get_bytes_many(self, reqs: Sequence[Tuple[str, int, Optional[str]]]) -> List[Any]:
+        """:meth:`get_bytes` of several small objects ``(key, limit, if_match)`` at once from this
+        thread: every request is sent (each on a connection of its own) before any answer is read, so
+        they take one round trip together without waking another thread (on a loaded machine a woken
+        thread may start milliseconds late: a load's digest and index then ran one after the other).
+        Returns per request ``(bytes, ETag)`` or the error :meth:`get_bytes` raises for it; a request
+        whose first attempt fails transiently is sent again through :meth:`get_bytes` (its retries)."""
+        out: List[Any] = [None] * len(reqs)
+        sent: List[Tuple[int, str, Any]] = []
+        for slot, (key, _, if_match) in enumerate(reqs):
+            try:
+                url = self._presign("get_object", key)
+                self._count("GET")
+                sent.append((slot, url, self._send_get(url, if_match, slot)))
+            except _Retryable:
+                pass  # sent again below
+            except CheckpointError as e:
+                out[slot] = e
+        again = []
+        for slot, url, conn in sent:
+            key, limit, _ = reqs[slot]
+            try:
+                out[slot] = self._whole_answer(key, url, conn, limit, slot)
+            except _Retryable:
+                again.append(slot)
+            except CheckpointError as e:
+                out[slot] = e
+        for slot, (key, limit, if_match) in enumerate(reqs):
+            if out[slot] is None or slot in again:
+                try:
+                    out[slot] = self.get_bytes(key, limit, if_match=if_match)
+                except CheckpointError as e:
+                    out[slot] = e
+        return out
+
+    def _send_get(self, url: str, if_match: Optional[str], slot: int = 0) -> http.client.HTTPConnection:
+        """Send a GET of the whole object (its answer not read yet) on this thread's connection ``slot``."""
+        conn, target = self._connection(url, slot)
+        try:
+            conn.putrequest("GET", target, skip_accept_encoding=True)
+            if if_match:
+                conn.putheader("If-Match", if_match)
+            conn.endheaders()
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(url, slot)
+            raise _Retryable(f"connection error: {e!r}") from None
+        return conn
+
+    def _whole_answer(self, key: str, url: str, conn: http.client.HTTPConnection, limit: int,
+                      slot: int = 0) -> Tuple[bytes, str]:
+        """Read the answer to :meth:`_send_get`: the object's bytes and ETag, or the error they mean."""
+        where = self.url(key)
+        try:
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(url, slot)
+            raise _Retryable(f"connection error: {e!r}") from None
+        if resp.status != 200:
+            code, message = self._error_response(url, resp, slot)
+            code = code or str(resp.status)
+            if resp.status in _RETRY_STATUS or code in _RETRY_CODES:
+                raise _Retryable(f"HTTP {resp.status} {code}")
+            if resp.status == 412 or (resp.status == 409 and code == "ConditionalRequestConflict"):
+                raise ObjectChangedError(self._message("get_object", key, resp.status, code, message)
+                                         + "; another writer changed the object first; the object changed "
+                                         "since the checkpoint was written")
+            raise CheckpointError(self._message("get_object", key, resp.status, code, message))
+        try:
+            size = int(resp.getheader("Content-Length") or "")
+        except ValueError:
+            self._drop(url, slot)
+            raise CheckpointError(f"GET of {where}: the endpoint sent no Content-Length") from None
+        if size > limit:
+            self._drop(url, slot)  # its body is never read
+            raise ObjectTooLargeError(f"{where} is {size} bytes, more than the {limit} bytes megashard reads "
+                                      f"for this object; it is not a megashard file")
+        etag = resp.getheader("ETag")
+        try:
+            data = resp.read(size)
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(url, slot)
+            raise _Retryable(f"connection lost reading the body: {e!r}") from None
+        if len(data) != size:
+            self._drop(url, slot)
+            raise _Retryable(f"got {len(data)} of {size} bytes")
+        if not etag:
+            raise CheckpointError(f"GET of {where}: the endpoint returned no ETag")
+        return data, etag
 
     def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
                   if_match: Optional[str] = None) -> str:
@@ -798,15 +847,17 @@ class ObjectStore:
             raise CheckpointError(f"cannot sign a request for {self.url(key)}: {e}") from None
 
     @staticmethod
-    def _connection(url: str) -> Tuple[http.client.HTTPConnection, str]:
-        """This thread's persistent connection to the URL's host, and the request target."""
+    def _connection(url: str, slot: int = 0) -> Tuple[http.client.HTTPConnection, str]:
+        """This thread's persistent connection to the URL's host, and the request target. ``slot``:
+        which of the thread's connections to that host (:meth:`get_bytes_many` keeps several requests
+        in flight from one thread)."""
         parts = urlsplit(url)
         target = parts.path + ("?" + parts.query if parts.query else "")
         conns = getattr(_LOCAL, "conns", None)
         if conns is None:
             conns = _LOCAL.conns = {}
             _LOCAL.used = {}
-        ident = (parts.scheme, parts.hostname, parts.port)
+        ident = (parts.scheme, parts.hostname, parts.port) + ((slot,) if slot else ())
         conn = conns.get(ident)
         now = _clock()
         if conn is not None and now - _LOCAL.used.get(ident, now) > _IDLE_REUSE_S:
@@ -824,14 +875,15 @@ class ObjectStore:
         return conn, target
 
     @staticmethod
-    def _drop(url: str) -> None:
+    def _drop(url: str, slot: int = 0) -> None:
         """Close this thread's connection after an error; the next request opens a fresh one."""
         parts = urlsplit(url)
-        conn = getattr(_LOCAL, "conns", {}).pop((parts.scheme, parts.hostname, parts.port), None)
+        ident = (parts.scheme, parts.hostname, parts.port) + ((slot,) if slot else ())
+        conn = getattr(_LOCAL, "conns", {}).pop(ident, None)
         if conn is not None:
             conn.close()
 
-    def _error_response(self, url: str, resp: http.client.HTTPResponse) -> Tuple[str, str]:
+    def _error_response(self, url: str, resp: http.client.HTTPResponse, slot: int = 0) -> Tuple[str, str]:
         """Read a small error body (S3 XML) for its code and message; drop the connection if it is large."""
         try:
             length = int(resp.getheader("Content-Length") or -1)
@@ -842,9 +894,9 @@ class ObjectStore:
             try:
                 body = resp.read()
             except (OSError, http.client.HTTPException):
-                self._drop(url)
+                self._drop(url, slot)
         else:
-            self._drop(url)
+            self._drop(url, slot)
         return _xml_field(_XML_CODE, body), _xml_field(_XML_MESSAGE, body)
 
     def read_into(self, key: str, reqs: Sequence[Tuple[int, memoryview]], *, size: int, etag: Optional[str],
