@@ -181,6 +181,19 @@ def test_get_bytes_is_a_presigned_get_read_as_boto3_would(s3, monkeypatch) -> No
         other.get_bytes("x/y", 10)
 
 
+def test_missing_credentials_are_named_on_the_first_get(s3, monkeypatch, tmp_path) -> None:
+    """A load's first request (the head's GET, presigned since it left boto3's pipeline) without any
+    credentials says which settings to give, as boto3's calls do."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    objclient.clear_store_cache()
+    store, _ = ObjectStore.for_url(s3.url("x"))
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/x/manifest.json.*AWS_ACCESS_KEY_ID"):
+        store.get_bytes("x/manifest.json", 100)
+
+
 def test_get_bytes_many_sends_every_request_before_reading_an_answer(s3) -> None:
     """Several whole-object GETs from one thread, each on its own connection, all sent before any answer
     is read: per request its bytes and ETag, or the error get_bytes raises for it (412 on If-Match,

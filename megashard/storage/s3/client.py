@@ -844,7 +844,12 @@ class ObjectStore:
             return self.boto3_client().generate_presigned_url(
                 op, Params={"Bucket": self.bucket, "Key": key, **params}, ExpiresIn=_PRESIGN_SECONDS)
         except Exception as e:  # botocore raises several unrelated types here (credentials, params)
-            raise CheckpointError(f"cannot sign a request for {self.url(key)}: {e}") from None
+            _, botocore = _boto()
+            exc = botocore.exceptions
+            hint = ("; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (and AWS_DEFAULT_REGION / "
+                    "AWS_ENDPOINT_URL)" if isinstance(e, (exc.NoCredentialsError, exc.PartialCredentialsError))
+                    else "")
+            raise CheckpointError(f"cannot sign a request for {self.url(key)}: {e}{hint}") from None
 
     @staticmethod
     def _connection(url: str, slot: int = 0) -> Tuple[http.client.HTTPConnection, str]:
