@@ -247,6 +247,43 @@ def _text_ints(s: str, dtype: str = "<i8") -> Any:
     return np.frombuffer(base64.b64decode(s.encode(), validate=True), dtype=dtype).astype(np.int64)
 
 
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _pack_texts(texts: List[str]) -> str:
+    """A group's distinct "fixed" texts for rank 0, compressed apart from the rest of the part
+    (base64): the groups of one pipeline stage send the same texts, and rank 0 decompresses a
+    group's only when one of their digests is new to it."""
+    import base64
+    import json
+    import zlib
+
+    data = json.dumps(texts, separators=(",", ":")).encode()
+    try:
+        import lzma
+
+        packed = lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=1)
+    except ImportError:  # pragma: no cover - a Python without liblzma
+        packed = zlib.compress(data, 1)
+    return base64.b64encode(packed).decode()
+
+
+def _unpack_texts(s: str) -> List[str]:
+    import base64
+    import json
+    import zlib
+
+    packed = base64.b64decode(s.encode(), validate=True)
+    if packed[:6] == b"\xfd7zXZ\x00":
+        import lzma
+
+        return json.loads(lzma.decompress(packed, format=lzma.FORMAT_XZ))
+    return json.loads(zlib.decompress(packed))
+
+
 class PlanLead:
     """A group leader's share of a save's plan (``Comm.coordinate(..., lead=)``): it decodes its
     members' announcements and sends rank 0 one part (:meth:`reduce`) with each distinct
@@ -272,11 +309,12 @@ class PlanLead:
         fixed_texts: List[str] = []
         fixed_n: List[int] = []
         fixed_main: List[Dict[int, int]] = []
-        tmpl_ix: Dict[str, int] = {}
-        tmpl_texts: List[str] = []
-        tmpl_n: List[int] = []
+        tmpl_ix: Dict[str, List[int]] = {}  # a flat template's text -> its chunks' numbers in the group's table
+        chunk_ix: Dict[Tuple[Any, ...], int] = {}
+        chunks_table: List[List[Any]] = []  # the group's distinct chunks: [key, dtype, global shape, offset, shape]
         fixed_of: List[int] = []
-        tmpl_of: List[int] = []
+        counts: List[int] = []
+        piece_chunk: List[int] = []
         ints_all: List[int] = []
         flat_main = bytearray()
         obj_main: Dict[str, List[int]] = {}
@@ -293,18 +331,29 @@ class PlanLead:
                 fixed_main.append({})
             nf = fixed_n[t]
             ints_text, chunks = _split_flat(m["flat"])
-            u = tmpl_ix.get(chunks)
-            if u is None:
-                u = tmpl_ix[chunks] = len(tmpl_texts)
-                tmpl_texts.append(chunks)
-                tmpl_n.append(len(json.loads(chunks)))
-            npieces = tmpl_n[u]
+            row = tmpl_ix.get(chunks)
+            if row is None:
+                row = tmpl_ix[chunks] = []
+                for e in json.loads(chunks):
+                    try:
+                        key, dt, gshape, off, cshape = e
+                        ck = (key, dt, tuple(gshape), tuple(off), tuple(cshape))
+                        c = chunk_ix.get(ck)
+                    except (TypeError, ValueError):
+                        raise ValueError(f"malformed announcement of flattened shards from rank {rank}: "
+                                         f"{json.dumps(e)[:200]}") from None
+                    if c is None:
+                        c = chunk_ix[ck] = len(chunks_table)
+                        chunks_table.append(e)
+                    row.append(c)
+            npieces = len(row)
             ints = json.loads(ints_text)
             if len(ints) != 3 * npieces or not all(type(x) is int for x in ints):
                 raise ValueError(f"malformed announcement of flattened shards from rank {rank}")
             ints_all += ints
+            piece_chunk += row
+            counts.append(npieces)
             fixed_of.append(t)
-            tmpl_of.append(u)
             fm = bytearray(npieces)
             fmain = fixed_main[t]
             for j in m["main"]:
@@ -331,9 +380,11 @@ class PlanLead:
         self._blobs = list(blobs)
         import base64
 
-        return {"base": base, "n": len(payloads), "fixed": fixed_texts, "fixed_of": fixed_of,
+        return {"base": base, "n": len(payloads), "fixed": [_digest(x) for x in fixed_texts],
+                "fixed_texts": _pack_texts(fixed_texts), "fixed_of": fixed_of,
                 "fixed_main": [[[j, r] for j, r in sorted(d.items())] for d in fixed_main],
-                "tmpl": tmpl_texts, "tmpl_of": tmpl_of, "ints": _ints_text(ints_all),
+                "chunks": chunks_table, "counts": _ints_text(counts), "piece_chunk": _ints_text(piece_chunk),
+                "ints": _ints_text(ints_all),
                 "flat_main": base64.b64encode(bytes(flat_main)).decode(),
                 "obj_main": [[u, rs] for u, rs in obj_main.items()],
                 "obj_nomain": [[u, r] for u, r in obj_seen.items() if u not in obj_main],
@@ -401,7 +452,14 @@ def plan_groups(parts: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]
     rank_fixed = [0] * world  # rank -> its fixed text's number (position in by_fixed)
     local_fixed: List[Dict[int, int]] = []  # per group: global text number -> the group's
     gix: Dict[str, int] = {}
+    text_of: Dict[str, str] = {}  # digest -> text: a group's texts are decompressed only if one is new
     for g, p in enumerate(parts):
+        if any(d not in text_of for d in p["fixed"]):
+            texts = _unpack_texts(p["fixed_texts"])
+            if len(texts) != len(p["fixed"]) or any(_digest(x) != d for x, d in zip(texts, p["fixed"])):
+                raise ValueError(f"internal error: the part of ranks {bases[g]}.. names other texts than it holds")
+            for x, d in zip(texts, p["fixed"]):
+                text_of.setdefault(d, x)
         loc: List[int] = []
         for text in p["fixed"]:
             gid = gix.get(text)
@@ -452,7 +510,7 @@ def plan_groups(parts: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]
 
     for text, ranks in by_fixed.items():
         got = parsed[text] = []
-        for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
+        for key, dt, gshape, off, cshape, fl, nb in json.loads(text_of[text]):
             key, o, cs, c, problem = entry(key, dt, gshape, off, cshape)
             if problem:
                 problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
@@ -469,47 +527,32 @@ def plan_groups(parts: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]
         for i in got:
             held_by[i].append(ranks)
     # flattened shards: each distinct template (chunk list) once; the pieces as integer arrays
-    tmpl_ix: Dict[str, int] = {}
-    tmpl_chunks: List[List[int]] = []
-    tmpl_loc: List[List[int]] = []  # per group: its templates' numbers
-    for g, p in enumerate(parts):
-        loc = []
-        for u, chunks in enumerate(p["tmpl"]):
-            t = tmpl_ix.get(chunks)
-            if t is None:
-                t = tmpl_ix[chunks] = len(tmpl_chunks)
-                holder = bases[g] + p["tmpl_of"].index(u)
-                row = []
-                for e in json.loads(chunks):
-                    key, o, cs, c, problem = entry(*e)
-                    if problem:
-                        problems.append(f"{problem[0]}{holder}{problem[1]}")
-                    row.append(c)
-                tmpl_chunks.append(row)
-            loc.append(t)
-        tmpl_loc.append(loc)
-    lens = np.array([len(r) for r in tmpl_chunks], dtype=np.int64)
-    offs = (np.cumsum(lens) - lens).astype(np.int64)
-    table = np.array([c for r in tmpl_chunks for c in r], dtype=np.int64)
     fc, fa, fb, fnb, fr, fj, fmain = [], [], [], [], [], [], []
     for g, p in enumerate(parts):
         n = int(p["n"])
-        tof = np.array(tmpl_loc[g], dtype=np.int64)[np.array(p["tmpl_of"], dtype=np.int64)] if n else \
-            np.zeros(0, dtype=np.int64)
-        cnt = lens[tof]
-        total = int(cnt.sum())
+        cnt = _text_ints(p["counts"])
+        pchunk = _text_ints(p["piece_chunk"])
         ints = _text_ints(p["ints"]).reshape(-1, 3)
         main = _text_ints(p["flat_main"], "u1")
-        if len(ints) != total or len(main) != total or len(tof) != n:
+        total = int(cnt.sum())
+        if len(cnt) != n or len(ints) != total or len(main) != total or len(pchunk) != total or \
+                (total and (pchunk.min() < 0 or pchunk.max() >= len(p["chunks"]))):
             raise ValueError(f"internal error: the part of ranks {bases[g]}..{bases[g] + n - 1} does not add up")
+        rank = bases[g] + np.repeat(np.arange(n, dtype=np.int64), cnt)
+        loc = []
+        for u, e in enumerate(p["chunks"]):  # each distinct chunk of the group once
+            key, o, cs, c, problem = entry(*e)
+            if problem:
+                holder = int(rank[np.flatnonzero(pchunk == u)[0]]) if total else bases[g]
+                problems.append(f"{problem[0]}{holder}{problem[1]}")
+            loc.append(c)
         starts = np.cumsum(cnt) - cnt
-        j = np.arange(total, dtype=np.int64) - np.repeat(starts, cnt)
-        fc.append(table[np.repeat(offs[tof], cnt) + j])
+        fc.append(np.array(loc, dtype=np.int64)[pchunk] if total else pchunk)
         fa.append(ints[:, 0])
         fb.append(ints[:, 1])
         fnb.append(ints[:, 2])
-        fr.append(bases[g] + np.repeat(np.arange(n, dtype=np.int64), cnt))
-        fj.append(j)
+        fr.append(rank)
+        fj.append(np.arange(total, dtype=np.int64) - np.repeat(starts, cnt))
         fmain.append(main)
     empty = np.zeros(0, dtype=np.int64)
     F_c, F_a, F_b, F_nb, F_r, F_j, F_main = (np.concatenate(x) if x else empty for x in (fc, fa, fb, fnb, fr, fj, fmain))
