@@ -378,16 +378,21 @@ class PlanLead:
             members.append((t, nf, npieces, ukeys, m["blobs"]))
         self._obj_main = obj_main
         self._blobs = list(blobs)
+        # objects held here whose main replica is elsewhere (or nowhere), sorted: the groups of a
+        # pipeline stage mostly send the same list, which rank 0 then reads once
+        nomain = sorted(u for u in obj_seen if u not in obj_main)
         import base64
 
         return {"base": base, "n": len(payloads), "fixed": [_digest(x) for x in fixed_texts],
                 "fixed_texts": _pack_texts(fixed_texts), "fixed_of": fixed_of,
                 "fixed_main": [[[j, r] for j, r in sorted(d.items())] for d in fixed_main],
-                "chunks": chunks_table, "counts": _ints_text(counts), "piece_chunk": _ints_text(piece_chunk),
+                "chunks": [json.dumps(e, separators=(",", ":")) for e in chunks_table],
+                "counts": _ints_text(counts), "piece_chunk": _ints_text(piece_chunk),
                 "ints": _ints_text(ints_all),
                 "flat_main": base64.b64encode(bytes(flat_main)).decode(),
                 "obj_main": [[u, rs] for u, rs in obj_main.items()],
-                "obj_nomain": [[u, r] for u, r in obj_seen.items() if u not in obj_main],
+                "obj_nomain": _digest(json.dumps(nomain)), "obj_nomain_names": _pack_texts(nomain),
+                "obj_nomain_first": _ints_text([obj_seen[u] for u in nomain]),
                 "blobs": [[sha, r, n] for sha, (r, n) in blobs.items()]}
 
     def expand(self, group_reply: Mapping[str, Any], payloads: List[Any]) -> List[Dict[str, Any]]:
@@ -528,6 +533,7 @@ def plan_groups(parts: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]
             held_by[i].append(ranks)
     # flattened shards: each distinct template (chunk list) once; the pieces as integer arrays
     fc, fa, fb, fnb, fr, fj, fmain = [], [], [], [], [], [], []
+    chunk_text: Dict[str, int] = {}
     for g, p in enumerate(parts):
         n = int(p["n"])
         cnt = _text_ints(p["counts"])
@@ -540,11 +546,14 @@ def plan_groups(parts: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]
             raise ValueError(f"internal error: the part of ranks {bases[g]}..{bases[g] + n - 1} does not add up")
         rank = bases[g] + np.repeat(np.arange(n, dtype=np.int64), cnt)
         loc = []
-        for u, e in enumerate(p["chunks"]):  # each distinct chunk of the group once
-            key, o, cs, c, problem = entry(*e)
-            if problem:
-                holder = int(rank[np.flatnonzero(pchunk == u)[0]]) if total else bases[g]
-                problems.append(f"{problem[0]}{holder}{problem[1]}")
+        for u, text in enumerate(p["chunks"]):  # each distinct chunk once (a group's: by its text)
+            c = chunk_text.get(text)
+            if c is None:
+                key, o, cs, c, problem = entry(*json.loads(text))
+                if problem:
+                    holder = int(rank[np.flatnonzero(pchunk == u)[0]]) if total else bases[g]
+                    problems.append(f"{problem[0]}{holder}{problem[1]}")
+                chunk_text[text] = c
             loc.append(c)
         starts = np.cumsum(cnt) - cnt
         fc.append(np.array(loc, dtype=np.int64)[pchunk] if total else pchunk)
@@ -643,8 +652,16 @@ def plan_groups(parts: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]
                     problems.append(f"object {u!r}: main replica on ranks {obj_writer[u]} and {r}")
                 obj_writer[u] = r
     nomain: Dict[str, int] = {}
-    for p in parts:
-        for u, r in p["obj_nomain"]:
+    seen_lists = set()
+    for p in parts:  # a list an earlier group sent names each object with a lower rank already
+        if p["obj_nomain"] in seen_lists:
+            continue
+        seen_lists.add(p["obj_nomain"])
+        names = _unpack_texts(p["obj_nomain_names"])
+        firsts = _text_ints(p["obj_nomain_first"]).tolist()
+        if len(names) != len(firsts) or _digest(json.dumps(names)) != p["obj_nomain"]:
+            raise ValueError(f"internal error: the part of ranks {p['base']}.. names other objects than it holds")
+        for u, r in zip(names, firsts):
             if u not in obj_writer and u not in nomain:
                 nomain[u] = r
     if problems:
