@@ -1,9 +1,10 @@
 """``save``: every rank writes its own shards; a coordinator plans and commits.
 
 Collectives per save, whatever the world size (none per tensor):
-  1. *plan*: every rank sends its announcement (shards, objects, state-tree parts) to
-     rank 0, which validates the whole (:func:`megashard.plan.coordinate_save`) and sends
-     each rank only its own writer assignment. A save whose layout equals the previous
+  1. *plan*: every rank sends its announcement (shards, objects, state-tree parts) to its
+     gather group's leader, which condenses the group's (:class:`megashard.plan.PlanLead`);
+     rank 0 validates the whole from the groups' parts (:func:`megashard.plan.plan_groups`)
+     and each rank receives only its own writer assignment. A save whose layout equals the previous
      save's on every rank reuses that plan instead (one all-reduce of four integers, then
      rank 0 broadcasts the save's token; see :func:`plan_vote`);
   2. every rank writes its files into a shared temporary directory and fsyncs them;
