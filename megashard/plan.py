@@ -214,38 +214,282 @@ class SaveAssignment:
 def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
     """Validate every rank's announcement (one dtype and global shape per key, every
     tensor covered exactly once, one main replica per object) and choose one writer per
-    distinct shard, object and state-tree blob. Work is per *distinct* announcement text
-    plus one step per rank: 16,384 data-parallel replicas of the same shards cost little
-    more than one. Raises ``ValueError`` with every problem found."""
+    distinct shard, object and state-tree blob. Raises ``ValueError`` with every problem
+    found. The job's two levels in one process: the messages as one group
+    (:class:`PlanLead`), planned by :func:`plan_groups`."""
+    return coordinate_grouped(messages, max(1, len(messages)))
+
+
+def coordinate_grouped(messages: Sequence[Mapping[str, Any]], size: int) -> SaveAssignment:
+    """:func:`coordinate_save` through groups of ``size`` ranks as ``Comm.coordinate`` runs it
+    (each group reduced by its leader, one plan over the parts, each group's reply expanded)."""
+    leads = [PlanLead(g) for g in range(0, len(messages), size)]
+    parts = [lead.reduce(list(messages[lead.base:lead.base + size])) for lead in leads]
+    replies, tensors, owner = plan_groups(parts)
+    out = [r for lead, rep in zip(leads, replies) for r in lead.expand(rep, list(messages[lead.base:lead.base + size]))]
+    return SaveAssignment(out, tensors, owner)
+
+
+def _ints_text(a: Any) -> str:
+    """Integers as base64 of little-endian int64 (a leader's part: no JSON number per piece)."""
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(a, dtype="<i8").tobytes()).decode()
+
+
+def _text_ints(s: str, dtype: str = "<i8") -> Any:
+    import base64
+
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(s.encode(), validate=True), dtype=dtype).astype(np.int64)
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _pack_texts(texts: List[str]) -> str:
+    """A group's distinct "fixed" texts for rank 0, compressed apart from the rest of the part
+    (base64): the groups of one pipeline stage send the same texts, and rank 0 decompresses a
+    group's only when one of their digests is new to it."""
+    import base64
+    import json
+    import zlib
+
+    data = json.dumps(texts, separators=(",", ":")).encode()
+    try:
+        import lzma
+
+        packed = lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=1)
+    except ImportError:  # pragma: no cover - a Python without liblzma
+        packed = zlib.compress(data, 1)
+    return base64.b64encode(packed).decode()
+
+
+def _unpack_texts(s: str) -> List[str]:
+    import base64
+    import json
+    import zlib
+
+    packed = base64.b64decode(s.encode(), validate=True)
+    if packed[:6] == b"\xfd7zXZ\x00":
+        import lzma
+
+        return json.loads(lzma.decompress(packed, format=lzma.FORMAT_XZ))
+    return json.loads(zlib.decompress(packed))
+
+
+class PlanLead:
+    """A group leader's share of a save's plan (``Comm.coordinate(..., lead=)``): it decodes its
+    members' announcements and sends rank 0 one part (:meth:`reduce`) with each distinct
+    "fixed" text and flat-shard template of the group once, the members' flat pieces as one
+    integer array, the first main replica of each regular shard, the objects' main replicas
+    and the state-tree blobs counted; rank 0 plans over the parts (:func:`plan_groups`) and
+    answers the group with only what the leader cannot know (the writers of replicated shards
+    that are its members', flat pieces held twice, objects without a main replica, the blobs'
+    uploaders); :meth:`expand` turns that into every member's reply, the one
+    :func:`coordinate_save` gives. ``base``: the group's first rank (the leader's)."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.base = base
+        self._members: List[Tuple[int, int, int, List[str], List[Any]]] = []
+        self._obj_main: Dict[str, List[int]] = {}
+        self._blobs: List[str] = []
+
+    def reduce(self, payloads: List[Any]) -> Dict[str, Any]:
+        import json
+
+        base = self.base
+        fixed_ix: Dict[str, int] = {}
+        fixed_texts: List[str] = []
+        fixed_n: List[int] = []
+        fixed_main: List[Dict[int, int]] = []
+        tmpl_ix: Dict[str, List[int]] = {}  # a flat template's text -> its chunks' numbers in the group's table
+        chunk_ix: Dict[Tuple[Any, ...], int] = {}
+        chunks_table: List[List[Any]] = []  # the group's distinct chunks: [key, dtype, global shape, offset, shape]
+        fixed_of: List[int] = []
+        counts: List[int] = []
+        piece_chunk: List[int] = []
+        ints_all: List[int] = []
+        flat_main = bytearray()
+        obj_main: Dict[str, List[int]] = {}
+        obj_seen: Dict[str, int] = {}
+        blobs: Dict[str, List[int]] = {}
+        members = self._members = []
+        for i, m in enumerate(payloads):
+            rank = base + i
+            t = fixed_ix.get(m["fixed"])
+            if t is None:
+                t = fixed_ix[m["fixed"]] = len(fixed_texts)
+                fixed_texts.append(m["fixed"])
+                fixed_n.append(len(json.loads(m["fixed"])))
+                fixed_main.append({})
+            nf = fixed_n[t]
+            ints_text, chunks = _split_flat(m["flat"])
+            row = tmpl_ix.get(chunks)
+            if row is None:
+                row = tmpl_ix[chunks] = []
+                for e in json.loads(chunks):
+                    try:
+                        key, dt, gshape, off, cshape = e
+                        ck = (key, dt, tuple(gshape), tuple(off), tuple(cshape))
+                        c = chunk_ix.get(ck)
+                    except (TypeError, ValueError):
+                        raise ValueError(f"malformed announcement of flattened shards from rank {rank}: "
+                                         f"{json.dumps(e)[:200]}") from None
+                    if c is None:
+                        c = chunk_ix[ck] = len(chunks_table)
+                        chunks_table.append(e)
+                    row.append(c)
+            npieces = len(row)
+            ints = json.loads(ints_text)
+            if len(ints) != 3 * npieces or not all(type(x) is int for x in ints):
+                raise ValueError(f"malformed announcement of flattened shards from rank {rank}")
+            ints_all += ints
+            piece_chunk += row
+            counts.append(npieces)
+            fixed_of.append(t)
+            fm = bytearray(npieces)
+            fmain = fixed_main[t]
+            for j in m["main"]:
+                if type(j) is not int or not 0 <= j < nf + npieces:
+                    raise ValueError(f"rank {rank} names main replica {j!r} of its {nf + npieces} shards")
+                if j < nf:
+                    fmain.setdefault(j, rank)
+                else:
+                    fm[j - nf] = 1
+            flat_main += fm
+            ukeys = json.loads(m["objects"])
+            for j in m["objects_main"]:
+                obj_main.setdefault(ukeys[j], []).append(rank)
+            for name in ukeys:
+                obj_seen.setdefault(name, rank)
+            for _key, sha, *_ in m["blobs"]:
+                got = blobs.get(sha)
+                if got is None:
+                    blobs[sha] = [rank, 1]
+                else:
+                    got[1] += 1
+            members.append((t, nf, npieces, ukeys, m["blobs"]))
+        self._obj_main = obj_main
+        self._blobs = list(blobs)
+        # objects held here whose main replica is elsewhere (or nowhere), sorted: the groups of a
+        # pipeline stage mostly send the same list, which rank 0 then reads once
+        nomain = sorted(u for u in obj_seen if u not in obj_main)
+        import base64
+
+        return {"base": base, "n": len(payloads), "fixed": [_digest(x) for x in fixed_texts],
+                "fixed_texts": _pack_texts(fixed_texts), "fixed_of": fixed_of,
+                "fixed_main": [[[j, r] for j, r in sorted(d.items())] for d in fixed_main],
+                "chunks": [json.dumps(e, separators=(",", ":")) for e in chunks_table],
+                "counts": _ints_text(counts), "piece_chunk": _ints_text(piece_chunk),
+                "ints": _ints_text(ints_all),
+                "flat_main": base64.b64encode(bytes(flat_main)).decode(),
+                "obj_main": [[u, rs] for u, rs in obj_main.items()],
+                "obj_nomain": _digest(json.dumps(nomain)), "obj_nomain_names": _pack_texts(nomain),
+                "obj_nomain_first": _ints_text([obj_seen[u] for u in nomain]),
+                "blobs": [[sha, r, n] for sha, (r, n) in blobs.items()]}
+
+    def expand(self, group_reply: Mapping[str, Any], payloads: List[Any]) -> List[Dict[str, Any]]:
+        base = self.base
+        fixed_w = group_reply["fixed"]
+        flat_not: Dict[int, set] = {}
+        for r, j in group_reply["flat_not"]:
+            flat_not.setdefault(r, set()).add(j)
+        objs: Dict[int, set] = {}
+        for u, rs in self._obj_main.items():
+            objs.setdefault(rs[0], set()).add(u)
+        for u, w in group_reply["objects"]:
+            objs.setdefault(w, set()).add(u)
+        owner = {sha: ow for sha, ow in zip(self._blobs, group_reply["blobs"])}
+        extra = group_reply.get("extra") or {}
+        out: List[Dict[str, Any]] = []
+        for i, (t, nf, npieces, ukeys, blobs) in enumerate(self._members):
+            rank = base + i
+            write = [j for j, w in fixed_w[t] if w == rank]
+            skip = flat_not.get(rank)
+            write += [nf + j for j in range(npieces) if not skip or j not in skip]
+            mine = objs.get(rank)
+            objects = [j for j, u in enumerate(ukeys) if u in mine] if mine else []
+            own = [owner[sha][0] for _key, sha, *_ in blobs]
+            upload: List[str] = []
+            lead: List[List[int]] = []
+            for j, (_key, sha, *_) in enumerate(blobs):
+                if own[j] == rank and sha not in upload:
+                    upload.append(sha)
+                    lead.append([j, owner[sha][1]])
+            reply = {"write": write, "objects": objects, "blobs": upload, "blob_owners": own, "blob_lead": lead}
+            reply.update(extra)
+            out.append(reply)
+        return out
+
+
+def plan_groups(parts: Sequence[Mapping[str, Any]]) -> Tuple[List[Dict[str, Any]], Dict[str, Tuple[str, Tuple[int, ...]]],
+                                                             Dict[str, int]]:
+    """Rank 0: the save's plan from the groups' parts (:meth:`PlanLead.reduce`, group order):
+    one reply per group, the index's tensor table (key -> (dtype, global shape)) and each
+    state-tree blob's uploader. Validates what :func:`coordinate_save` promises. Work is per
+    distinct "fixed" text and flat template, plus numpy passes over every flat piece (one row
+    each, no object per piece); a Python step per piece only for pieces held twice."""
+    import bisect
     import json
 
+    import numpy as np
+
     problems: List[str] = []
+    bases = [int(p["base"]) for p in parts]
+    world = 0
+    for p, b in zip(parts, bases):
+        if b != world:
+            raise ValueError(f"internal error: a group starts at rank {b}, expected {world}")
+        world += int(p["n"])
+
+    def group_of(rank: int) -> int:
+        return bisect.bisect_right(bases, rank) - 1
+
+    # regular ("fixed") shards: each distinct text once, its holders the ranks sending it
     by_fixed: Dict[str, List[int]] = {}
-    by_flat: Dict[str, List[int]] = {}
-    for rank, m in enumerate(messages):
-        by_fixed.setdefault(m["fixed"], []).append(rank)
-        by_flat.setdefault(m["flat"], []).append(rank)
-    # every distinct shard gets an integer id; holders are kept as the rank lists of the
-    # announcement texts that name it (one list object per text, shared, never copied)
-    parsed: Dict[str, List[int]] = {}  # announcement text -> shard ids in order
-    # shard -> its id, by (chunk id, flat start, flat stop), or (chunk id, None) for a whole chunk: a
-    # tuple of small ints hashes in a few steps (keys with offset and shape tuples, a million of them
-    # at 131,072 ranks, were rehashed at every lookup)
+    rank_fixed = [0] * world  # rank -> its fixed text's number (position in by_fixed)
+    local_fixed: List[Dict[int, int]] = []  # per group: global text number -> the group's
+    gix: Dict[str, int] = {}
+    text_of: Dict[str, str] = {}  # digest -> text: a group's texts are decompressed only if one is new
+    for g, p in enumerate(parts):
+        if any(d not in text_of for d in p["fixed"]):
+            texts = _unpack_texts(p["fixed_texts"])
+            if len(texts) != len(p["fixed"]) or any(_digest(x) != d for x, d in zip(texts, p["fixed"])):
+                raise ValueError(f"internal error: the part of ranks {bases[g]}.. names other texts than it holds")
+            for x, d in zip(texts, p["fixed"]):
+                text_of.setdefault(d, x)
+        loc: List[int] = []
+        for text in p["fixed"]:
+            gid = gix.get(text)
+            if gid is None:
+                gid = gix[text] = len(gix)
+                by_fixed[text] = []
+            loc.append(gid)
+        local_fixed.append({gid: i for i, gid in enumerate(loc)})
+        lists = [by_fixed[text] for text in p["fixed"]]
+        for i, t in enumerate(p["fixed_of"]):
+            lists[t].append(bases[g] + i)
+            rank_fixed[bases[g] + i] = loc[t]
+    parsed: Dict[str, List[int]] = {}
     ids: Dict[Tuple, int] = {}
-    chunk_list: List[Tuple[str, Shape, Shape]] = []  # chunk id -> (key, offset, shape)
+    chunk_list: List[Tuple[str, Shape, Shape]] = []
     nbytes: List[int] = []
     held_by: List[List[List[int]]] = []
-    kinds: Dict[str, Tuple[str, List[int]]] = {}  # key -> (dtype, global shape) as first announced
-    # the coverage check's input as flat integer lists (numpy arrays later, no object per piece):
-    # per distinct chunk its key's position in ``kinds``, rank, offset and shape; per shard its
-    # chunk and flat range (-1: the whole chunk)
+    kinds: Dict[str, Tuple[str, List[int]]] = {}
     key_no: Dict[str, int] = {}
     chunk_of: Dict[Tuple, int] = {}
     c_key: List[int] = []
     c_nd: List[int] = []
-    c_dims: List[int] = []  # offset then shape of each chunk, concatenated
+    c_dims: List[int] = []
     p_chunk: List[int] = []
-    p_flat: List[int] = []  # start, stop of each shard
+    p_flat: List[int] = []
 
     def entry(key: str, dt: str, gshape: List[int], off: List[int], cshape: List[int]) -> Tuple[Any, ...]:
         """(key, offset, chunk shape, chunk id, problem) of one announced chunk; a problem is the
@@ -269,10 +513,9 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             c_dims.extend(cshape)
         return ck + (c, problem)
 
-    templates: Dict[str, List[Tuple[Any, ...]]] = {}  # chunk list of "flat" texts -> entry() of each
     for text, ranks in by_fixed.items():
         got = parsed[text] = []
-        for key, dt, gshape, off, cshape, fl, nb in json.loads(text):
+        for key, dt, gshape, off, cshape, fl, nb in json.loads(text_of[text]):
             key, o, cs, c, problem = entry(key, dt, gshape, off, cshape)
             if problem:
                 problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
@@ -288,160 +531,172 @@ def coordinate_save(messages: Sequence[Mapping[str, Any]]) -> SaveAssignment:
             got.append(i)
         for i in got:
             held_by[i].append(ranks)
-    for text, ranks in by_flat.items():
-        ints, chunks = _split_flat(text)
-        tmpl = templates.get(chunks)
-        if tmpl is None:
-            tmpl = templates[chunks] = [entry(*e) for e in json.loads(chunks)]
-        ints = json.loads(ints)
-        if len(ints) != 3 * len(tmpl):
-            raise ValueError(f"malformed announcement of flattened shards from rank {ranks[0]}")
-        got = parsed[text] = []
-        for j, (key, o, cs, c, problem) in enumerate(tmpl):
-            if problem:
-                problems.append(f"{problem[0]}{ranks[0]}{problem[1]}")
-            a, b = ints[3 * j], ints[3 * j + 1]
-            sid = (c, a, b)
-            i = ids.get(sid)
-            if i is None:
-                i = ids[sid] = len(nbytes)
-                nbytes.append(ints[3 * j + 2])
-                held_by.append([])
-                p_chunk.append(c)
-                p_flat += (a, b if b != -1 else -2)  # -1 stands for "the whole chunk" (fixed shards)
-            got.append(i)
-        for i in got:
-            held_by[i].append(ranks)
-    templates.clear()  # what is dead is dropped as soon as it is (the plan's peak memory, issue 32)
-    tensors = {k: (dt, tuple(gs)) for k, (dt, gs) in kinds.items()}
+    # flattened shards: each distinct template (chunk list) once; the pieces as integer arrays
+    fc, fa, fb, fnb, fr, fj, fmain = [], [], [], [], [], [], []
+    chunk_text: Dict[str, int] = {}
+    for g, p in enumerate(parts):
+        n = int(p["n"])
+        cnt = _text_ints(p["counts"])
+        pchunk = _text_ints(p["piece_chunk"])
+        ints = _text_ints(p["ints"]).reshape(-1, 3)
+        main = _text_ints(p["flat_main"], "u1")
+        total = int(cnt.sum())
+        if len(cnt) != n or len(ints) != total or len(main) != total or len(pchunk) != total or \
+                (total and (pchunk.min() < 0 or pchunk.max() >= len(p["chunks"]))):
+            raise ValueError(f"internal error: the part of ranks {bases[g]}..{bases[g] + n - 1} does not add up")
+        rank = bases[g] + np.repeat(np.arange(n, dtype=np.int64), cnt)
+        loc = []
+        for u, text in enumerate(p["chunks"]):  # each distinct chunk once (a group's: by its text)
+            c = chunk_text.get(text)
+            if c is None:
+                key, o, cs, c, problem = entry(*json.loads(text))
+                if problem:
+                    holder = int(rank[np.flatnonzero(pchunk == u)[0]]) if total else bases[g]
+                    problems.append(f"{problem[0]}{holder}{problem[1]}")
+                chunk_text[text] = c
+            loc.append(c)
+        starts = np.cumsum(cnt) - cnt
+        fc.append(np.array(loc, dtype=np.int64)[pchunk] if total else pchunk)
+        fa.append(ints[:, 0])
+        fb.append(ints[:, 1])
+        fnb.append(ints[:, 2])
+        fr.append(rank)
+        fj.append(np.arange(total, dtype=np.int64) - np.repeat(starts, cnt))
+        fmain.append(main)
+    empty = np.zeros(0, dtype=np.int64)
+    F_c, F_a, F_b, F_nb, F_r, F_j, F_main = (np.concatenate(x) if x else empty for x in (fc, fa, fb, fnb, fr, fj, fmain))
+    del fc, fa, fb, fnb, fr, fj, fmain
+    # pieces held more than once (replicated flat shards, or one listed twice): a writer to choose
+    order = np.lexsort((F_b, F_a, F_c))
+    cs, as_, bs = F_c[order], F_a[order], F_b[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (cs[1:] != cs[:-1]) | (as_[1:] != as_[:-1]) | (bs[1:] != bs[:-1])
+    run = np.cumsum(first) - 1
+    run_len = np.bincount(run) if len(run) else empty
+    single = run_len[run] == 1 if len(run) else np.zeros(0, dtype=bool)
+    load_arr = np.zeros(world, dtype=np.int64)
+    np.add.at(load_arr, F_r[order[single]], F_nb[order[single]])
+    dup_runs: List[List[int]] = []
+    if not single.all():
+        starts = np.flatnonzero(first)
+        for s, ln in zip(starts.tolist(), run_len.tolist()):
+            if ln > 1:
+                dup_runs.append(sorted(order[s:s + ln].tolist()))  # by rank, then position: first occurrence first
+        dup_runs.sort(key=lambda idx: idx[0])
+    uniq = order[first]
+    nfix_ids = len(nbytes)
     holders: Dict[int, Sequence[int]] = {}
-    merged: Dict[Tuple[int, ...], List[int]] = {}  # one list per combination of texts (shared heaps)
-    writer = [-1] * len(nbytes)
-    load: Dict[int, int] = {}  # bytes of the shards only one rank holds (each its own writer), by rank
+    preferred: Dict[int, int] = {}
+    merged: Dict[Tuple[int, ...], List[int]] = {}
+    writer_list: List[int] = [-1] * nfix_ids
     for i, lists in enumerate(held_by):
         if len(lists) == 1:
-            if len(lists[0]) == 1:  # a distributed-optimizer piece: no choice to make
-                r = writer[i] = lists[0][0]
-                load[r] = load.get(r, 0) + nbytes[i]
-            else:
-                holders[i] = lists[0]
+            holders[i] = lists[0]
             continue
-        combo = tuple(map(id, lists))  # the lists live in by_fixed/by_flat: ids are stable
+        combo = tuple(map(id, lists))
         got = merged.get(combo)
         if got is None:
             got = merged[combo] = [r for lst in lists for r in lst]
         holders[i] = got
     del held_by, merged
-    preferred: Dict[int, int] = {}
-    for rank, m in enumerate(messages):
-        if m["main"]:
-            fixed, flat = parsed[m["fixed"]], parsed[m["flat"]]
-            for j in m["main"]:
-                preferred.setdefault(fixed[j] if j < len(fixed) else flat[j - len(fixed)], rank)
+    for p in parts:  # each regular shard's first main replica (the lowest rank naming it main)
+        for t, pairs in enumerate(p["fixed_main"]):
+            sids = parsed[p["fixed"][t]]
+            for j, r in pairs:
+                sid = sids[j]
+                old = preferred.get(sid)
+                if old is None or r < old:
+                    preferred[sid] = r
+    for idx in dup_runs:
+        i = len(nbytes)
+        nbytes.append(int(F_nb[idx[0]]))
+        holders[i] = [int(F_r[k]) for k in idx]
+        mains = [int(F_r[k]) for k in idx if F_main[k]]
+        if mains:
+            preferred[i] = min(mains)
+        writer_list.append(-1)
     chunk_of.clear()
-    exact = _keys_tiling_exactly([tensors[k][1] for k in kinds], c_key, c_nd, c_dims, p_chunk, p_flat)
-    for lst in (c_key, c_nd, c_dims, p_chunk, p_flat):
-        lst.clear()
-    if not all(exact):  # the detailed check names the problems of the other keys, piece by piece
+    pc = np.concatenate([np.array(p_chunk, dtype=np.int64), F_c[uniq]])
+    pf = np.concatenate([np.array(p_flat, dtype=np.int64).reshape(-1, 2),
+                         np.stack([F_a[uniq], np.where(F_b[uniq] == -1, -2, F_b[uniq])], axis=1)]).reshape(-1)
+    tensors = {k: (dt, tuple(gs)) for k, (dt, gs) in kinds.items()}
+    exact = _keys_tiling_exactly([tensors[k][1] for k in kinds], c_key, c_nd, c_dims, pc, pf)
+    if not all(exact):
         doubt = {k for k, ok in zip(kinds, exact) if not ok}
         by_key: Dict[str, List[Tuple[Shape, Shape, Optional[Tuple[int, int]]]]] = {k: [] for k in doubt}
         for sid in ids:
-            key, o, cs = chunk_list[sid[0]]
+            key, o, cs_ = chunk_list[sid[0]]
             if key in doubt:
-                by_key[key].append((o, cs, None if sid[1:] == (None,) else tuple(sid[1:])))
+                by_key[key].append((o, cs_, None if sid[1:] == (None,) else tuple(sid[1:])))
+        for c, a, b in zip(F_c[uniq].tolist(), F_a[uniq].tolist(), F_b[uniq].tolist()):
+            key, o, cs_ = chunk_list[c]
+            if key in doubt:
+                by_key[key].append((o, cs_, (a, b)))
         for key, pieces in by_key.items():
             problems += chunk_coverage_problems(key, tensors[key][1], pieces)
-    ids.clear()  # the shard ids' tuples: not needed any more (the plan's peak memory, issue 32)
+    del pc, pf
+    for lst in (c_key, c_nd, c_dims, p_chunk, p_flat):
+        lst.clear()
+    ids.clear()
+    nz = np.flatnonzero(load_arr)
+    load = dict(zip(nz.tolist(), load_arr[nz].tolist()))
     for i, w in assign_writers(holders, nbytes, preferred, load).items():
-        writer[i] = w
+        writer_list[i] = w
     del holders, nbytes, preferred, load
-    # objects: the main replica writes; without one, the first holder
-    obj_parsed: Dict[str, List[str]] = {}
-    obj_ranks: Dict[str, List[int]] = {}
+    # objects: the main replica writes; without one, the first rank holding it
     obj_writer: Dict[str, int] = {}
-    for rank, m in enumerate(messages):
-        ukeys = obj_parsed.get(m["objects"])
-        if ukeys is None:
-            ukeys = obj_parsed[m["objects"]] = json.loads(m["objects"])
-        obj_ranks.setdefault(m["objects"], []).append(rank)
-        for i in m["objects_main"]:
-            u = ukeys[i]
-            if u in obj_writer:
-                problems.append(f"object {u!r}: main replica on ranks {obj_writer[u]} and {rank}")
-            obj_writer[u] = rank
-    # each rank's list differs (a few objects are its own) but names mostly the same objects: a million
-    # names at 16,384 ranks, tens of objects each, for tens of thousands of objects. The lists are
-    # walked name by name only when some object has no main replica
-    written = obj_writer.keys()
-    if not all(written >= set(ukeys) for ukeys in obj_parsed.values()):  # no set of every name (memory)
-        for text, ukeys in obj_parsed.items():  # objects without a main replica: the first rank holding one
-            for u in ukeys:
-                obj_writer.setdefault(u, obj_ranks[text][0])
+    for p in parts:
+        for u, rs in p["obj_main"]:
+            for r in rs:
+                if u in obj_writer:
+                    problems.append(f"object {u!r}: main replica on ranks {obj_writer[u]} and {r}")
+                obj_writer[u] = r
+    nomain: Dict[str, int] = {}
+    seen_lists = set()
+    for p in parts:  # a list an earlier group sent names each object with a lower rank already
+        if p["obj_nomain"] in seen_lists:
+            continue
+        seen_lists.add(p["obj_nomain"])
+        names = _unpack_texts(p["obj_nomain_names"])
+        firsts = _text_ints(p["obj_nomain_first"]).tolist()
+        if len(names) != len(firsts) or _digest(json.dumps(names)) != p["obj_nomain"]:
+            raise ValueError(f"internal error: the part of ranks {p['base']}.. names other objects than it holds")
+        for u, r in zip(names, firsts):
+            if u not in obj_writer and u not in nomain:
+                nomain[u] = r
     if problems:
         head = "\n  ".join(problems[:50])
         more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
         raise ValueError(f"sharded state dict is inconsistent across ranks:\n  {head}{more}")
-    # each rank's reply, computed per distinct announcement text (not per rank and record)
-    world = len(messages)
-    writes: List[List[int]] = [[] for _ in range(world)]
-    nfixed = [len(parsed[m["fixed"]]) for m in messages]
-    for groups, flat_part in ((by_fixed, False), (by_flat, True)):
-        for text, ranks in groups.items():
-            rset = set(ranks)
-            for j, sid in enumerate(parsed[text]):
-                w = writer[sid]
-                if w in rset:
-                    writes[w].append(nfixed[w] + j if flat_part else j)
-    obj_writes: List[List[int]] = [[] for _ in range(world)]  # per object its writer's entries naming it
-    for u, w in obj_writer.items():
-        ukeys = obj_parsed[messages[w]["objects"]]
-        got = obj_writes[w]
-        i = ukeys.index(u)
-        while i >= 0:
-            got.append(i)
-            try:
-                i = ukeys.index(u, i + 1)  # listed twice (the rank sends the object once)
-            except ValueError:
-                i = -1
-    for got in obj_writes:
-        if len(got) > 1:
-            got.sort()
-    # state-tree blobs: the first rank holding one uploads it; every rank also learns the
-    # uploader of each of its blobs, and the uploader how many entries share it, which is what
-    # lets a later save with the same plan check in one all-reduce that the blobs still group
-    # the same way (megashard.saving.plan_vote)
-    # (data-parallel replicas in one gather group share one decoded list: each list is read once)
+    replies: List[Dict[str, Any]] = [{"fixed": [[] for _ in p["fixed"]], "flat_not": [], "objects": [], "blobs": []}
+                                     for p in parts]
+    for gid, (text, sids) in enumerate(parsed.items()):  # the writers of regular shards, to their groups
+        for j, sid in enumerate(sids):
+            w = writer_list[sid]
+            if rank_fixed[w] == gid:
+                g = group_of(w)
+                replies[g]["fixed"][local_fixed[g][gid]].append([j, w])
+    for n, idx in enumerate(dup_runs):
+        w = writer_list[nfix_ids + n]
+        for k in idx:
+            r = int(F_r[k])
+            if r != w:
+                replies[group_of(r)]["flat_not"].append([r, int(F_j[k])])
+    for u, w in nomain.items():
+        replies[group_of(w)]["objects"].append([u, w])
+    # state-tree blobs: the first rank holding one uploads it; how many entries share it
     blob_owner: Dict[str, int] = {}
     blob_count: Dict[str, int] = {}
-    times: Dict[int, List[Any]] = {}  # id of a rank's blob list -> [the list, ranks sending it]
-    for rank, m in enumerate(messages):
-        got = times.get(id(m["blobs"]))
-        if got is not None:  # an earlier rank holds these blobs: none is this rank's to upload
-            got[1] += 1
-            continue
-        times[id(m["blobs"])] = [m["blobs"], 1]
-        for _key, sha, *_ in m["blobs"]:
-            blob_owner.setdefault(sha, rank)
-    for blobs, n in times.values():
-        for _key, sha, *_ in blobs:
-            blob_count[sha] = blob_count.get(sha, 0) + n
-    owners: Dict[int, List[int]] = {}
-    replies: List[Dict[str, Any]] = []
-    for rank, m in enumerate(messages):
-        upload: List[str] = []
-        lead: List[List[int]] = []  # [entry index, entries sharing it] of the blobs this rank uploads
-        own = owners.get(id(m["blobs"]))
-        if own is None:
-            own = owners[id(m["blobs"])] = [blob_owner[sha] for _key, sha, *_ in m["blobs"]]
-            for j, (_key, sha, *_) in enumerate(m["blobs"]):
-                if own[j] == rank and sha not in upload:
-                    upload.append(sha)
-                    lead.append([j, blob_count[sha]])
-        writes[rank].sort()  # in place, and the ranks sending the same blobs share one owner list:
-        # 131,072 replies are held at once (nothing changes a reply before it is encoded)
-        replies.append({"write": writes[rank], "objects": obj_writes[rank], "blobs": upload,
-                        "blob_owners": own, "blob_lead": lead})
-    return SaveAssignment(replies, tensors, blob_owner)
+    for p in parts:
+        for sha, r, n in p["blobs"]:
+            if sha not in blob_owner:
+                blob_owner[sha] = r
+                blob_count[sha] = n
+            else:
+                blob_count[sha] += n
+    for p, rep in zip(parts, replies):
+        rep["blobs"] = [[blob_owner[sha], blob_count[sha]] for sha, _r, _n in p["blobs"]]
+    return replies, tensors, blob_owner
 
 
 def _keys_tiling_exactly(gshapes: Sequence[Sequence[int]], c_key: Sequence[int], c_nd: Sequence[int],

@@ -1,9 +1,10 @@
 """``save``: every rank writes its own shards; a coordinator plans and commits.
 
 Collectives per save, whatever the world size (none per tensor):
-  1. *plan*: every rank sends its announcement (shards, objects, state-tree parts) to
-     rank 0, which validates the whole (:func:`megashard.plan.coordinate_save`) and sends
-     each rank only its own writer assignment. A save whose layout equals the previous
+  1. *plan*: every rank sends its announcement (shards, objects, state-tree parts) to its
+     gather group's leader, which condenses the group's (:class:`megashard.plan.PlanLead`);
+     rank 0 validates the whole from the groups' parts (:func:`megashard.plan.plan_groups`)
+     and each rank receives only its own writer assignment. A save whose layout equals the previous
      save's on every rank reuses that plan instead (one all-reduce of four integers, then
      rank 0 broadcasts the save's token; see :func:`plan_vote`);
   2. every rank writes its files into a shared temporary directory and fsyncs them;
@@ -250,6 +251,33 @@ def coordinate(messages: List[Dict[str, Any]], token: str, keep: Optional[_Coord
         for r in replies:
             r["token"] = token
             r["plan"] = plan_id
+        return replies
+
+
+class _SaveLead(plan.PlanLead):
+    """A gather group leader's share of the plan (:class:`megashard.plan.PlanLead`); its
+    refusals are the StateDictErrors rank 0's are."""
+
+    def reduce(self, payloads: List[Any]) -> Dict[str, Any]:
+        try:
+            return super().reduce(payloads)
+        except ValueError as e:
+            raise StateDictError(str(e)) from None
+
+
+def coordinate_parts(parts: List[Dict[str, Any]], token: str, keep: Optional[_Coordinator] = None) -> List[Dict[str, Any]]:
+    """Rank 0: validate and assign from the gather groups' parts (:class:`_SaveLead`), one reply
+    per group (a StateDictError names every inconsistency)."""
+    plan_id = secrets.randbits(62)  # names this plan in later saves' votes (plan_vote)
+    with gc_paused():
+        try:
+            replies, tensors, _owner = plan.plan_groups(parts)
+        except ValueError as e:
+            raise StateDictError(str(e)) from None
+        if keep is not None:
+            keep.tensors = tensors
+        for r in replies:
+            r["extra"] = {"token": token, "plan": plan_id}
         return replies
 
 
@@ -542,9 +570,9 @@ def save(
     keep = _Coordinator(target=target)
     token = secrets.token_hex(6) if comm.rank == 0 else ""
 
-    def plan_save(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def plan_save(parts: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         target.check()  # before any rank writes a byte
-        replies = coordinate(messages, token, keep)
+        replies = coordinate_parts(parts, token, keep)
         keep.temp_dir = target.create(token)
         return replies
 
@@ -552,7 +580,8 @@ def save(
     reused = reply is not None
     if reply is None:
         with _discard_on_failure(keep):
-            reply = comm.coordinate("save", err, msg, plan_save)  # collective 1': the full plan
+            # collective 1': the full plan, each gather group's leader condensing its members' announcements
+            reply = comm.coordinate("save", err, msg, plan_save, _SaveLead(comm.rank))
         _PLAN_CACHE[(comm.world_size, comm.rank)] = remember_plan(msg, reply, keep.tensors)
     entry = _PLAN_CACHE[(comm.world_size, comm.rank)]
     temp_dir = target.temp_location(reply["token"])

@@ -19,7 +19,7 @@ import os
 import threading
 import traceback
 import zlib
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -218,7 +218,7 @@ class Comm:
         return distributed_error(e.failures, what)
 
     def coordinate(self, what: str, error: Optional[str], payload: Any,
-                   compute: Callable[[List[Any]], List[Any]]) -> Any:
+                   compute: Callable[[List[Any]], List[Any]], lead: Optional["Lead"] = None) -> Any:
         """Gather every rank's payload on rank 0, run ``compute`` there (payloads -> one
         reply per rank) and send each rank its reply; raise on every rank if any rank's
         payload or the computation failed. A rank receives only its own reply.
@@ -226,7 +226,17 @@ class Comm:
         Two levels (:func:`gather_groups`): each group's leader receives its members'
         messages and sends rank 0 one compressed part with the values its members share sent
         once (:func:`pack_part`); replies travel back down the same tree. No process receives
-        a message from every rank; a job of up to 64 ranks is one group (a flat gather)."""
+        a message from every rank; a job of up to 64 ranks is one group (a flat gather).
+
+        ``lead`` (:class:`Lead`): the leaders do their group's share of the work. Each leader
+        (rank 0 too, for its own group) decodes its members' payloads and sends rank 0
+        ``lead.reduce(payloads)`` (one JSON-able part); ``compute`` then runs on rank 0 over
+        the groups' parts (group order) and returns one reply per group; each leader turns its
+        group's reply into one reply per member with ``lead.expand(reply, payloads)``. A
+        member's error, a ``reduce`` or ``compute`` that raises reach every rank, naming the
+        failing ranks, as without ``lead``."""
+        if lead is not None:
+            return self._coordinate_led(what, error, payload, compute, lead)
         size = gather_group_size(self.world_size)
         leader = self.rank - self.rank % size
         mine = encode_message(error, payload)
@@ -263,6 +273,90 @@ class Comm:
         except DistributedError as e:
             raise self._with_own(e, error, what) from None
         return _reply_value(reply, what)
+
+    def _coordinate_led(self, what: str, error: Optional[str], payload: Any,
+                        compute: Callable[[List[Any]], List[Any]], lead: "Lead") -> Any:
+        """:meth:`coordinate` with ``lead``: leaders reduce, rank 0 computes over the parts."""
+        size = gather_group_size(self.world_size)
+        leader = self.rank - self.rank % size
+        mine = encode_message(error, payload)
+        try:
+            if self.rank != leader:
+                self._send_bytes(mine, leader, what)
+                return _reply_value(json.loads(self._recv_bytes([leader], what)[0]), what)
+            members = list(range(leader + 1, min(self.world_size, leader + size)))
+            texts = [mine] + self._recv_bytes(members, what)
+            with gc_paused():
+                errors, payloads = unpack_messages(texts)
+                del texts
+                part = self._lead_reduce(what, leader, errors, payloads, lead)
+                if leader != 0:
+                    self._send_bytes(pack_led_part(part), 0, what)
+                    del part
+                    group_reply = json.loads(zlib.decompress(self._recv_bytes([0], what)[0]))
+                else:
+                    got = [part] + [unpack_led_part(p) for p in
+                                    self._recv_bytes(list(range(size, self.world_size, size)), what)]
+                    del part
+                    group_replies = self._compute_group_replies(what, got, compute, size)
+                    del got
+                    self._send_many([zlib.compress(_dumps_bytes(r), PART_ZLIB_LEVEL) for r in group_replies[1:]],
+                                    list(range(size, self.world_size, size)), what)
+                    group_reply = group_replies[0]
+                    del group_replies
+                replies = self._lead_expand(what, group_reply, payloads, lead)
+                del payloads
+                out = [_dumps_bytes(r) for r in replies[1:]]
+            self._send_many(out, members, what)
+            del out
+            reply = replies[0]
+        except DistributedError as e:
+            raise self._with_own(e, error, what) from None
+        return _reply_value(reply, what)
+
+    def _lead_reduce(self, what: str, leader: int, errors: Dict[int, str], payloads: List[Any],
+                     lead: "Lead") -> Dict[str, Any]:
+        """A leader's part for rank 0: ``{"part": ...}``, or its group's failures by rank
+        (its members' errors, else the reduce's own, on the leader's rank)."""
+        if not errors:
+            part, err = self.run(what, lambda: lead.reduce(payloads))
+            if err is None:
+                return {"part": part}
+            errors = {0: f"{what} (group of ranks {leader}..{leader + len(payloads) - 1}): {err}"}
+        return {"failures": {str(leader + i): m for i, m in _bounded_failures(errors).items()}}
+
+    def _compute_group_replies(self, what: str, got: List[Dict[str, Any]],
+                               compute: Callable[[List[Any]], List[Any]], size: int) -> List[Any]:
+        """Rank 0: one reply per group (``{"ok": ...}``), or everybody's failures."""
+        groups = len(range(0, self.world_size, size))
+        failures = {int(r): m for g in got for r, m in g.get("failures", {}).items()}
+        if not failures:
+            parts = [g["part"] for g in got]
+            got.clear()
+            out, err = self.run(what, lambda: compute(parts))
+            del parts
+            if err is None and (not isinstance(out, list) or len(out) != groups):
+                err = f"internal error: {what} produced no reply per group"
+            if err is None:
+                return [{"ok": o} for o in out]
+            failures = {0: err}
+        fail = {str(r): m for r, m in _bounded_failures(failures).items()}
+        return [{"failures": fail}] * groups
+
+    def _lead_expand(self, what: str, group_reply: Mapping[str, Any], payloads: List[Any],
+                     lead: "Lead") -> List[Any]:
+        """A leader: one reply per member (``{"ok": ...}`` or the failures) from its group's."""
+        n = len(payloads)
+        if "failures" in group_reply:
+            return [group_reply] * n
+        out, err = self.run(what, lambda: lead.expand(group_reply["ok"], payloads))
+        if err is None and (not isinstance(out, list) or len(out) != n):
+            err = f"internal error: {what} produced no reply per member"
+        if err is None:
+            return [{"ok": o} for o in out]
+        # rank 0 has answered the other groups already: this group raises now and the others
+        # at the phase's next agreement, where this group's ranks report this failure
+        return [{"failures": {str(self.rank): err}}] * n
 
     def _compute_replies(self, what: str, got: List[Tuple[Dict[int, str], List[Any]]],
                          compute: Callable[[List[Any]], List[Any]]) -> List[Any]:
@@ -586,6 +680,34 @@ def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
         payloads = [table[row["v"]] if isinstance(row, dict) else {fields[f]: table[j] for f, j in row}
                     for row in part["rows"]]
     return {int(i): m for i, m in part["errors"].items()}, payloads
+
+
+class Lead(Protocol):
+    """What a group leader does in :meth:`Comm.coordinate` (``lead=``)."""
+
+    def reduce(self, payloads: List[Any]) -> Any:
+        """Its group's decoded payloads (leader first, rank order) -> one JSON-able part for rank 0."""
+
+    def expand(self, group_reply: Any, payloads: List[Any]) -> List[Any]:
+        """Rank 0's reply for the group -> one reply per member (leader first)."""
+
+
+def pack_led_part(part: Mapping[str, Any]) -> bytes:
+    """A leader's reduced part (``{"part": ...}`` or ``{"failures": ...}``) for rank 0."""
+    data = _dumps_bytes(part)
+    if lzma is None:
+        return zlib.compress(data, PART_ZLIB_LEVEL)
+    return lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=PART_XZ_PRESET)
+
+
+def unpack_led_part(data: bytes) -> Dict[str, Any]:
+    """Rank 0: a leader's :func:`pack_led_part`."""
+    if data[:6] == _XZ_MAGIC:
+        if lzma is None:
+            raise DistributedError({0: "a group leader sent an xz-compressed part and rank 0's Python has no "
+                                       "lzma module: run every rank with the same Python build"}, "gather")
+        return json.loads(lzma.decompress(data, format=lzma.FORMAT_XZ))
+    return json.loads(zlib.decompress(data))
 
 
 def pack_replies(replies: Sequence[Any]) -> bytes:

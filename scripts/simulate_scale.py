@@ -217,6 +217,70 @@ class _Tree:
                 texts = []
         return own, parts, sent
 
+    def collect_led(self, texts_of_ranks: Any) -> Tuple[List[bytes], List[bytes], List[int], List[bytes]]:
+        """The plan's gather with ``lead`` (``Comm.coordinate(..., lead=saving._SaveLead)``): each
+        other leader decodes its group's messages, condenses them (``plan.PlanLead.reduce``) and
+        sends rank 0 one part (:func:`transport.pack_led_part`), timed as that leader's. Returns
+        rank 0's own group's messages, the parts, the bytes each rank sends, and each group's
+        messages zlib-compressed (kept by the simulation, outside rank 0's memory window, to
+        expand the replies and to vote later)."""
+        own: List[bytes] = []
+        parts: List[bytes] = []
+        sent: List[int] = []
+        stored: List[bytes] = []
+        texts: List[bytes] = []
+        for r, text in enumerate(texts_of_ranks):
+            texts.append(text)
+            sent.append(len(text) + SIZE_EXCHANGE)
+            if len(texts) == self.group or r == self.world - 1:
+                g = r // self.group
+                self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
+                stored.append(zlib.compress(b"".join(len(t).to_bytes(8, "little") + t for t in texts), 1))
+                if g == 0:
+                    own = texts
+                else:
+                    t1 = _clock()
+                    with transport.gc_paused():
+                        errors, payloads = transport.unpack_messages(texts)
+                        assert not errors
+                        part = transport.pack_led_part({"part": saving._SaveLead(g * self.group).reduce(payloads)})
+                    del payloads
+                    self.leader_s[g] += _clock() - t1
+                    sent[-len(texts)] = len(part) + SIZE_EXCHANGE
+                    self.recv[0] += len(part) + SIZE_EXCHANGE
+                    parts.append(part)
+                texts = []
+        return own, parts, sent, stored
+
+    def expand_led(self, stored: List[bytes], down: List[bytes], own_replies: List[Any], own_payloads: List[Any],
+                   own_texts: List[bytes]) -> Tuple[List[Any], List[Any], List[int]]:
+        """Each other leader receives its group's reply, expands it (``plan.PlanLead.expand``, timed
+        as that leader's) and sends each member its reply. Returns every rank's reply and
+        announcement (rank order) and the bytes each rank receives."""
+        replies: List[Any] = list(own_replies)
+        messages: List[Any] = list(own_payloads)
+        recv = [0] + [len(t) + SIZE_EXCHANGE for t in own_texts]
+        for g in range(1, len(stored)):
+            raw = zlib.decompress(stored[g])
+            texts, pos = [], 0
+            while pos < len(raw):
+                n = int.from_bytes(raw[pos:pos + 8], "little")
+                texts.append(raw[pos + 8:pos + 8 + n])
+                pos += 8 + n
+            _errors, payloads = transport.unpack_messages(texts)
+            lead = saving._SaveLead(g * self.group)
+            lead.reduce(payloads)  # the leader's state from its reduce (timed in collect_led)
+            self.recv[g] += len(down[g - 1]) + SIZE_EXCHANGE
+            t1 = _clock()
+            with transport.gc_paused():
+                mine = lead.expand(json.loads(zlib.decompress(down[g - 1]))["ok"], payloads)
+                out = [transport._dumps_bytes({"ok": r}) for r in mine[1:]]
+            self.leader_s[g] += _clock() - t1
+            recv += [len(down[g - 1]) + SIZE_EXCHANGE] + [len(t) + SIZE_EXCHANGE for t in out]
+            replies += mine
+            messages += payloads
+        return replies, messages, recv
+
     @staticmethod
     def decode(own: List[bytes], parts: List[bytes]) -> Tuple[List[Any], float]:
         """Rank 0's decoding as ``transport.Comm.coordinate`` does it (every part decoded while
@@ -302,20 +366,43 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             yield text
 
     t0 = _clock()
-    own, parts, send = tree.collect(announcements())
+    own, parts, send, stored = tree.collect_led(announcements())
     t_announce = _clock() - t0
 
-    mem_plan = _Peak()  # rank 0 holds the announcements it received
-    messages, t_decode = tree.decode(own, parts)
-    t_announce += t_decode
-    plan_decoded = mem_plan.now()
-    t0 = _clock()
-    keep = saving._Coordinator()
-    replies = saving.coordinate(messages, "simulated", keep)
-    t_plan = _clock() - t0
-    t_encode, recv = tree.scatter([{"ok": rep} for rep in replies])
-    plan_peak = mem_plan.peak()  # (rank 0 then drops the announcements, but for its own)
+    # the plan as Comm.coordinate(..., lead=saving._SaveLead) runs it on rank 0: its own group's
+    # messages decoded and condensed, the other leaders' parts decoded, the plan over the parts
+    # (saving.coordinate_parts), one reply per group encoded, its own group's replies expanded
+    mem_plan = _Peak()  # rank 0 holds what it received: its group's messages and the leaders' parts
+    with transport.gc_paused():
+        t0 = _clock()
+        errors, own_payloads = transport.unpack_messages(own)
+        assert not errors
+        own.clear()
+        t_decode = _clock() - t0
+        t0 = _clock()
+        lead0 = saving._SaveLead(0)
+        got = [lead0.reduce(own_payloads)]
+        t_reduce0 = _clock() - t0
+        t0 = _clock()
+        got += [transport.unpack_led_part(p)["part"] for p in parts]
+        parts.clear()
+        t_decode += _clock() - t0
+        plan_decoded = mem_plan.now()
+        t0 = _clock()
+        keep = saving._Coordinator()
+        group_replies = saving.coordinate_parts(got, "simulated", keep)
+        del got
+        t_plan = _clock() - t0
+        t0 = _clock()
+        down = [zlib.compress(transport._dumps_bytes({"ok": r}), transport.PART_ZLIB_LEVEL) for r in group_replies[1:]]
+        own_replies = lead0.expand(group_replies[0], own_payloads)
+        own_texts = [transport._dumps_bytes({"ok": r}) for r in own_replies[1:]]
+        t_encode = _clock() - t0
+    plan_peak = mem_plan.peak()  # (rank 0 then drops the parts and the plan's state)
     plan_recv0 = tree.recv[0]  # rank 0's bytes of the plan gather (its scatter receives nothing)
+    del group_replies, lead0
+    replies, messages, recv = tree.expand_led(stored, down, own_replies, own_payloads, own_texts)
+    del down, own_replies, own_payloads, own_texts, stored
 
     # the steady-state save's plan: each rank's vote with the plan it cached, summed as the all-reduce does
     t0 = _clock()
@@ -391,7 +478,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     same_index = sections2 == sections3 and sections2 != sections and digests_same
     steady_results = []
     del head2, sections2, head3, sections3
-    rank0 = t_rank0_own + t_decode + t_plan + t_encode + t_decode_commit + t_commit_encode + t_index
+    rank0 = t_rank0_own + t_decode + t_reduce0 + t_plan + t_encode + t_decode_commit + t_commit_encode + t_index
     rank0_steady = t_vote0 + t_decode_steady + t_index_steady
     busiest_rank, busiest = tree.busiest()
     steady_busiest = max(steady_tree.recv) + 8 * 4  # the steady commit and the two votes
@@ -410,7 +497,7 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
         "leader_max_s": round(leader_s, 3),  # the slowest other leader: packing its group's parts, unpacking replies
         "leader_max_plan_s": round(leader_plan_s, 3),
         "rank0_parts_s": {"own": round(t_rank0_own, 3), "decode_plan": round(t_decode, 3), "plan": round(t_plan, 3),
-                          "encode_replies": round(t_encode, 3), "decode_commit": round(t_decode_commit, 3),
+                          "reduce_own": round(t_reduce0, 3), "encode_replies": round(t_encode, 3), "decode_commit": round(t_decode_commit, 3),
                           "encode_commit_replies": round(t_commit_encode, 3),
                           "index": round(t_index, 3), "steady_vote": round(t_vote0, 6),
                           "steady_decode_commit": round(t_decode_steady, 3),

@@ -1,0 +1,108 @@
+"""``transport.Comm.coordinate(..., lead=...)`` across 4 real gloo ranks in groups of 2
+(``MEGASHARD_GATHER_GROUP=2``: rank 0 leads ranks 0-1, rank 2 leads ranks 2-3): each leader
+reduces its group's payloads to one part, rank 0 computes one reply per group over the parts,
+and each leader expands its group's reply to its members. A member's error, a reduce that
+raises on a leader and a compute that raises reach every rank, naming the failing ranks."""
+from __future__ import annotations
+
+from typing import Any, List
+
+from megashard import transport
+from megashard.errors import DistributedError
+
+from distributed import all_ok, run_ranks
+
+
+class _Sum:
+    """A group's part: its ranks and their payloads' sum; the reply: the group's offset."""
+
+    def __init__(self, fail_reduce_on: int = -1) -> None:
+        self.fail_reduce_on = fail_reduce_on
+        self.reduced: List[Any] = []
+
+    def reduce(self, payloads: List[Any]) -> Any:
+        if payloads[0]["rank"] == self.fail_reduce_on:
+            raise ValueError(f"reduce refuses the group of rank {self.fail_reduce_on}")
+        self.reduced.append([p["rank"] for p in payloads])
+        return {"ranks": [p["rank"] for p in payloads], "sum": sum(p["value"] for p in payloads)}
+
+    def expand(self, group_reply: Any, payloads: List[Any]) -> List[Any]:
+        return [{"rank": p["rank"], "got": group_reply, "value": p["value"]} for p in payloads]
+
+
+def _compute(parts: List[Any]) -> List[Any]:
+    total = sum(p["sum"] for p in parts)
+    return [{"ranks": p["ranks"], "total": total, "group": g} for g, p in enumerate(parts)]
+
+
+def _raises(fn):
+    try:
+        fn()
+    except DistributedError as e:
+        return sorted(e.failures), str(e)
+    return None
+
+
+def _lead_cases(rank, world):
+    comm = transport.Comm()
+    out = {"group": transport.gather_group_size(world)}
+    lead = _Sum()
+    out["ok"] = comm.coordinate("lead test", None, {"rank": rank, "value": 10 * rank + 1}, _compute, lead)
+    out["reduced"] = lead.reduced  # only leaders reduce, over their group in rank order
+    # a member of the non-leader group fails: its leader does not reduce, rank 0 does not compute, every
+    # rank raises naming rank 3
+    lead = _Sum()
+    err = _raises(lambda: comm.coordinate("lead test", "rank 3 broke" if rank == 3 else None,
+                                          {"rank": rank, "value": 1}, _compute, lead))
+    out["member"] = (err[0], "rank 3 broke" in err[1]) if err else None
+    out["member_reduced"] = lead.reduced
+    # the leader of ranks 2-3 fails to reduce: every rank raises naming rank 2
+    err = _raises(lambda: comm.coordinate("lead test", None, {"rank": rank, "value": 1}, _compute, _Sum(2)))
+    out["reduce"] = (err[0], "reduce refuses the group of rank 2" in err[1]) if err else None
+
+    # compute raises on rank 0: every rank raises naming rank 0
+    def bad(parts):
+        raise ValueError(f"compute refuses {len(parts)} parts")
+
+    err = _raises(lambda: comm.coordinate("lead test", None, {"rank": rank, "value": 1}, bad, _Sum()))
+    out["compute"] = (err[0], "compute refuses 2 parts" in err[1]) if err else None
+    # compute answers the wrong number of groups: an internal error on every rank
+    err = _raises(lambda: comm.coordinate("lead test", None, {"rank": rank, "value": 1}, lambda p: [1], _Sum()))
+    out["count"] = (err[0], "no reply per group" in err[1]) if err else None
+    # and the same Comm still coordinates without lead afterwards
+    out["plain"] = comm.coordinate("plain", None, rank, lambda ps: [p * 2 for p in ps])
+    return out
+
+
+def test_leaders_reduce_and_expand_and_failures_reach_every_rank():
+    res = all_ok(run_ranks(_lead_cases, 4, timeout=200, env={"MEGASHARD_GATHER_GROUP": "2"}))
+    for rank, got in enumerate(res):
+        g = rank // 2
+        want_ok = {"rank": rank, "value": 10 * rank + 1,
+                   "got": {"ranks": [2 * g, 2 * g + 1], "total": 1 + 11 + 21 + 31, "group": g}}
+        assert got["group"] == 2
+        assert got["ok"] == want_ok, f"rank {rank}: {got['ok']}"
+        assert got["reduced"] == ([[rank, rank + 1]] if rank % 2 == 0 else [])
+        assert got["member"] == ([3], True), f"rank {rank}: {got['member']}"
+        assert got["member_reduced"] == ([[0, 1]] if rank == 0 else [])  # the failing group does not reduce
+        assert got["reduce"] == ([2], True), f"rank {rank}: {got['reduce']}"
+        assert got["compute"] == ([0], True), f"rank {rank}: {got['compute']}"
+        assert got["count"] == ([0], True), f"rank {rank}: {got['count']}"
+        assert got["plain"] == 2 * rank
+
+
+def test_a_world_of_one_reduces_computes_and_expands():
+    comm = transport.Comm(transport.SOLO)
+    lead = _Sum()
+    got = comm.coordinate("solo", None, {"rank": 0, "value": 5}, _compute, lead)
+    assert got == {"rank": 0, "value": 5, "got": {"ranks": [0], "total": 5, "group": 0}}
+    assert lead.reduced == [[0]]
+    err = _raises(lambda: comm.coordinate("solo", "broke", {"rank": 0, "value": 5}, _compute, _Sum()))
+    assert err is not None and err[0] == [0] and "broke" in err[1]
+
+
+def test_led_parts_round_trip(monkeypatch):
+    part = {"part": {"a": [1, 2], "b": "x" * 100}}
+    assert transport.unpack_led_part(transport.pack_led_part(part)) == part
+    monkeypatch.setattr(transport, "lzma", None)
+    assert transport.unpack_led_part(transport.pack_led_part(part)) == part
