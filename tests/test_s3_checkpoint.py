@@ -851,3 +851,57 @@ def test_index_blocks_give_the_bytes_asked_for_and_refuse_ranges_past_the_end():
         scan.read_into([(a, memoryview(out))])
         assert bytes(out) == data[a:a + len(out)]
     assert len(fetches) <= 6, fetches
+
+
+def test_a_file_in_one_put_is_sent_while_its_tensors_are_still_hashed(s3, monkeypatch):
+    """A file small enough for one PUT (most ranks' files at scale) starts its body before any tensor is
+    hashed: each tensor header waits for its own hashes on the open request, nothing waits for the whole
+    file (a save that hashed first would fail after 20 s); the load with ``verify=True`` checks every
+    tensor's CRC32 and SHA-256."""
+    import http.client
+    import threading
+
+    from megashard.format import writer
+    from megashard.format.layout import MAGIC
+
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(64 * MiB))  # ~12 MiB: one PUT
+    sent = threading.Event()
+    real_hash, real_send = writer._hash_item, http.client.HTTPConnection.send
+
+    def hash_item(it):
+        if not sent.wait(20):
+            raise AssertionError(f"tensor {it.name} was to be hashed before the file's first bytes were sent")
+        real_hash(it)
+
+    def send(self, data):
+        if bytes(memoryview(data)[:len(MAGIC)]) == MAGIC:  # the prologue: the body has begun
+            sent.set()
+        return real_send(self, data)
+
+    monkeypatch.setattr(writer, "_hash_item", hash_item)
+    monkeypatch.setattr(http.client.HTTPConnection, "send", send)
+    want = state(big=True)
+    url = s3.url("run/iter_0000013")
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
+    megashard.save(want, url)
+    assert store.stats["MPU_PART"] == 0  # the .tensors file went up in one PUT
+    monkeypatch.setattr(writer, "_hash_item", real_hash)
+    got = megashard.load(template(want), url, verify=True)
+    check_loaded(got, want)
+
+
+def test_every_rank_creates_its_s3_client_while_the_save_is_planned(s3):
+    """``validate`` (every rank, first step of a save) starts creating the store's boto3 client in the
+    background, so a rank's first part does not wait for it after the plan; it sends no request."""
+    target = storage.save_target(s3.url("run/iter_0000014"))
+    store, _ = ObjectStore.for_url(s3.url())
+    assert store._client is None
+    s3.reset()
+    target.validate()
+    store._warming.join(60)
+    assert store._client is not None
+    assert s3.requests() == []
+    target.validate()  # once per process: no second thread, the same client
+    assert store._warming is None or not store._warming.is_alive()
+    assert store.boto3_client() is store._client

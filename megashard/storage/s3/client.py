@@ -18,6 +18,7 @@ import bisect
 import collections
 import hashlib
 import http.client
+import itertools
 import logging
 import os
 import queue
@@ -457,6 +458,7 @@ class ObjectStore:
         self._client_lock = threading.Lock()
         self._client: Any = None
         self._client_pid = 0
+        self._warming: Optional[threading.Thread] = None
 
     def __repr__(self) -> str:
         return f"ObjectStore(s3://{self.bucket}, endpoint={self.endpoint_url or 'AWS'})"
@@ -488,6 +490,25 @@ class ObjectStore:
                 self._client = self._make_client()
                 self._client_pid = os.getpid()
             return self._client
+
+    def warm(self) -> None:
+        """Start creating :meth:`boto3_client` on a background thread (once per process), so the first
+        request of a save does not wait for it: importing boto3 and building a client takes 0.2-0.5 s
+        of CPU, which every rank would otherwise spend after the save's plan, before its first byte.
+        A failure is left to the first real call, which raises it."""
+        with self._client_lock:
+            if (self._client is not None and self._client_pid == os.getpid()) or (
+                    self._warming is not None and self._warming.is_alive()):
+                return
+
+            def run() -> None:
+                try:
+                    self.boto3_client()
+                except Exception as e:  # noqa: BLE001 - the first real call raises it with its context
+                    log.debug("%r: creating the S3 client in the background failed: %s", self, e)
+
+            self._warming = threading.Thread(target=run, name="megashard-s3-client", daemon=True)
+            self._warming.start()
 
     def _make_client(self) -> Any:
         boto3, botocore = _boto()
@@ -1015,7 +1036,8 @@ class ObjectStore:
         parallel (a part may span segments), aborted on any failure. With ``if_none_match`` the object must
         not exist yet (CommitConflictError otherwise). ``pending`` (a
         :class:`~megashard.format.writer.DeferredHashes`): bytes still being written (``ranges``);
-        parts clear of them go first, a part holding some is sent after ``pending.wait(a, b)``.
+        parts clear of them go first, and a request sends each of its views once ``pending.wait`` says
+        its bytes are final (only views that meet a range wait: the body starts at once).
         Returns the ETag.
         """
         views = []
@@ -1031,12 +1053,30 @@ class ObjectStore:
         if pos != size:
             raise CheckpointError(f"{self.url(key)}: upload segments hold {pos} bytes, not {size}")
         if size <= single_put_bytes():
-            if pending is not None:
-                pending.wait(0, size)
             headers = {"If-None-Match": "*"} if if_none_match else {}
             url = self._presign("put_object", key)
-            return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers)
+            return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers,
+                                   gate=self._gate(pending, [o for o, _ in views]))
         return self._multipart(key, size, part_bytes(size), views, if_none_match, threads or connections(), pending)
+
+    @staticmethod
+    def _gate(pending: Any, offsets: Sequence[int]) -> Optional[Callable[[int, memoryview], None]]:
+        """What :meth:`_put_views` calls before sending its ``j``-th view (at object offset ``offsets[j]``):
+        ``pending.wait`` for that view's bytes when they meet one of ``pending.ranges``, so a request
+        sends what is final and waits, on the open connection, only where a tensor header still waits
+        for its hashes (None: nothing pending)."""
+        if pending is None:
+            return None
+        ranges = sorted(pending.ranges)
+        starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
+
+        def gate(j: int, mv: memoryview) -> None:
+            a, b = offsets[j], offsets[j] + mv.nbytes
+            i = bisect.bisect_right(ends, a)  # the first range ending after a
+            if i < len(ranges) and starts[i] < b:
+                pending.wait(a, b)
+
+        return gate
 
     @staticmethod
     def _slice(views: List[Tuple[int, memoryview]], starts: List[int], a: int, b: int) -> List[memoryview]:
@@ -1062,10 +1102,10 @@ class ObjectStore:
 
             def send(i: int) -> str:
                 a, b = spans[i]
-                if pending is not None:
-                    pending.wait(a, b)
+                pieces = self._slice(views, starts, a, b)
+                offsets = list(itertools.accumulate((mv.nbytes for mv in pieces[:-1]), initial=a))
                 url = self._presign("upload_part", key, UploadId=upload_id, PartNumber=i + 1)
-                return self._put_views("MPU_PART", key, url, self._slice(views, starts, a, b), b - a, {})
+                return self._put_views("MPU_PART", key, url, pieces, b - a, {}, gate=self._gate(pending, offsets))
 
             order = list(range(nparts))
             if pending is not None:  # parts whose bytes are final first: they go while the rest is hashed
@@ -1150,8 +1190,9 @@ class ObjectStore:
             raise
 
     def _put_views(self, kind: str, key: str, url: str, views: List[memoryview], length: int,
-                   headers: Dict[str, str]) -> str:
-        """One PUT of ``length`` bytes sent straight from ``views``; returns the ETag."""
+                   headers: Dict[str, str], gate: Optional[Callable[[int, memoryview], None]] = None) -> str:
+        """One PUT of ``length`` bytes sent straight from ``views``; returns the ETag. ``gate(j, view)``
+        runs before the ``j``-th view is sent (:meth:`_gate`: until its bytes are final)."""
         where = self.url(key)
 
         def landed() -> Optional[str]:
@@ -1173,12 +1214,17 @@ class ObjectStore:
                 for name, value in headers.items():
                     conn.putheader(name, value)
                 conn.endheaders()
-                for mv in views:
+                for j, mv in enumerate(views):
+                    if gate is not None:
+                        gate(j, mv)
                     conn.send(mv)
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 self._drop(url)
                 raise _Retryable(f"connection error: {e!r}") from None
+            except BaseException:  # e.g. the hashing failed mid-body: never reuse a half-sent request
+                self._drop(url)
+                raise
             if resp.status != 200:
                 code, message = self._error_response(url, resp)
                 if resp.status in _RETRY_STATUS or code in _RETRY_CODES:
