@@ -100,11 +100,11 @@ def _instrument(events: List[Dict[str, Any]]) -> None:
     http.client.HTTPConnection.getresponse = getresponse  # type: ignore[method-assign]
     put_views = cl.ObjectStore._put_views
 
-    def timed_put(self: Any, kind: str, key: str, url: str, views: Any, length: int, headers: Any) -> Any:
+    def timed_put(self: Any, kind: str, key: str, url: str, views: Any, length: int, headers: Any, **kw: Any) -> Any:
         t = time.time()
         sent.at = None
         try:
-            return put_views(self, kind, key, url, views, length, headers)
+            return put_views(self, kind, key, url, views, length, headers, **kw)
         finally:
             events.append({"what": kind, "key": key.rsplit("/", 1)[-1], "bytes": length, "t0": t,
                            "sent": sent.at, "t1": time.time(), "thread": threading.get_ident()})
