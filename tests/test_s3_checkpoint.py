@@ -890,18 +890,3 @@ def test_a_file_in_one_put_is_sent_while_its_tensors_are_still_hashed(s3, monkey
     got = megashard.load(template(want), url, verify=True)
     check_loaded(got, want)
 
-
-def test_every_rank_creates_its_s3_client_while_the_save_is_planned(s3):
-    """``validate`` (every rank, first step of a save) starts creating the store's boto3 client in the
-    background, so a rank's first part does not wait for it after the plan; it sends no request."""
-    target = storage.save_target(s3.url("run/iter_0000014"))
-    store, _ = ObjectStore.for_url(s3.url())
-    assert store._client is None
-    s3.reset()
-    target.validate()
-    store._warming.join(60)
-    assert store._client is not None
-    assert s3.requests() == []
-    target.validate()  # once per process: no second thread, the same client
-    assert store._warming is None or not store._warming.is_alive()
-    assert store.boto3_client() is store._client

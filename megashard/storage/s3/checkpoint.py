@@ -181,10 +181,7 @@ class ObjectSave:
         return store, key
 
     def validate(self) -> None:
-        """Every rank, first step of a save: the URL is usable; the store's client is made meanwhile
-        (:meth:`ObjectStore.warm`), while the save is planned."""
-        store, _ = self._loc()
-        store.warm()
+        self._loc()
 
     def check(self) -> None:
         """Rank 0, before any rank writes: the target is absent or a megashard checkpoint

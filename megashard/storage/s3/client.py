@@ -458,7 +458,6 @@ class ObjectStore:
         self._client_lock = threading.Lock()
         self._client: Any = None
         self._client_pid = 0
-        self._warming: Optional[threading.Thread] = None
 
     def __repr__(self) -> str:
         return f"ObjectStore(s3://{self.bucket}, endpoint={self.endpoint_url or 'AWS'})"
@@ -490,25 +489,6 @@ class ObjectStore:
                 self._client = self._make_client()
                 self._client_pid = os.getpid()
             return self._client
-
-    def warm(self) -> None:
-        """Start creating :meth:`boto3_client` on a background thread (once per process), so the first
-        request of a save does not wait for it: importing boto3 and building a client takes 0.2-0.5 s
-        of CPU, which every rank would otherwise spend after the save's plan, before its first byte.
-        A failure is left to the first real call, which raises it."""
-        with self._client_lock:
-            if (self._client is not None and self._client_pid == os.getpid()) or (
-                    self._warming is not None and self._warming.is_alive()):
-                return
-
-            def run() -> None:
-                try:
-                    self.boto3_client()
-                except Exception as e:  # noqa: BLE001 - the first real call raises it with its context
-                    log.debug("%r: creating the S3 client in the background failed: %s", self, e)
-
-            self._warming = threading.Thread(target=run, name="megashard-s3-client", daemon=True)
-            self._warming.start()
 
     def _make_client(self) -> Any:
         boto3, botocore = _boto()
