@@ -1,7 +1,8 @@
 """Load modes on the namespace cluster, bytes counted where they leave storage (issue 29, "Measured").
 
     sudo python scripts/bench_cluster.py [--mib 64] [--storage-mbit 40] [--node-mbit 160] [--rounds 1] \
-        [--modes own,scatter,readonce,auto] [--json out.json]
+        [--modes own,scatter,readonce,auto] [--storages fuse,s3] [--saves 1] [--save-floor 1,4,16] \
+        [--code TREE] [--json out.json]
     sudo python scripts/bench_cluster.py --probe-fuse    # what weed mount fetches for partial reads
 
 Builds ``tests/cluster.py``'s cluster (2 nodes x 2 ranks, SeaweedFS on a storage host whose link is
@@ -19,6 +20,16 @@ that crossed the rate-limited link towards the nodes, protocol headers included 
 them) between the start and the end of the load. The job's time is from a barrier before the load to
 a barrier after it. Printed and written as JSON: per storage and mode, bytes from storage ÷ the
 unique bytes the job needs (the model) and the time ÷ (unique bytes ÷ storage link rate).
+
+Saves (``--saves`` per storage, the first one the process's first: it pays imports and clients; each
+state is built before the timing): the time from a barrier before ``megashard.save`` to one after it,
+the bytes that reached storage (``rx``), and, for S3, what each rank did when (the target's check,
+write and commit, every PUT: start, last byte handed to the socket, answer) and the storage link's
+counters every ~0.2 s. After the S3 saves, the **save floor**: every rank sends the same bytes as its
+save's data objects as plain presigned PUTs (``--save-floor``: 1 stream per rank = one PUT per object,
+N = a multipart upload of N equal parts on N connections), timed the same way; the JSON's table gives
+the save ÷ the link rate and the best floor ÷ the save. ``--code`` runs the job on another megashard
+tree (a ``git archive`` of main, for a before/after with the same instrumentation).
 
 The job and this process meet through files in a results directory: rank 0 writes ``want-<step>``,
 this process drops caches, reads the counter and writes ``go-<step>``; after the load rank 0 writes
