@@ -198,12 +198,17 @@ class _LoadWork:
             c.data = data
             self.by_read[id(read)] = c
 
-    def arrived(self, read: Any) -> None:
+    def arrived(self, read: Any, crc: Optional[int] = None) -> None:
         """All bytes of an op or row job are in (a reading thread): check its tensor's CRC32 now,
-        while later bytes still download, instead of after the load (:func:`check_crcs`)."""
+        while later bytes still download, instead of after the load (:func:`check_crcs`). ``crc``:
+        the CRC32 of exactly those bytes, already computed by the reads as they landed (an object
+        store's GETs, :meth:`~megashard.storage.s3.client.ObjectStore.read_many`): nothing left to do."""
         c = self.by_read.get(id(read))
         if c is not None:
-            c.compute()
+            if crc is not None:
+                c.data_crc = crc
+            else:
+                c.compute()
 
     def crc(self, file: Optional[str], name: str, what: str, header_offset: Any, data_offset: int, nbytes: int,
             crc32: Any, dtype: torch.dtype, shapes: List[Tuple[int, ...]]) -> Optional[_Crc]:
@@ -342,8 +347,12 @@ def _plan_sharded(sh: ShardedTensor, index: Index, work: _LoadWork, path: str) -
     if problems:  # strict=False: a shard it cannot fill comes back as None, not as the unfilled template
         work.problems += problems
         return None
+    # before anything is allocated for the bytes a file claims to hold; a shard read straight into the
+    # template's own tensor allocates nothing from the claims: where every read checks its file itself
+    # (an object store's GETs), the reads are the check
+    reads_only = dest is not None and all(bp.wp.direct or not bp.wp.buffers for bp in boxes)
     for f in sorted({r.file for bp in boxes for r in bp.records if r.file}):
-        index.confirm_file(f)  # before anything is allocated for the bytes it claims to hold
+        index.confirm_file(f, reads_only)
     if dest is None:  # unsaved parts (allow_shape_mismatch) read as zeros, never as stale memory
         alloc = torch.zeros if sh.allow_shape_mismatch else torch.empty
         dest = alloc(sh.local_shape if sh.flattened_range is None else (n_el,), dtype=sh.dtype)
@@ -691,6 +700,7 @@ def _open_shared_index(comm: Comm, base: str, probe: Dict[str, Any]) -> Index:
             head, sections = read_index_bytes(base)
             own = index_from_bytes(head, sections, where)
             own.check_file = partial(check_file_size, base, index=own)
+            own.reads_check_files = storage.is_url(base)
             # the ranks it goes to allocate from it and cannot check a file themselves. On an object
             # store they receive their bytes only through this reader, whose every GET checks the
             # object's size and ETag before any byte is delivered (and scatter allocates a

@@ -94,10 +94,17 @@ class _FileSizes:
 
     check_file: Optional[Callable[[str, int], None]] = None
     _confirmed: Optional[set] = None
+    #: every read of a file checks its size and version itself before a byte of it is delivered (an
+    #: object store's ranged GETs: ``Content-Range`` against the recorded size, ``If-Match`` the
+    #: recorded ETag): a file whose bytes only go into the caller's own memory needs no check first
+    reads_check_files: bool = False
 
-    def confirm_file(self, name: str) -> None:
-        """Raise unless file ``name`` exists with the size the index records (once per file)."""
-        if self.check_file is None:
+    def confirm_file(self, name: str, reads_only: bool = False) -> None:
+        """Raise unless file ``name`` exists with the size the index records (once per file).
+        ``reads_only``: nothing is allocated for the bytes the caller plans to read from it (they go
+        into memory the caller already holds); where :attr:`reads_check_files`, the reads are the
+        check (one round trip less per object on an object store) and nothing is asked here."""
+        if self.check_file is None or (reads_only and self.reads_check_files):
             return
         if self._confirmed is None:
             self._confirmed = set()

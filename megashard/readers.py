@@ -36,12 +36,14 @@ def _file_size(files: Mapping[str, Any], f: str) -> int:
 
 def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple[str, int, memoryview]],
              row_jobs: Sequence[Tuple[str, int, int, List[memoryview]]], threads: Optional[int],
-             arrived: Optional[Callable[[Any], None]] = None) -> int:
+             arrived: Optional[Callable[[Any, Optional[int]], None]] = None) -> int:
     """Read every planned byte range straight into its destination; returns bytes read.
     ``files`` is the index (or its file table): names and sizes, checked on open.
-    ``arrived(x)``: called with each host op of ``ops`` and each row job of ``row_jobs`` as soon
+    ``arrived(x, crc)``: called with each host op of ``ops`` and each row job of ``row_jobs`` as soon
     as all its bytes are in, from a reading thread, where the files object can say when (an
-    object store's ``read_files``: while later bytes are still downloading); elsewhere never."""
+    object store's ``read_files``: while later bytes are still downloading); elsewhere never.
+    ``crc``: the CRC32 of its bytes in order where the files object computed it as they landed
+    (``crc_on_read``: an object store's GETs), else None."""
     index, files = files, getattr(files, "files", files)
     targets: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
     for op in ops:
@@ -90,7 +92,7 @@ def read_own(base: str, files: Any, ops: Sequence[Any], view_ops: Sequence[Tuple
 def _read_each(cf: Any, files: Mapping[str, Any], ops: Sequence[Any],
                view_ops: Sequence[Tuple[str, int, memoryview]],
                row_jobs: Sequence[Tuple[str, int, int, List[memoryview]]], threads: int,
-               arrived: Callable[[Any], None]) -> int:
+               arrived: Callable[[Any, Optional[int]], None]) -> int:
     """:func:`read_own`'s host reads as one ``read_files`` job per op and per row job (the store
     still coalesces a file's jobs into shared GETs), so that ``arrived`` hears of each one as
     soon as its own bytes are in."""
@@ -111,11 +113,15 @@ def _read_each(cf: Any, files: Mapping[str, Any], ops: Sequence[Any],
         jobs.append((job[0], Requests((), [job[1:]]), _file_size(files, job[0])))
         whose.append(job)
 
+    crcs: Optional[List[Optional[int]]] = [None] * len(jobs) if getattr(cf, "crc_on_read", False) else None
+
     def done(i: int) -> None:
         if whose[i] is not None:
-            arrived(whose[i])
+            arrived(whose[i], None if crcs is None else crcs[i])
 
-    return cf.read_files(jobs, threads=threads, done=done)
+    if crcs is None:
+        return cf.read_files(jobs, threads=threads, done=done)
+    return cf.read_files(jobs, threads=threads, done=done, crcs=crcs)
 
 
 def scatter(comm: Comm, base: str, index: Any, ops: Sequence[Any], touched: Dict[str, Dict[str, Any]],

@@ -28,6 +28,10 @@ machine's CPUs: read GB/s as what this machine sustains, and the ratios to the f
 result. Prints ONE JSON object on stdout; progress goes to stderr.
 
     python scripts/bench_s3.py [--mib 512] [--reps 3] [--streams 1,2,4,8,16,32] [--skip-ranks] [--skip-load]
+                               [--skip-save]
+
+``--skip-save``: the read (and rank) groups only; their sources (a megashard save and a tensorizer save of the
+state) are written once, untimed (a save round takes ~1 min on the loaded 2-vCPU box, a load round seconds).
 """
 from __future__ import annotations
 
@@ -360,6 +364,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--streams", default="1,2,4,8,16,32", help="connection counts of the floor cases")
     ap.add_argument("--skip-ranks", action="store_true", help="skip the 2-rank own/scatter group")
     ap.add_argument("--skip-load", action="store_true", help="the write group only (no read or rank group)")
+    ap.add_argument("--skip-save", action="store_true", help="no timed write group: its sources saved once, untimed")
     args = ap.parse_args(argv)
     args.streams = [int(x) for x in str(args.streams).split(",") if x.strip()]
     if args.reps < 1 or args.mib < 4 or not args.streams or min(args.streams) < 1:
@@ -406,8 +411,14 @@ def _run(args: argparse.Namespace, sw: SeaweedFS, t_start: float) -> Dict[str, A
     for n in args.streams:
         writes.append(Case(f"floor_put_{n}", lambda rnd, n=n: floor_put(store, f"floor-put-{n}-{rnd}", flat, n),
                            drop(lambda r, n=n: f"floor-put-{n}-{r}", keep_round0=False)))
-    log(f"write group ({args.reps} rounds + warm-up)")
-    interleave(writes, args.reps, sw, nbytes)
+    if args.skip_save and not args.skip_load:
+        log("write group skipped: the read group's sources saved once, untimed")
+        ms_save(0)
+        tz_save_case(0)
+        writes = []
+    else:
+        log(f"write group ({args.reps} rounds + warm-up)")
+        interleave(writes, args.reps, sw, nbytes)
     if args.skip_load:
         results = {c.name: summarize(c, nbytes) for c in writes}
         return _report(args, results, state, nbytes, t_start)
@@ -552,7 +563,8 @@ def _report(args: argparse.Namespace, results: Dict[str, Any], state: Dict[str, 
 
 def argv_or_default(args: argparse.Namespace) -> List[str]:
     return ([f"--mib {args.mib}", f"--reps {args.reps}", f"--streams {','.join(map(str, args.streams))}"]
-            + (["--skip-ranks"] if args.skip_ranks else []) + (["--skip-load"] if args.skip_load else []))
+            + (["--skip-ranks"] if args.skip_ranks else []) + (["--skip-load"] if args.skip_load else [])
+            + (["--skip-save"] if args.skip_save else []))
 
 
 def weed_version() -> str:

@@ -781,3 +781,30 @@ def test_hostile_s3_tracker(s3, tmp_path, text):
         megashard.load_consolidated(root)
     outside = sorted({r["key"] for r in s3.requests() if not r["key"].startswith(S3_ROOT + "/")})
     assert not outside, outside
+
+
+def test_s3_damaged_byte_fails_the_load_naming_file_and_tensor(s3, tmp_path, monkeypatch):
+    """A byte of a saved tensor damaged in the object, its ETag and size still the index's (rewritten to
+    match): the CRC32 the ranged GETs compute as the bytes land (no pass over the tensor after them)
+    fails the load with ChecksumError naming the checkpoint, the object and the tensor; the tensors it
+    does not touch are not flagged."""
+    from megashard import loading
+    from megashard.errors import ChecksumError
+
+    c = _S3Ckpt(s3, tmp_path)
+    d = c.doc()
+    s = _first_shard(d)
+    f = s["file"]
+    data = bytearray(c.data(f))
+    data[s["data_offset"] + 5] ^= 0x10
+    etag = c.put_data(f, bytes(data))
+    c.edit(lambda d: d["files"][f].update(etag=etag))
+    computed: list = []
+    real = loading._Crc.compute
+    monkeypatch.setattr(loading._Crc, "compute", lambda self, data=None: computed.append(self.name) or real(self, data))
+    with pytest.raises(ChecksumError) as e:
+        megashard.load(_template(), c.url)
+    text = str(e.value)
+    assert f"{c.url}/{f}" in text and repr(s["name"]) in text and "damaged" in text, text
+    assert text.count("is damaged") == 1, text  # only the flipped tensor
+    assert computed == [], computed  # every CRC32 came from the GETs

@@ -11,12 +11,15 @@ import json
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import pytest
+from torchrun_ports import PORT_TRIES, free_port, port_taken
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -26,17 +29,25 @@ WORLD = NNODES * NPROC
 LAUNCH_TIMEOUT_S = 150  # a hang is a bug: kill everything past this
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _launch(tmp: Path, first_port: Optional[int] = None) -> Tuple[Dict[str, List[dict]], int]:
+    """Start both agents, wait (killing their process groups on timeout), collect results; a launch
+    whose rendezvous port another process took first runs again on another port (nothing ran).
+    Returns the results and the number of launches."""
+    for attempt in range(PORT_TRIES):
+        procs, hung = _start_agents(tmp, attempt, first_port if attempt == 0 and first_port else free_port())
+        if not (procs[0].returncode != 0 and not hung and _port_taken(tmp)):
+            break
+    return _results(tmp, procs, hung), attempt + 1
 
 
-def _launch(tmp: Path) -> Dict[str, List[dict]]:
-    """Start both agents, wait (killing their process groups on timeout), collect results."""
-    ckpt, out = tmp / "ckpt", tmp / "out"
+def _port_taken(tmp: Path) -> bool:
+    return port_taken((tmp / "agent0.log").read_text(errors="replace"))
+
+
+def _start_agents(tmp: Path, attempt: int, port: int) -> Tuple[List[subprocess.Popen], List[int]]:
+    ckpt, out = tmp / f"ckpt{attempt}", tmp / "out"
+    shutil.rmtree(out, ignore_errors=True)  # this test's own directory: a retried launch starts empty
     out.mkdir()
-    port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     for var in ("MEGASHARD_NODE_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -51,13 +62,16 @@ def _launch(tmp: Path) -> Dict[str, List[dict]]:
                str(SCRIPT), "--ckpt", str(ckpt), "--out", str(out)]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
-    hung = []
+    hung: List[int] = []
     try:
-        for p in procs:
-            try:
-                p.wait(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                hung.append(p.pid)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while any(p.poll() is None for p in procs):
+            if procs[0].poll() not in (None, 0) and _port_taken(tmp):
+                break  # node 0 could not host the rendezvous: the other agent waits on a stranger's port
+            if time.monotonic() > deadline:
+                hung = [p.pid for p in procs if p.poll() is None]
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -65,6 +79,11 @@ def _launch(tmp: Path) -> Dict[str, List[dict]]:
                 p.wait()
         for log in logs:
             log.close()
+    return procs, hung
+
+
+def _results(tmp: Path, procs: List[subprocess.Popen], hung: List[int]) -> Dict[str, List[dict]]:
+    out = tmp / "out"
 
     def agent_logs() -> str:
         return "\n".join(f"--- agent {n} ---\n" + (tmp / f"agent{n}.log").read_text(errors="replace")[-4000:]
@@ -82,8 +101,22 @@ def _launch(tmp: Path) -> Dict[str, List[dict]]:
 
 
 @pytest.fixture(scope="module")
-def multinode_results(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[dict]]:
-    return _launch(tmp_path_factory.mktemp("multinode"))
+def multinode_launch(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Dict[str, List[dict]], int]:
+    """The job, launched first on a port another process listens on (as happens on a shared machine
+    between picking a free port and torchrun binding it): the launch must run again elsewhere."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        return _launch(tmp_path_factory.mktemp("multinode"), first_port=taken.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def multinode_results(multinode_launch: Tuple[Dict[str, List[dict]], int]) -> Dict[str, List[dict]]:
+    return multinode_launch[0]
+
+
+def test_multinode_launch_runs_again_when_its_port_was_taken(multinode_launch) -> None:
+    assert multinode_launch[1] == 2
 
 
 def _assert_one_reader_per_node(results: List[dict], transport: str = "shm") -> None:

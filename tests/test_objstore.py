@@ -153,6 +153,68 @@ def test_get_bytes_limit_and_if_match(s3) -> None:
         store.get_bytes("k/missing", 1000)
 
 
+def test_get_bytes_is_a_presigned_get_read_as_boto3_would(s3, monkeypatch) -> None:
+    """A load's head, digest and index are whole-object GETs before its first ranged GET: sent on the
+    thread's own connection (presigned, like the bulk path), never through boto3's request pipeline,
+    answered as before: bytes and ETag; If-Match; a 503 and a body cut short retried; a missing
+    object, an answer over the limit (refused before its body is read), a missing bucket named."""
+    store = _store(s3)
+    etag = store.put_bytes("g/head", b"x" * 700)
+    client = store.boto3_client()
+    monkeypatch.setattr(client, "get_object", lambda **kw: pytest.fail("get_bytes went through boto3"))
+    s3.reset()
+    s3.inject(503, code="SlowDown", count=1, method="GET", match="g/head")
+    s3.inject(truncate=100, count=1, method="GET", match="g/head")
+    assert store.get_bytes("g/head", 1000, if_match=etag) == (b"x" * 700, etag)
+    assert [e["status"] for e in s3.requests() if e["method"] == "GET"] == [503, 200, 200]
+    assert all(e["if_match"] == etag for e in s3.requests() if e["method"] == "GET")
+    assert store.retries["GET"] == 2
+    with pytest.raises(ObjectChangedError, match=f"s3://{s3.bucket}/g/head.*412.*changed since the checkpoint"):
+        store.get_bytes("g/head", 1000, if_match='"0123456789abcdef0123456789abcdef"')
+    with pytest.raises(objclient.ObjectTooLargeError, match=f"s3://{s3.bucket}/g/head is 700 bytes, more than the 699"):
+        store.get_bytes("g/head", 699)
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/g/missing.*404.*does not exist"):
+        store.get_bytes("g/missing", 1000)
+    assert store.get_bytes("g/head", 700) == (b"x" * 700, etag)  # the connection is still good after them
+    other, _ = ObjectStore.for_url("s3://no-such-bucket-megashard/x")
+    with pytest.raises(CheckpointError, match="no-such-bucket-megashard.*(does not exist|may not exist)"):
+        other.get_bytes("x/y", 10)
+
+
+def test_missing_credentials_are_named_on_the_first_get(s3, monkeypatch, tmp_path) -> None:
+    """A load's first request (the head's GET, presigned since it left boto3's pipeline) without any
+    credentials says which settings to give, as boto3's calls do."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    objclient.clear_store_cache()
+    store, _ = ObjectStore.for_url(s3.url("x"))
+    with pytest.raises(CheckpointError, match=f"s3://{s3.bucket}/x/manifest.json.*AWS_ACCESS_KEY_ID"):
+        store.get_bytes("x/manifest.json", 100)
+
+
+def test_get_bytes_many_sends_every_request_before_reading_an_answer(s3) -> None:
+    """Several whole-object GETs from one thread, each on its own connection, all sent before any answer
+    is read: per request its bytes and ETag, or the error get_bytes raises for it (412 on If-Match,
+    404, over its limit), a transient failure (503) sent again with get_bytes' retries; the thread's
+    connections are good for the next requests."""
+    store = _store(s3)
+    ea = store.put_bytes("gm/a", b"a" * 10)
+    eb = store.put_bytes("gm/b", b"b" * 20)
+    s3.reset()
+    s3.inject(503, code="SlowDown", count=1, method="GET", match="gm/b")
+    got = store.get_bytes_many([("gm/a", 100, ea), ("gm/b", 100, None), ("gm/a", 100, eb), ("gm/none", 100, None),
+                                ("gm/b", 19, None)])
+    assert got[:2] == [(b"a" * 10, ea), (b"b" * 20, eb)]
+    assert isinstance(got[2], ObjectChangedError) and "gm/a" in str(got[2])
+    assert isinstance(got[3], CheckpointError) and "does not exist" in str(got[3])
+    assert isinstance(got[4], objclient.ObjectTooLargeError) and "gm/b is 20 bytes" in str(got[4])
+    # five sent at once (the 20-byte answer over its limit of 19 is refused unread), the 503 once more
+    assert sorted(e["status"] for e in s3.requests() if e["method"] == "GET") == [200, 200, 200, 404, 412, 503]
+    assert store.get_bytes_many([("gm/a", 100, None), ("gm/b", 100, None)]) == [(b"a" * 10, ea), (b"b" * 20, eb)]
+
+
 # Stores answer the same situation differently; megashard goes by what the answer means. The server's own
 # answer is one case, the other vendor's is injected by the proxy (the object or bucket is really missing).
 _VENDOR_ANSWERS = {"server": None, "AWS 404 NoSuchKey": (404, "NoSuchKey"),
@@ -252,6 +314,48 @@ def test_read_many_reports_each_job_as_soon_as_its_bytes_are_in(s3, monkeypatch)
     assert seen[0] == (3, [False, False, False, True])  # nothing to fetch: reported before any GET
     assert sorted(seen[1:3]) == [(0, [True, True, False, True]), (1, [True, True, False, True])]
     assert seen[3] == (2, [True, True, True, True])
+
+
+def test_read_many_computes_each_jobs_crc32_as_its_bytes_land(s3, monkeypatch) -> None:
+    """``crcs``: each job's CRC32 (its requests' bytes concatenated in the order given) is computed by
+    the GETs as they fill the destinations and set before ``done(i)``, equal to zlib's over the
+    delivered bytes: a job cut over several GETs (at the GET size), a job of two requests (rows) shared
+    with another job's GET (gap skipped), a request for bytes another job also asks for (read again),
+    a destination that is a file range, a job with nothing to read, and a GET dropped mid-body and
+    resumed (its CRC32 resumes with it)."""
+    import zlib
+
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(2 * MiB))
+    store = _store(s3)
+    data = os.urandom(7 * MiB + 123)
+    etag = store.upload("c/x", len(data), [(0, memoryview(data))], if_none_match=True)
+    fd = os.memfd_create("test-crc-filerange")
+    try:
+        os.ftruncate(fd, MiB)
+        spans = [[(5, 5 * MiB)],  # over three GETs
+                 [(5 * MiB + 100, 1000), (5 * MiB + 1100, 3000)],  # two requests back to back
+                 [(5 * MiB + 200, 50)],  # bytes job 1 also reads
+                 [(7 * MiB, 123)],
+                 []]
+        bufs = [[bytearray(n) for _, n in reqs] for reqs in spans]
+        jobs = [("c/x", [(o, memoryview(b)) for (o, _), b in zip(reqs, bb)], len(data), etag)
+                for reqs, bb in zip(spans, bufs)]
+        jobs.append(("c/x", [(6 * MiB, objclient.FileRange(fd, 0, MiB))], len(data), etag))
+        want = [zlib.crc32(b"".join(data[o:o + n] for o, n in reqs)) for reqs in spans]
+        want.append(zlib.crc32(data[6 * MiB:7 * MiB]))
+        seen: List[Tuple[int, object]] = []
+        crcs: List[object] = [None] * len(jobs)
+        s3.reset()
+        s3.inject(truncate=300000, count=1, method="GET")
+        store.read_many(jobs, threads=2, done=lambda i: seen.append((i, crcs[i])), crcs=crcs)
+        assert crcs == want
+        assert sorted(seen) == sorted(enumerate(want))  # each set before its done()
+        assert [b"".join(bytes(b) for b in bb) for bb in bufs] == [b"".join(data[o:o + n] for o, n in reqs)
+                                                                  for reqs in spans]
+        assert os.pread(fd, MiB, 0) == data[6 * MiB:7 * MiB]
+        assert store.retries["GET_RANGE"] == 1  # the dropped GET was resumed
+    finally:
+        os.close(fd)
 
 
 def test_read_many_fills_byte_ranges_of_a_file(s3, monkeypatch) -> None:
@@ -520,13 +624,14 @@ def test_bulk_connection_is_per_thread_and_reconnects(s3) -> None:
     etag = store.put_bytes("c/x", b"0123456789")
     buf = bytearray(4)
     store.read_into("c/x", [(2, memoryview(buf))], size=10, etag=etag, threads=1)
-    conns = getattr(objclient._LOCAL, "conns", {})
+    # (get_bytes_many's extra connections of this thread, ``slot`` > 0, have keys one longer)
+    conns = {k: c for k, c in getattr(objclient._LOCAL, "conns", {}).items() if len(k) == 3}
     assert len(conns) == 1
     conn = next(iter(conns.values()))
     assert isinstance(conn, http.client.HTTPConnection)
     conn.close()  # a dead socket is reopened on the next request
     store.read_into("c/x", [(6, memoryview(buf))], size=10, etag=etag, threads=1)
-    assert bytes(buf) == b"6789" and next(iter(objclient._LOCAL.conns.values())) is conn
+    assert bytes(buf) == b"6789" and objclient._LOCAL.conns[next(iter(conns))] is conn
 
 
 def test_a_connection_idle_past_the_servers_keepalive_is_replaced_not_retried(s3, monkeypatch) -> None:
@@ -540,7 +645,8 @@ def test_a_connection_idle_past_the_servers_keepalive_is_replaced_not_retried(s3
     etag = store.put_bytes("idle/x", data)
     buf = bytearray(len(data))
     store.read_into("idle/x", [(0, memoryview(buf))], size=len(data), etag=etag, threads=1)
-    conn = next(iter(objclient._LOCAL.conns.values()))
+    key = next(k for k in objclient._LOCAL.conns if len(k) == 3)  # the bulk path's (not get_bytes_many's extra)
+    conn = objclient._LOCAL.conns[key]
     if conn.sock is None:  # the test endpoint closes after each answer; a kept-alive socket, as S3 keeps it
         conn.connect()
     conn.sock.shutdown(socket.SHUT_RDWR)  # what the server's idle timeout leaves behind
@@ -550,7 +656,7 @@ def test_a_connection_idle_past_the_servers_keepalive_is_replaced_not_retried(s3
     buf[:] = bytes(len(buf))
     store.read_into("idle/x", [(0, memoryview(buf))], size=len(data), etag=etag, threads=1)
     assert bytes(buf) == data and dict(store.retries) == {}
-    assert next(iter(objclient._LOCAL.conns.values())) is not conn
+    assert objclient._LOCAL.conns[key] is not conn
 
 
 # ----------------------------------------------------------------------------------------------- lost answers

@@ -50,20 +50,21 @@ def test_sharded_state_dict_from_a_model_saves_and_loads_in_place(tmp_path):
 def test_plain_api_example_runs_on_two_ranks(tmp_path):
     """examples/plain_api.py: TP=2 save, TP=1 load on 2 gloo ranks, bit-exact."""
     import os
-    import socket
     import subprocess
     import sys
 
+    from torchrun_ports import PORT_TRIES, free_port, port_taken
+
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
                OMP_NUM_THREADS="1")
     ckpt = str(tmp_path / "ckpt")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                        "127.0.0.1", "--master-port", str(port), os.path.join(repo, "examples", "plain_api.py"), ckpt],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
+    for _ in range(PORT_TRIES):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                            "127.0.0.1", "--master-port", str(free_port()), os.path.join(repo, "examples", "plain_api.py"),
+                            ckpt], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
+        if not (p.returncode != 0 and port_taken(p.stdout)):
+            break
     assert p.returncode == 0, p.stdout[-4000:]
     assert f"saved {ckpt} at TP=2: ['fc1.bias', 'fc1.weight', 'fc2.bias', 'fc2.weight']" in p.stdout
     for r in (0, 1):

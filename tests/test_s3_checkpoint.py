@@ -674,9 +674,10 @@ def test_scatter_ring_extents_are_read_in_coalesced_gets(s3):
 
 
 def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, monkeypatch):
-    """On one connection, GETs of 5 MiB: the small tensors' CRC32s are computed (from the bytes of
-    their destinations, then final) before the last GET of the ~12 MiB tensor has even been sent;
-    the load is bit-exact and every tensor's CRC32 is checked exactly once."""
+    """On one connection, GETs of 5 MiB: the small tensors' CRC32s are final (computed by the GETs
+    as their bytes landed, handed over with the read) before the last GET of the ~12 MiB tensor has
+    even been sent; no tensor's bytes are read again for it (``_Crc.compute`` never runs); the load
+    is bit-exact and every tensor's CRC32 is checked exactly once."""
     from megashard import loading
     from megashard.storage.s3 import client as objclient
 
@@ -694,18 +695,26 @@ def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, m
         return n
 
     checked: list = []  # (tensor name, GETs finished by then)
+    real_arrived = loading._LoadWork.arrived
+
+    def arrived(self, read, crc=None):
+        c = self.by_read.get(id(read))
+        if c is not None:
+            assert crc is not None, c.name
+            checked.append((c.name.rsplit("/", 1)[-1], len(gets)))  # "__rank0__/w": rank-local tensor w
+        return real_arrived(self, read, crc)
+
+    computed: list = []
     real_compute = loading._Crc.compute
-
-    def compute(self, data=None):
-        checked.append((self.name.rsplit("/", 1)[-1], len(gets)))  # "__rank0__/w": rank-local tensor w
-        return real_compute(self, data)
-
+    monkeypatch.setattr(loading._Crc, "compute", lambda self, data=None: computed.append(self.name) or
+                        real_compute(self, data))
     monkeypatch.setattr(objclient.ObjectStore, "_get_range", get_range)
-    monkeypatch.setattr(loading._Crc, "compute", compute)
+    monkeypatch.setattr(loading._LoadWork, "arrived", arrived)
     got, stats = megashard.load(template(want), url, return_stats=True)
     check_loaded(got, want)
     tensors = [k for k, v in want.items() if isinstance(v, torch.Tensor)]
     assert sorted(n for n, _ in checked) == sorted(tensors)  # once each
+    assert computed == []
     assert stats.crc_checked == sum(v.numel() * v.element_size() for v in want.values() if isinstance(v, torch.Tensor))
     assert len(gets) >= 3
     early = [n for n, k in checked if k < len(gets)]
@@ -714,28 +723,50 @@ def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, m
 
 def test_the_digest_and_the_index_are_fetched_at_once(s3, monkeypatch):
     """After the head, a load's digest GET and index GET are in flight together (one round trip,
-    not two): each waits (up to 20 s) for the other; the load is bit-exact with GET 3 as before."""
+    not two), and from one thread: both requests are sent before either answer is read (no other
+    thread to wake, which a loaded machine may start milliseconds late); the load is bit-exact
+    with GET 3 as before, and a damaged digest is still reported before anything about the index."""
+    import http.client
     import threading
-
-    from megashard.storage.s3 import client as objclient
 
     want = state()
     url = s3.url("run/iter_0000013")
     megashard.save(want, url)
-    barrier = threading.Barrier(2, timeout=20)
-    met: list = []
-    real = objclient.ObjectStore.get_bytes
+    events: list = []
+    real_end, real_resp = http.client.HTTPConnection.endheaders, http.client.HTTPConnection.getresponse
+    targets: dict = {}
 
-    def get_bytes(self, key, *a, **kw):
-        if key.endswith(("/manifest.sha256", "/manifest.index")):
-            barrier.wait()
-            met.append(key.rsplit("/", 1)[-1])
-        return real(self, key, *a, **kw)
+    def endheaders(self, *a, **kw):
+        name = (self._buffer[0].split(b" ")[1].split(b"?")[0].rsplit(b"/", 1)[-1].decode()
+                if self._buffer else "?")
+        targets[id(self)] = name
+        events.append(("send", name, threading.get_ident()))
+        return real_end(self, *a, **kw)
 
-    monkeypatch.setattr(objclient.ObjectStore, "get_bytes", get_bytes)
+    def getresponse(self):
+        events.append(("answer", targets.get(id(self)), threading.get_ident()))
+        return real_resp(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "endheaders", endheaders)
+    monkeypatch.setattr(http.client.HTTPConnection, "getresponse", getresponse)
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
     got = megashard.load(template(want), url)
+    monkeypatch.setattr(http.client.HTTPConnection, "endheaders", real_end)
+    monkeypatch.setattr(http.client.HTTPConnection, "getresponse", real_resp)
     check_loaded(got, want)
-    assert sorted(met) == ["manifest.index", "manifest.sha256"]
+    assert store.stats["GET"] == 3, dict(store.stats)
+    mine = [e for e in events if e[1] in ("manifest.sha256", "manifest.index")]
+    assert [e[:2] for e in mine] == [("send", "manifest.sha256"), ("send", "manifest.index"),
+                                     ("answer", "manifest.sha256"), ("answer", "manifest.index")], events
+    assert len({e[2] for e in mine}) == 1
+    store.put_bytes(f"{url[len('s3://' + s3.bucket + '/'):]}/{_digest_key(url)}", b"0" * 64 + b"\n")
+    with pytest.raises(CheckpointError, match="SHA-256 does not match"):
+        megashard.load(template(want), url)
+
+
+def _digest_key(url: str) -> str:
+    return next(n for n in _objects(url) if n.endswith("/manifest.sha256"))
 
 
 def _many(n: int = 1500) -> dict:
@@ -890,3 +921,37 @@ def test_a_file_in_one_put_is_sent_while_its_tensors_are_still_hashed(s3, monkey
     got = megashard.load(template(want), url, verify=True)
     check_loaded(got, want)
 
+
+def test_shards_read_into_the_templates_tensors_need_no_head_first(s3):
+    """A load whose shards all go straight into the template's own tensors allocates nothing from the
+    index's claims, so it sends no HEAD before its GETs (each ranged GET checks the object's size,
+    Content-Range, and version, If-Match, before a byte of it lands): GET 3 (head, digest, index) and
+    the ranged GETs. A shard the load must allocate (a template without data) still has its object's
+    size and ETag checked first (one HEAD). An object replaced by one of another size after the commit
+    still fails the load naming it, and bytes of the replacement never reach the template."""
+    from megashard.sharded import ShardedTensor
+
+    g = torch.Generator().manual_seed(5)
+    want = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16)}
+    url = s3.url("nohead/iter_0000001")
+    megashard.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in want.items()}, url)
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
+    dest = {k: torch.zeros_like(v) for k, v in want.items()}
+    megashard.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in dest.items()}, url, mode="own")
+    for k in want:
+        assert_same(dest[k], want[k])
+    assert store.stats.get("HEAD", 0) == 0 and store.stats["GET"] == 3 and store.stats["GET_RANGE"] >= 1, \
+        dict(store.stats)
+    store.stats.clear()
+    got = megashard.load({"a": ShardedTensor("a", None, (64, 32), (0, 0), local_shape=(64, 32), dtype=torch.float32)},
+                         url, mode="own")
+    assert_same(got["a"], want["a"])
+    assert store.stats["HEAD"] == 1, dict(store.stats)
+    name, data = next(iter(_data_names(url).items()))
+    key = next(o.key for n, o in _objects(url).items() if n.endswith("/" + name))
+    store.put_bytes(key, data + b"\0" * 4096)  # another size (and ETag)
+    dest = {k: torch.zeros_like(v) for k, v in want.items()}
+    with pytest.raises(CheckpointError, match=name):
+        megashard.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in dest.items()}, url, mode="own")
+    assert all(not t.any() for t in dest.values())

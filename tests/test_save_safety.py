@@ -734,3 +734,173 @@ def test_a_commit_whose_moved_aside_copy_lost_its_manifest_to_a_raced_rename_com
     with pytest.raises(MegashardError, match="no longer a megashard checkpoint"):
         megashard.save({"w": torch.arange(6.0)}, final)
     assert (final / "notes.txt").read_text() == "mine"
+
+
+def _dir_path(fd) -> str:
+    """The path of a directory descriptor (``/proc/self/fd``), or '' for a path argument."""
+    return os.readlink(f"/proc/self/fd/{fd}") if isinstance(fd, int) else os.fspath(fd)
+
+
+def test_a_commit_looks_again_when_its_moved_aside_copy_cannot_be_listed(tmp_path, monkeypatch):
+    """On ``weed mount`` a directory this commit just moved aside can be opened yet not listed
+    (ENOENT: another node's rename of the same name moved or emptied it meanwhile). That is a raced
+    rename like EIO: the commit looks again (bounded by ``MEGASHARD_FS_WAIT_S``) and commits, deleting
+    only what it created; a listing that keeps failing fails the save with an error naming the copy,
+    the checkpoint and what to do, and the previous checkpoint stays."""
+    final = tmp_path / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, final)
+    real_scandir, real_rename = os.scandir, os.rename
+    fails = {"list": 2, "steal": False}
+    other = tmp_path / ".ckpt.old-othernode"  # the name another node moved the checkpoint to
+
+    def flaky_scandir(path=".", *a, **kw):
+        where = _dir_path(path)
+        if fails["list"] > 0 and ".ckpt.old-" in os.path.basename(where) and "othernode" not in where:
+            fails["list"] -= 1
+            if fails["steal"] and os.path.isdir(where):  # the other node's rename took it, entries and all
+                real_rename(where, other)
+            raise OSError(errno.ENOENT, "No such file or directory", path)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "2")
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    megashard.save({"w": torch.arange(5.0)}, final)  # the listing shows again on a later look
+    assert fails["list"] == 0
+    assert torch.equal(megashard.load({"w": torch.empty(5)}, final)["w"], torch.arange(5.0))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+    # the copy is gone: another node holds it under its own name. The commit (without the save's
+    # clean-up of superseded copies afterwards) deletes only what it created
+    fails.update(list=1, steal=True)
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    tmp = _mk(Path(storage.temp_dir_name(final, "aaaa")), 6)
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    storage.commit_dir(tmp, final)
+    assert fails["list"] == 0
+    assert torch.equal(loaded_w(final), state(6)["w"].data)
+    assert sorted(os.listdir(tmp_path)) == [".ckpt.old-othernode", "ckpt"]
+    assert torch.equal(megashard.load({"w": torch.empty(5)}, other)["w"], torch.arange(5.0))
+    assert storage.remove_checkpoint(other) is None
+
+    fails.update(list=10**6, steal=False)  # a listing that never comes back: refused, nothing lost
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.5")
+    with pytest.raises(MegashardError) as ei:
+        megashard.save({"w": torch.arange(7.0)}, final)
+    msg = str(ei.value)
+    assert "cannot be listed (No such file or directory)" in msg and str(final) in msg, msg
+    assert "retry" in msg and "MEGASHARD_FS_WAIT_S" in msg, msg
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    found = storage.locate(final)
+    assert found is not None, os.listdir(tmp_path)
+    assert torch.equal(loaded_w(found), state(6)["w"].data)
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_a_save_target_that_cannot_be_listed_for_a_moment_is_looked_at_again(tmp_path, monkeypatch):
+    """The target itself can be opened yet not listed while another node's rename moves it (weed
+    mount): the check looks again instead of calling it 'not a megashard checkpoint'; when that
+    persists, the error says what happened and what to do, and nothing changed."""
+    final = tmp_path / "ckpt"
+    megashard.save({"w": torch.arange(4.0)}, final)
+    real_scandir = os.scandir
+    fails = {"list": 2}
+
+    def flaky_scandir(path=".", *a, **kw):
+        if fails["list"] > 0 and _dir_path(path) == str(final):
+            fails["list"] -= 1
+            raise OSError(errno.ENOENT, "No such file or directory", path)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "2")
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    storage.check_save_target(final)
+    assert fails["list"] == 0
+
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    before = tree(tmp_path)
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    fails["list"] = 10**6
+    monkeypatch.setenv("MEGASHARD_FS_WAIT_S", "0.3")
+    with pytest.raises(CheckpointError) as ei:
+        storage.check_save_target(final)
+    msg = str(ei.value)
+    assert f"cannot save to {final} now" in msg and "cannot be listed (No such file or directory)" in msg, msg
+    assert "not a megashard checkpoint" not in msg and "retry" in msg, msg
+    monkeypatch.setattr(os, "scandir", real_scandir)
+    assert tree(tmp_path) == before
+
+
+def test_a_deletion_whose_directory_cannot_be_listed_looks_again(tmp_path, monkeypatch):
+    """A copy being removed that was opened but cannot be listed (weed mount: another node's rename
+    moved or emptied it meanwhile) is opened again by its path and removed, not left behind."""
+    old = _mk(tmp_path / ".ckpt.old-aaaa", 1)
+    real_scandir = os.scandir
+    fails = {"list": 2}
+
+    def flaky_scandir(path=".", *a, **kw):
+        if fails["list"] > 0 and isinstance(path, int) and _dir_path(path) == str(old):
+            fails["list"] -= 1
+            raise OSError(errno.ENOENT, "No such file or directory", path)
+        return real_scandir(path, *a, **kw)
+
+    monkeypatch.setattr(os, "scandir", flaky_scandir)
+    assert storage.remove_checkpoint(old, check=storage.posix._settled_replace_problem_at) is None
+    assert fails["list"] == 0 and os.listdir(tmp_path) == []
+
+
+def test_a_clean_up_goes_on_past_a_leftover_another_node_is_removing(tmp_path, monkeypatch):
+    """One leftover that cannot be listed (another node's deletion or rename has it) does not stop
+    the clean-up of the others."""
+    busy = tmp_path / f".ckpt.del-{'0' * 32}"
+    busy.mkdir()
+    (busy / "manifest.index").write_bytes(b"x")
+    empty = tmp_path / f".ckpt.del-{'f' * 32}"
+    empty.mkdir()
+    real_listdir, real_scandir = os.listdir, os.scandir
+
+    def gone(fn):
+        def call(path=".", *a, **kw):
+            if isinstance(path, int) and _dir_path(path) == str(busy):
+                raise OSError(errno.ENOENT, "No such file or directory", path)
+            return fn(path, *a, **kw)
+        return call
+
+    monkeypatch.setattr(os, "listdir", gone(real_listdir))
+    monkeypatch.setattr(os, "scandir", gone(real_scandir))
+    assert storage.cleanup_stale_temps(tmp_path) == [str(empty)]
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [busy.name]
+
+
+def test_a_save_removes_its_own_deletion_directory_a_mount_brings_back(tmp_path, monkeypatch):
+    """``weed mount`` can finish a directory rename after the renaming process removed the renamed
+    directory: the deletion's ``.<name>.del-*`` directory shows up again, holding the copy's files (no
+    owner record, so no other process can ever attribute it). The save that created it removes it
+    in its clean-up; one it did not create stays."""
+    final = tmp_path / "ckpt"
+    megashard.save(state(1), final)
+    files = {n: (final / n).read_bytes() for n in os.listdir(final)}
+    theirs = tmp_path / f".ckpt.del-{'a' * 32}"  # another process's, as fresh as ours
+    theirs.mkdir()
+    for n, b in files.items():
+        (theirs / n).write_bytes(b)
+    real_rmdir = os.rmdir
+    back = []
+
+    def late_rename(path, *a, **kw):
+        real_rmdir(path, *a, **kw)
+        name = os.fspath(path)
+        if name.startswith(".ckpt.del-") and not back:  # the rest of the rename arrives after the rmdir
+            back.append(name)
+            again = tmp_path / name
+            again.mkdir()
+            for n, b in files.items():
+                (again / n).write_bytes(b)
+
+    monkeypatch.setattr(os, "rmdir", late_rename)
+    megashard.save(state(2), final)
+    monkeypatch.undo()
+    assert back
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", theirs.name])
+    assert torch.equal(loaded_w(final), state(2)["w"].data)
+    assert {n: (theirs / n).read_bytes() for n in os.listdir(theirs)} == files

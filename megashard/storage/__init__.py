@@ -264,6 +264,7 @@ def open_index(base: str) -> Any:
         raise
     index = index_from_files(files, head, os.path.join(base, MANIFEST_NAME))
     index.check_file = partial(check_file_size, base, index=index)
+    index.reads_check_files = is_url(base)  # every ranged GET checks size and ETag (see _FileSizes)
     return index
 
 

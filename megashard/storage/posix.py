@@ -80,8 +80,11 @@ machine (same boot id, hostname and pid namespace) that no longer runs (no such 
 one started at another time); or it has no such record or one from another machine, holds
 only names megashard writes, and nothing in it changed for ``older_than_s`` (24 h by
 default: another machine's save may still be running, or waiting for an async commit). An empty
-``.<name>.del-<hex>`` (a deletion killed before its last ``rmdir``) is removed at once: nothing in it to lose.
-Without such a record, one holding anything else is never removed. ``.<name>.old-*``
+``.<name>.del-<hex>`` (a deletion killed before its last ``rmdir``) is removed at once: nothing in it to lose,
+and so is one this process's own deletion created that holds only megashard's files (``weed mount`` can
+finish a directory rename after the directory was removed, bringing the name back; :data:`_OWN_DELETIONS`).
+Without such a record, one holding anything else is never removed. A leftover that cannot be listed (another
+node is renaming or removing it) is left for a later clean-up; the others are still looked at. ``.<name>.old-*``
 megashard checkpoints holding only megashard's names go once ``<name>`` is a checkpoint,
 the atomic writes' temporary files once old. Nothing else in the parent is touched.
 """
@@ -99,6 +102,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -687,6 +691,8 @@ def replace_problem_at(dfd: int, where: str) -> Optional[str]:
         with os.scandir(dfd) as it:
             regular = {e.name: e.is_file(follow_symlinks=False) for e in it}
     except OSError as e:
+        if e.errno in _VANISHING_ERRNOS:  # one message per errno: _settled looks again at these
+            return f"it cannot be listed ({os.strerror(e.errno)})"
         return f"it cannot be listed ({e.strerror})"
     foreign = sorted(n for n, reg in regular.items() if not (reg and _megashard_member(n)))
     shown = ", ".join(foreign[:8]) + (f", ... ({len(foreign)} entries)" if len(foreign) > 8 else "")
@@ -702,31 +708,54 @@ def replace_problem_at(dfd: int, where: str) -> Optional[str]:
 #: :func:`replace_problem` of a directory holding only megashard's names but no manifest.
 NO_MANIFEST = f"it has no {MANIFEST_NAME}"
 
+#: Listing a directory just opened fails with these when it is gone meanwhile: on a shared mount
+#: another node's rename moved or emptied it (``weed mount`` answers ENOENT; NFS ESTALE).
+_VANISHING_ERRNOS = (errno.ENOENT, errno.ESTALE)
 
-def _settled(problem: Callable[[], Optional[str]], where: str) -> Optional[str]:
-    """``problem()``, asked again while it says :data:`NO_MANIFEST`, up to :func:`fs_wait_s`.
+#: :func:`replace_problem` of a directory that could be opened but not listed (:data:`_VANISHING_ERRNOS`).
+VANISHED = tuple(f"it cannot be listed ({os.strerror(n)})" for n in _VANISHING_ERRNOS)
+
+#: What :func:`_settled` looks at again: a rename still arriving or another node's rename racing this look.
+_UNSETTLED = (NO_MANIFEST,) + VANISHED
+
+
+def _settled(problem: Callable[[], Optional[str]], where: str,
+             unsettled: Tuple[str, ...] = _UNSETTLED) -> Optional[str]:
+    """``problem()``, asked again while its answer is one of ``unsettled``, up to :func:`fs_wait_s`.
 
     A directory of megashard's files without a manifest may be a commit still arriving: a shared
     mount whose directory rename is not atomic (``weed mount`` shows the entries of a renamed
-    directory one by one, to its own node too) shows it so for a moment."""
+    directory one by one, to its own node too) shows it so for a moment. A directory that could be
+    opened but not listed (:data:`VANISHED`) was moved or emptied by another node's rename of the
+    same name meanwhile: looked at again (by path), it is gone, or shows what it holds."""
     why = problem()
-    if why != NO_MANIFEST:
+    if why not in unsettled:
         return why
     t0, seen = time.monotonic(), [why]
 
     def settled() -> bool:
         seen[0] = problem()
-        return seen[0] != NO_MANIFEST
+        return seen[0] not in unsettled
 
     if _poll(settled, fs_wait_s()):
-        logger.info("%s showed its %s after %.2f s (a rename arriving on a shared file system; "
-                    "MEGASHARD_FS_WAIT_S bounds the wait)", where, MANIFEST_NAME, time.monotonic() - t0)
+        logger.info("%s: %s at first, settled after %.2f s (a rename arriving or racing on a shared file "
+                    "system; MEGASHARD_FS_WAIT_S bounds the wait)", where, why, time.monotonic() - t0)
     return seen[0]
 
 
 def _settled_replace_problem_at(dfd: int, where: str) -> Optional[str]:
-    """:func:`replace_problem_at`, waiting out a rename still arriving (:func:`_settled`)."""
-    return _settled(lambda: replace_problem_at(dfd, where), where)
+    """:func:`replace_problem_at`, waiting out a rename still arriving (:func:`_settled`). A descriptor
+    that cannot be listed stays so: :func:`remove_checkpoint` opens the path again instead."""
+    return _settled(lambda: replace_problem_at(dfd, where), where, (NO_MANIFEST,))
+
+
+def _vanished_error(what: str, path: str, why: str, final: str) -> CheckpointError:
+    """The error of a directory that stayed unlistable (:data:`VANISHED`) for all of :func:`fs_wait_s`."""
+    return CheckpointError(
+        f"{what}: {path} was opened but {why[3:]} for {fs_wait_s():g} s: another node keeps renaming or deleting "
+        "it on a shared mount whose directory renames are not atomic (weed mount), or the mount lost it. Nothing "
+        f"was deleted (`megashard recover {final}` restores a copy a save moved aside); retry the save, and raise "
+        "MEGASHARD_FS_WAIT_S to look longer")
 
 
 def _fragment_ok(dfd: int, where: str) -> Optional[str]:
@@ -744,6 +773,8 @@ def check_save_target(final_dir: PathLike) -> None:
     why = _settled(lambda: replace_problem(final), final)
     if why is None:
         return
+    if why in VANISHED:
+        raise _vanished_error(f"cannot save to {final} now", final, why, final)
     if why.startswith("it holds files"):
         raise CheckpointError(
             f"refusing to save to {final}: {why}. A save replaces the whole directory and would delete them; "
@@ -779,22 +810,64 @@ def remove_checkpoint(path: PathLike, check: Optional[RemoveCheck] = None) -> Op
     except FileNotFoundError:
         return None
     try:
-        try:
-            dfd = _open_dir(base, dir_fd=pfd)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            why = "it is a symbolic link or a file, not a directory"
-            logger.warning("leaving %s: %s", path, why)
-            return why
-        try:
-            return _remove_dir(pfd, base, dfd, path, check)
-        finally:
-            os.close(dfd)
+        for look in range(MAX_RACED_RENAMES + 1):
+            try:
+                dfd = _open_dir(base, dir_fd=pfd)
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                why = "it is a symbolic link or a file, not a directory"
+                logger.warning("leaving %s: %s", path, why)
+                return why
+            try:
+                why = _remove_dir(pfd, base, dfd, path, check)
+            finally:
+                os.close(dfd)
+            if why not in VANISHED or look == MAX_RACED_RENAMES:
+                return why
+            # opened but not listable: another node's rename moved or emptied it; its path, opened
+            # again, names what is there now (or nothing)
+            logger.info("%s: %s; looking again", path, why)
+            time.sleep(0.05 * (look + 1))
+        return why
     finally:
         os.close(pfd)
+
+
+#: The ``.<name>.del-*`` directories this process's :func:`remove_checkpoint` finished removing, by path,
+#: oldest first, at most :data:`_OWN_DELETIONS_MAX`. ``weed mount`` can finish a directory rename after
+#: the renaming process removed the renamed directory: the ``.del-*`` name shows up again holding the
+#: copy's files (the owner record may be missing: no other process could attribute it for a day). This
+#: process created that name and its deletion is over (one interrupted or still running is never listed
+#: here: the owner rule keeps it), so its clean-up (:func:`cleanup_stale_temps`, run by every commit)
+#: removes it, when it holds only files megashard writes (:func:`_own_deletion_check`).
+_OWN_DELETIONS: Dict[str, None] = {}
+_OWN_DELETIONS_MAX = 4096
+_OWN_DELETIONS_LOCK = threading.Lock()  # saves of one process may run in threads (async saves)
+
+
+def _own_deletion(path: str) -> bool:
+    return os.path.abspath(path) in _OWN_DELETIONS
+
+
+def _remember_deletion(path: str) -> None:
+    with _OWN_DELETIONS_LOCK:
+        _OWN_DELETIONS[os.path.abspath(path)] = None
+        while len(_OWN_DELETIONS) > _OWN_DELETIONS_MAX:
+            del _OWN_DELETIONS[next(iter(_OWN_DELETIONS))]
+
+
+def _forget_deletion(path: str) -> None:
+    with _OWN_DELETIONS_LOCK:
+        _OWN_DELETIONS.pop(os.path.abspath(path), None)
+
+
+def _own_deletion_check(dfd: int, where: str) -> Optional[str]:
+    """A :data:`RemoveCheck` for a ``.del-*`` directory this process created (:data:`_OWN_DELETIONS`):
+    removable when it holds nothing but files megashard writes."""
+    return None if _members_only(dfd) else "it holds names megashard does not write"
 
 
 def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[RemoveCheck]) -> Optional[str]:
@@ -861,6 +934,7 @@ def _remove_dir(pfd: int, base: str, dfd: int, path: str, check: Optional[Remove
     if not _poll(emptied, fs_wait_s()):
         raise OSError(errno.ENOTEMPTY, f"still not empty after {fs_wait_s():g} s (MEGASHARD_FS_WAIT_S)",
                       os.path.join(os.path.dirname(path), base))
+    _remember_deletion(os.path.join(os.path.dirname(path), base))  # finished: should the name come back
     return None
 
 
@@ -945,6 +1019,10 @@ def commit_dir(temp_dir: PathLike, final_dir: PathLike) -> None:
                 fragments.add(old)
                 logger.warning("%s moved aside without its %s (another node's rename raced this one on a "
                                "mount whose renames are not atomic): committing after it", final, MANIFEST_NAME)
+            elif why in VANISHED:  # another node's rename keeps it from this one: nothing to decide on
+                olds.pop()
+                _put_back(old, final)
+                raise _vanished_error(f"could not commit {temp_dir} as {final}", old, why, final)
             elif why is not None:  # replaced by something else since it was checked: put it back
                 olds.pop()
                 _put_back(old, final)
@@ -1351,10 +1429,19 @@ def cleanup_stale_temps(
                 check = replace_problem_at
             elif kind == "del" and not _ATOMIC_TEMP_TOKEN.match(m.group("token")):
                 continue  # not a name remove_checkpoint gives
+            elif _own_deletion(p):
+                check = _own_deletion_check
             else:
                 check = abandoned
-            if remove_checkpoint(p, check=check) is not None or os.path.lexists(p):
+            try:
+                if remove_checkpoint(p, check=check) is not None or os.path.lexists(p):
+                    continue
+            except OSError as e:  # another node's rename or deletion has it: not this clean-up's to finish
+                if e.errno not in _VANISHING_ERRNOS:
+                    raise
+                logger.info("left %s for now: %s (another node renaming or removing it on a shared mount)", p, e)
                 continue
+            _forget_deletion(p)
         else:
             if not (kind == "tmp" and stat.S_ISREG(st.st_mode) and _ATOMIC_TEMP_TOKEN.match(m.group("token"))
                     and (m.group("name") == TRACKER_NAME or _megashard_member(m.group("name")))

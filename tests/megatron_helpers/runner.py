@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from torchrun_ports import PORT_TRIES, free_port, port_taken  # noqa: F401  (tests use runner.PORT_TRIES)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "examples", "pretrain_gpt.py")
@@ -17,12 +18,6 @@ FAST_EXIT = "megatron_helpers.fast_exit"
 #: tiny, fast defaults shared by every test run (CPU, 2 ranks)
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--save-format", "tensors"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -82,15 +77,6 @@ def torchrun(script: str, args: List[str], nproc: int = 2, timeout: int = 240,
         if not (p.returncode != 0 and port_taken(p.stdout)):
             break
     return parse(cmd, p.returncode, p.stdout)
-
-
-#: Launches on a port another process took first, before giving up.
-PORT_TRIES = 3
-
-
-def port_taken(output: str) -> bool:
-    """Whether torchrun failed because its rendezvous port was taken (``EADDRINUSE``)."""
-    return "server socket has failed to listen" in output and "EADDRINUSE" in output
 
 
 def pretrain(args: List[str], nproc: int = 2, **kw) -> Run:

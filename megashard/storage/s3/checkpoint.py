@@ -430,6 +430,8 @@ class ObjectCheckpointFiles:
     passes_descriptors = False
     #: scatter's ring reader reads every free slot's extent in one call (coalesced, parallel GETs)
     batch_reads = True
+    #: ``read_files(..., crcs=)``: each job's CRC32 computed by the GETs as its bytes land
+    crc_on_read = True
 
     def __init__(self, url: str, index: Any = None) -> None:
         self.store, self.key, self.base = _location(url)
@@ -508,6 +510,7 @@ class ObjectCheckpointFiles:
         claimed = idx.get("bytes") if isinstance(idx, dict) else None
         gets: List[Callable[[], Any]] = [lambda: self.store.get_bytes(self.object_key(DIGEST_NAME), 1024)]
         ranged = isinstance(claimed, int) and not isinstance(claimed, bool) and claimed > index_whole_bytes()
+        whole = False
         if not isinstance(claimed, int) or isinstance(claimed, bool) or claimed < 0:
             pass  # version 1, or refused when the index is opened
         elif ranged and self._index_etag is not None and claimed <= _max_head():
@@ -515,8 +518,16 @@ class ObjectCheckpointFiles:
         elif ranged:
             gets.append(self._prefetch_index_info)
         elif self._index_etag is not None:
-            gets.append(self._prefetch_index)
-        (raw, _), *index = _run_parallel(gets, len(gets))
+            whole = True
+        if whole:  # both sent from this thread before either answer is read (no thread to wake)
+            got = self.store.get_bytes_many([(self.object_key(DIGEST_NAME), 1024, None),
+                                             (self.object_key(_index_name()), _max_head(), self._index_etag)])
+            if isinstance(got[0], BaseException):
+                raise got[0]
+            # the index's error (if any) is :meth:`_read_index`'s to report, after the digest's verdict
+            raw, index = got[0][0], [None if isinstance(got[1], BaseException) else got[1][0]]
+        else:
+            (raw, _), *index = _run_parallel(gets, len(gets))
         if not _DIGEST_RE.fullmatch(raw):
             raise CheckpointError(f"{self.path(DIGEST_NAME)}: not one line of 64 lowercase hex digits; the checkpoint "
                                   "is damaged")
@@ -554,16 +565,6 @@ class ObjectCheckpointFiles:
         """The index's HEAD, or None (:meth:`open` asks again, and says why)."""
         try:
             return self.store.head(self.object_key(_index_name()))
-        except CheckpointError:
-            return None
-
-    def _prefetch_index(self) -> Optional[bytes]:
-        """The index's bytes, or None when they cannot be had: the head is checked first (its
-        digest's verdict comes before any about the index), :meth:`_read_index` asks again."""
-        from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
-
-        try:
-            return self.read_bytes(INDEX_NAME, _max_head())
         except CheckpointError:
             return None
 
@@ -610,11 +611,14 @@ class ObjectCheckpointFiles:
         return self.read_files([(name, reqs, size)])
 
     def read_files(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], Optional[int]]], *,
-                   threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None) -> int:
+                   threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None,
+                   crcs: Optional[List[Optional[int]]] = None) -> int:
         """:meth:`read_into` of several members ``(name, reqs, size)`` at once: every GET of every
         object in one queue on the store's connections, none idle while bytes remain (jobs of one
         member share GETs where adjacent). ``done(i)``: called as soon as job ``i``'s bytes are all
-        in (from a GET's thread; see :meth:`ObjectStore.read_many`)."""
+        in (from a GET's thread; see :meth:`ObjectStore.read_many`). ``crcs`` (one entry per job):
+        ``crcs[i]`` set before ``done(i)`` to the CRC32 of job ``i``'s bytes (its requests in order),
+        computed as they land (:meth:`ObjectStore.read_many`); None for the index's."""
         from ...manifest import INDEX_NAME  # one definition; imported late (storage stays torch-free)
 
         n = 0
@@ -629,9 +633,20 @@ class ObjectCheckpointFiles:
                 jobs_s3.append((self.object_key(name), reqs, size, self._etag(name)))
                 where.append(i)
                 continue
+            elif crcs is not None:
+                crcs[i] = 0  # the CRC32 of no bytes
             if done is not None:
                 done(i)
-        return n + self.store.read_many(jobs_s3, done=None if done is None else (lambda j: done(where[j])))
+        sub: Optional[List[Optional[int]]] = None if crcs is None else [None] * len(jobs_s3)
+
+        def finished(j: int) -> None:
+            if crcs is not None and sub is not None:
+                crcs[where[j]] = sub[j]
+            if done is not None:
+                done(where[j])
+
+        track = done is not None or crcs is not None
+        return n + self.store.read_many(jobs_s3, done=finished if track else None, crcs=sub)
 
     def _read_index(self, reqs: Sequence[Tuple[int, memoryview]], size: Optional[int]) -> int:
         """The index's sections are small and many. An index of at most :func:`index_whole_bytes`

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 from urllib.parse import urlsplit
 
+from isal import isal_zlib
+
 from ...errors import CheckpointError, CommitConflictError, ObjectChangedError
 from .url import ObjectURL, join_key, parse_url
 
@@ -38,6 +40,10 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _GAP_BYTES = MiB  # requests at most this far apart are read by one GET (the gap into a scratch buffer)
+# a GET computing CRC32s reads this much at a time (``readinto`` returns only once its view is full) and
+# checksums it while it is still in cache and the next bytes are on their way: the CRC32 of a 16 MiB GET
+# then ends ~1 slice after its last byte, not a pass over 16 MiB after it
+_CRC_SLICE = MiB
 _MIN_PART = 5 * MiB  # S3's smallest multipart part (all but the last)
 _MIN_DEFAULT_PART = 8 * MiB  # smaller parts only add requests
 _MAX_PART = 5 * 1024 * MiB
@@ -402,6 +408,32 @@ def _xml_field(pattern: "re.Pattern[bytes]", body: bytes) -> str:
 
 # --------------------------------------------------------------------------------------------------- the store
 
+class _CrcPart:
+    """The CRC32 of ``n`` bytes at ``pos`` of request ``req`` of job ``job``, computed by the GET that
+    fills them as each ``readinto`` lands (see :meth:`ObjectStore.read_many`'s ``crcs``)."""
+
+    __slots__ = ("job", "req", "pos", "n", "crc")
+
+    def __init__(self, job: int, req: int, pos: int, n: int) -> None:
+        self.job, self.req, self.pos, self.n, self.crc = job, req, pos, n, 0
+
+
+def _job_crc(parts: Sequence[_CrcPart], lengths: Sequence[int]) -> Optional[int]:
+    """The CRC32 of a job's requests (``lengths`` bytes each) concatenated in order, combined from the
+    CRC32s of the GET pieces that filled them; None unless the pieces tile every request exactly."""
+    crc, req, pos = 0, 0, 0
+    for p in sorted(parts, key=lambda p: (p.req, p.pos)):
+        while req < len(lengths) and pos == lengths[req]:
+            req, pos = req + 1, 0
+        if p.req != req or p.pos != pos:
+            return None
+        crc = isal_zlib.crc32_combine(crc, p.crc, p.n)
+        pos += p.n
+    while req < len(lengths) and pos == lengths[req]:
+        req, pos = req + 1, 0
+    return crc if req == len(lengths) else None
+
+
 def _owners(gets: Sequence[Tuple[int, int, Any]], jobs: Sequence[Tuple[int, Sequence[Tuple[int, Any]]]]
             ) -> List[List[int]]:
     """Per GET of one object (``(first byte, end, ...)``): the jobs ``(i, reqs)`` it holds bytes of.
@@ -623,34 +655,110 @@ class ObjectStore:
         return ObjectInfo(key, int(resp["ContentLength"]), resp["ETag"], resp["LastModified"].timestamp())
 
     def get_bytes(self, key: str, limit: int, *, if_match: Optional[str] = None) -> Tuple[bytes, str]:
-        """The whole object and its ETag; refuses (before reading the body) objects over ``limit`` bytes."""
-        params: Dict[str, Any] = {"Key": key}
-        if if_match:
-            params["IfMatch"] = if_match
-        _, botocore = _boto()
+        """The whole object and its ETag; refuses (before reading the body) objects over ``limit`` bytes.
 
-        def attempt(n: int) -> Tuple[bytes, str]:
-            resp = self._call("GET", key, "get_object", conflict=ObjectChangedError, **params)
-            body = resp["Body"]
+        A presigned GET on this thread's ``http.client`` connection, like the bulk path's, not a boto3
+        call: a load's head, digest and index are three of these before its first ranged GET, and
+        boto3's request pipeline cost ~1.5 ms of CPU each (measured), on the load's critical path.
+        Answers are read as boto3 would: 412 on ``if_match`` is :class:`ObjectChangedError`, 5xx and
+        SlowDown are retried, other errors name the object and what the status means."""
+        url = self._presign("get_object", key)
+
+        def attempt(n_try: int) -> Tuple[bytes, str]:
+            self._count("GET", retry=n_try > 0)
+            conn = self._send_get(url, if_match)
+            return self._whole_answer(key, url, conn, limit)
+
+        return self._retrying("GET", "get_object", key, attempt)
+
+    def get_bytes_many(self, reqs: Sequence[Tuple[str, int, Optional[str]]]) -> List[Any]:
+        """:meth:`get_bytes` of several small objects ``(key, limit, if_match)`` at once from this
+        thread: every request is sent (each on a connection of its own) before any answer is read, so
+        they take one round trip together without waking another thread (on a loaded machine a woken
+        thread may start milliseconds late: a load's digest and index then ran one after the other).
+        Returns per request ``(bytes, ETag)`` or the error :meth:`get_bytes` raises for it; a request
+        whose first attempt fails transiently is sent again through :meth:`get_bytes` (its retries)."""
+        out: List[Any] = [None] * len(reqs)
+        sent: List[Tuple[int, str, Any]] = []
+        for slot, (key, _, if_match) in enumerate(reqs):
             try:
-                size = int(resp["ContentLength"])
-                if size > limit:
-                    raise ObjectTooLargeError(f"{self.url(key)} is {size} bytes, more than the {limit} bytes "
-                                          f"megashard reads for this object; it is not a megashard file")
+                url = self._presign("get_object", key)
+                self._count("GET")
+                sent.append((slot, url, self._send_get(url, if_match, slot)))
+            except _Retryable:
+                pass  # sent again below
+            except CheckpointError as e:
+                out[slot] = e
+        again = []
+        for slot, url, conn in sent:
+            key, limit, _ = reqs[slot]
+            try:
+                out[slot] = self._whole_answer(key, url, conn, limit, slot)
+            except _Retryable:
+                again.append(slot)
+            except CheckpointError as e:
+                out[slot] = e
+        for slot, (key, limit, if_match) in enumerate(reqs):
+            if out[slot] is None or slot in again:
                 try:
-                    data = body.read()
-                except (botocore.exceptions.BotoCoreError, OSError, http.client.HTTPException) as e:
-                    raise _Retryable(f"connection lost reading the body: {e}") from None
-            finally:
-                body.close()
-            if len(data) != size:
-                raise _Retryable(f"got {len(data)} of {size} bytes")
-            return data, resp["ETag"]
+                    out[slot] = self.get_bytes(key, limit, if_match=if_match)
+                except CheckpointError as e:
+                    out[slot] = e
+        return out
 
+    def _send_get(self, url: str, if_match: Optional[str], slot: int = 0) -> http.client.HTTPConnection:
+        """Send a GET of the whole object (its answer not read yet) on this thread's connection ``slot``."""
+        conn, target = self._connection(url, slot)
         try:
-            return self._retrying("GET", "get_object", key, attempt)
-        except ObjectChangedError as e:
-            raise ObjectChangedError(f"{e}; the object changed since the checkpoint was written") from None
+            conn.putrequest("GET", target, skip_accept_encoding=True)
+            if if_match:
+                conn.putheader("If-Match", if_match)
+            conn.endheaders()
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(url, slot)
+            raise _Retryable(f"connection error: {e!r}") from None
+        return conn
+
+    def _whole_answer(self, key: str, url: str, conn: http.client.HTTPConnection, limit: int,
+                      slot: int = 0) -> Tuple[bytes, str]:
+        """Read the answer to :meth:`_send_get`: the object's bytes and ETag, or the error they mean."""
+        where = self.url(key)
+        try:
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(url, slot)
+            raise _Retryable(f"connection error: {e!r}") from None
+        if resp.status != 200:
+            code, message = self._error_response(url, resp, slot)
+            code = code or str(resp.status)
+            if resp.status in _RETRY_STATUS or code in _RETRY_CODES:
+                raise _Retryable(f"HTTP {resp.status} {code}")
+            if resp.status == 412 or (resp.status == 409 and code == "ConditionalRequestConflict"):
+                raise ObjectChangedError(self._message("get_object", key, resp.status, code, message)
+                                         + "; another writer changed the object first; the object changed "
+                                         "since the checkpoint was written")
+            raise CheckpointError(self._message("get_object", key, resp.status, code, message))
+        try:
+            size = int(resp.getheader("Content-Length") or "")
+        except ValueError:
+            self._drop(url, slot)
+            raise CheckpointError(f"GET of {where}: the endpoint sent no Content-Length") from None
+        if size > limit:
+            self._drop(url, slot)  # its body is never read
+            raise ObjectTooLargeError(f"{where} is {size} bytes, more than the {limit} bytes megashard reads "
+                                      f"for this object; it is not a megashard file")
+        etag = resp.getheader("ETag")
+        try:
+            data = resp.read(size)
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(url, slot)
+            raise _Retryable(f"connection lost reading the body: {e!r}") from None
+        if len(data) != size:
+            self._drop(url, slot)
+            raise _Retryable(f"got {len(data)} of {size} bytes")
+        if not etag:
+            raise CheckpointError(f"GET of {where}: the endpoint returned no ETag")
+        return data, etag
 
     def put_bytes(self, key: str, data: bytes, *, if_none_match: bool = False,
                   if_match: Optional[str] = None) -> str:
@@ -737,18 +845,25 @@ class ObjectStore:
             return self.boto3_client().generate_presigned_url(
                 op, Params={"Bucket": self.bucket, "Key": key, **params}, ExpiresIn=_PRESIGN_SECONDS)
         except Exception as e:  # botocore raises several unrelated types here (credentials, params)
-            raise CheckpointError(f"cannot sign a request for {self.url(key)}: {e}") from None
+            _, botocore = _boto()
+            exc = botocore.exceptions
+            hint = ("; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (and AWS_DEFAULT_REGION / "
+                    "AWS_ENDPOINT_URL)" if isinstance(e, (exc.NoCredentialsError, exc.PartialCredentialsError))
+                    else "")
+            raise CheckpointError(f"cannot sign a request for {self.url(key)}: {e}{hint}") from None
 
     @staticmethod
-    def _connection(url: str) -> Tuple[http.client.HTTPConnection, str]:
-        """This thread's persistent connection to the URL's host, and the request target."""
+    def _connection(url: str, slot: int = 0) -> Tuple[http.client.HTTPConnection, str]:
+        """This thread's persistent connection to the URL's host, and the request target. ``slot``:
+        which of the thread's connections to that host (:meth:`get_bytes_many` keeps several requests
+        in flight from one thread)."""
         parts = urlsplit(url)
         target = parts.path + ("?" + parts.query if parts.query else "")
         conns = getattr(_LOCAL, "conns", None)
         if conns is None:
             conns = _LOCAL.conns = {}
             _LOCAL.used = {}
-        ident = (parts.scheme, parts.hostname, parts.port)
+        ident = (parts.scheme, parts.hostname, parts.port) + ((slot,) if slot else ())
         conn = conns.get(ident)
         now = _clock()
         if conn is not None and now - _LOCAL.used.get(ident, now) > _IDLE_REUSE_S:
@@ -766,14 +881,15 @@ class ObjectStore:
         return conn, target
 
     @staticmethod
-    def _drop(url: str) -> None:
+    def _drop(url: str, slot: int = 0) -> None:
         """Close this thread's connection after an error; the next request opens a fresh one."""
         parts = urlsplit(url)
-        conn = getattr(_LOCAL, "conns", {}).pop((parts.scheme, parts.hostname, parts.port), None)
+        ident = (parts.scheme, parts.hostname, parts.port) + ((slot,) if slot else ())
+        conn = getattr(_LOCAL, "conns", {}).pop(ident, None)
         if conn is not None:
             conn.close()
 
-    def _error_response(self, url: str, resp: http.client.HTTPResponse) -> Tuple[str, str]:
+    def _error_response(self, url: str, resp: http.client.HTTPResponse, slot: int = 0) -> Tuple[str, str]:
         """Read a small error body (S3 XML) for its code and message; drop the connection if it is large."""
         try:
             length = int(resp.getheader("Content-Length") or -1)
@@ -784,9 +900,9 @@ class ObjectStore:
             try:
                 body = resp.read()
             except (OSError, http.client.HTTPException):
-                self._drop(url)
+                self._drop(url, slot)
         else:
-            self._drop(url)
+            self._drop(url, slot)
         return _xml_field(_XML_CODE, body), _xml_field(_XML_MESSAGE, body)
 
     def read_into(self, key: str, reqs: Sequence[Tuple[int, memoryview]], *, size: int, etag: Optional[str],
@@ -800,25 +916,40 @@ class ObjectStore:
         return self.read_many([(key, reqs, size, etag)], threads=threads)
 
     def read_many(self, jobs: Sequence[Tuple[str, Sequence[Tuple[int, memoryview]], int, Optional[str]]], *,
-                  threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None) -> int:
+                  threads: Optional[int] = None, done: Optional[Callable[[int], None]] = None,
+                  crcs: Optional[List[Optional[int]]] = None) -> int:
         """:meth:`read_into` of several objects ``(key, reqs, size, etag)`` at once: their GETs form one
         queue on up to ``threads`` (``MEGASHARD_S3_CONNECTIONS``) connections, so no connection idles at
         the end of an object while another's bytes remain. Jobs of one object are coalesced like one
         job's requests (adjacent ones share a GET). ``done(i)``, when given, is called (on the GET's
         thread) as soon as every byte of job ``i`` has arrived, so a caller can pass on early jobs while
-        later ones are still in flight. Returns the bytes fetched."""
+        later ones are still in flight. ``crcs`` (one entry per job), when given: ``crcs[i]`` is set,
+        before ``done(i)``, to the CRC32 of job ``i``'s requests' bytes concatenated in the order given,
+        computed by each GET as its bytes land in the destination (while the others still download: no
+        pass over the bytes after the last one; a retried GET resumes its CRC32 with its bytes), or None
+        where the pieces cannot say (requests for the same bytes twice). Returns the bytes fetched."""
         by_key: Dict[str, List[int]] = {}
         for i, (key, _, _, _) in enumerate(jobs):
             by_key.setdefault(key, []).append(i)
         tasks: List[Callable[[], int]] = []
         left = [0] * len(jobs)  # per job: GETs still to finish
         owners: List[List[int]] = []  # per task: the jobs it holds bytes of
-        plans = {key: self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2])
-                 for key, idx in by_key.items()}
+        tags: Optional[Dict[str, List[Tuple[int, int]]]] = None  # per key: (job, request) of each request
+        parts: List[List[_CrcPart]] = [[] for _ in jobs]
+        if crcs is not None:
+            tags = {key: [(i, j) for i in idx for j in range(len(jobs[i][1]))] for key, idx in by_key.items()}
+
+        def plan(key: str, idx: List[int], limit: Optional[int] = None) -> List[Any]:
+            return self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2], limit,
+                                   None if tags is None else tags[key], parts)
+
+        plans = {key: plan(key, idx) for key, idx in by_key.items()}
         limit = _balanced_limit([g[1] - g[0] for gets in plans.values() for g in gets], threads or connections())
         if limit is not None:
-            plans = {key: self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2], limit)
-                     for key, idx in by_key.items()}
+            for p in parts:
+                p.clear()
+            plans = {key: plan(key, idx, limit) for key, idx in by_key.items()}
+        track = done is not None or crcs is not None
         for key, idx in by_key.items():
             size, etag = jobs[idx[0]][2], jobs[idx[0]][3]
             gets = plans[key]
@@ -829,74 +960,90 @@ class ObjectStore:
             for g in gets:
                 tasks.append(lambda key=key, url=url, g=g, size=size, etag=etag:
                              self._get_range(key, url, g[0], g[1], g[2], size, etag))
-            if done is not None:
+            if track:
                 owners += _owners(gets, [(i, jobs[i][1]) for i in idx])
                 for mine in owners[first:]:
                     for i in mine:
                         left[i] += 1
-        if done is None:
+        if not track:
             return sum(_run_parallel(tasks, threads or connections())) if tasks else 0
+
+        def finished(i: int) -> None:
+            if crcs is not None:
+                crcs[i] = _job_crc(parts[i], [_byte_view(v).nbytes for _, v in jobs[i][1]])
+            if done is not None:
+                done(i)
+
         for i in range(len(jobs)):
             if not left[i]:
-                done(i)  # nothing to fetch
+                finished(i)  # nothing to fetch
         lock = threading.Lock()
 
         def tracked(t: int) -> int:
             n = tasks[t]()
-            finished = []
+            over = []
             with lock:
                 for i in owners[t]:
                     left[i] -= 1
                     if not left[i]:
-                        finished.append(i)
-            for i in finished:
-                done(i)
+                        over.append(i)
+            for i in over:
+                finished(i)
             return n
 
         return sum(_run_parallel([lambda t=t: tracked(t) for t in range(len(tasks))], threads or connections()))
 
-    def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int, limit: Optional[int] = None
-                   ) -> List[Tuple[int, int, List[Tuple[Optional[memoryview], int]]]]:
+    def _plan_gets(self, key: str, reqs: Sequence[Tuple[int, memoryview]], size: int, limit: Optional[int] = None,
+                   tags: Optional[Sequence[Tuple[int, int]]] = None, parts: Optional[List[List[_CrcPart]]] = None
+                   ) -> List[Tuple[int, int, List[Tuple[Optional[memoryview], int, Optional[_CrcPart]]]]]:
         """Coalesce requests into runs and cut runs into GETs of at most ``limit`` (default
-        ``MEGASHARD_S3_GET_BYTES``): (first byte, end, [(view or None=gap, n)])."""
+        ``MEGASHARD_S3_GET_BYTES``): (first byte, end, [(view or None=gap, n, CRC32 part or None)]).
+        ``tags``: per request its (job, request) of :meth:`read_many`; each piece of a tagged request
+        then gets a :class:`_CrcPart`, also appended to ``parts[job]``."""
         items = []
-        for offset, view in reqs:
+        for k, (offset, view) in enumerate(reqs):
             mv = _byte_view(view)
             if offset < 0 or offset + mv.nbytes > size:
                 raise CheckpointError(f"{self.url(key)}: bytes [{offset}, {offset + mv.nbytes}) lie outside the "
                                       f"{size}-byte object; the checkpoint's index does not match the object")
             if mv.nbytes:
-                items.append((offset, mv))
+                items.append((offset, mv, None if tags is None else tags[k]))
         items.sort(key=lambda it: it[0])
-        runs: List[Tuple[int, List[Tuple[Optional[memoryview], int]]]] = []
+        runs: List[Tuple[int, List[Tuple[Optional[memoryview], int, Optional[Tuple[int, int]]]]]] = []
         end = -1
         overlapping = []
-        for offset, mv in items:
+        overlapping_tags = []
+        for offset, mv, tag in items:
             if runs and offset >= end and offset - end <= _GAP_BYTES:
                 pieces = runs[-1][1]
                 if offset > end:
-                    pieces.append((None, offset - end))
-                pieces.append((mv, mv.nbytes))
+                    pieces.append((None, offset - end, None))
+                pieces.append((mv, mv.nbytes, tag))
                 end = offset + mv.nbytes
             elif runs and offset < end:
                 overlapping.append((offset, mv))  # two requests for the same bytes: read it again
+                overlapping_tags.append(tag)
             else:
-                runs.append((offset, [(mv, mv.nbytes)]))
+                runs.append((offset, [(mv, mv.nbytes, tag)]))
                 end = offset + mv.nbytes
         limit = limit or get_bytes_limit()
         gets = []
         for start, pieces in runs:
-            cur: List[Tuple[Optional[memoryview], int]] = []
+            cur: List[Tuple[Optional[memoryview], int, Optional[_CrcPart]]] = []
             pos = get_start = start
             # GETs end at multiples of the limit in the object (whole parts, see part_bytes), unless that
             # takes more GETs than cutting from the run's start (a short run across a multiple)
-            run_end = start + sum(n for _, n in pieces)
+            run_end = start + sum(n for _, n, _ in pieces)
             grid = 0 if -(-run_end // limit) - start // limit <= -(-(run_end - start) // limit) else start
-            for mv, n in pieces:
+            for mv, n, tag in pieces:
                 done = 0
                 while done < n:
                     take = min(n - done, limit - (pos - grid) % limit)
-                    cur.append((mv[done:done + take] if mv is not None else None, take))
+                    part = None
+                    if tag is not None and parts is not None:
+                        part = _CrcPart(tag[0], tag[1], done, take)
+                        parts[tag[0]].append(part)
+                    cur.append((mv[done:done + take] if mv is not None else None, take, part))
                     done += take
                     pos += take
                     if (pos - grid) % limit == 0:
@@ -905,16 +1052,19 @@ class ObjectStore:
             if cur:
                 gets.append((get_start, pos, cur))
         if overlapping:
-            gets.extend(self._plan_gets(key, overlapping, size, limit))
+            gets.extend(self._plan_gets(key, overlapping, size, limit, None if tags is None else overlapping_tags,
+                                        parts))
         return gets
 
-    def _get_range(self, key: str, url: str, first: int, end: int, pieces: List[Tuple[Optional[memoryview], int]],
-                   size: int, etag: Optional[str]) -> int:
-        """One ranged GET into ``pieces``; a retry asks only for the bytes not yet received."""
+    def _get_range(self, key: str, url: str, first: int, end: int,
+                   pieces: List[Tuple[Optional[memoryview], int, Optional[_CrcPart]]], size: int,
+                   etag: Optional[str]) -> int:
+        """One ranged GET into ``pieces``; a retry asks only for the bytes not yet received. A piece with
+        a CRC32 part has the CRC32 of each ``readinto``'s bytes added as they land (still in cache)."""
         got = 0
         starts = []
         acc = 0
-        for _, n in pieces:
+        for _, n, _ in pieces:
             starts.append(acc)
             acc += n
         where = self.url(key)
@@ -942,13 +1092,19 @@ class ObjectStore:
             scratch = _scratch()
             try:
                 while got < acc:
-                    mv, n = pieces[i]
+                    mv, n, part = pieces[i]
                     off = got - starts[i]
                     if isinstance(mv, FileRange):  # through the scratch buffer into the file
                         r = resp.readinto(scratch[:min(n - off, len(scratch))])
                         if r:
                             mv.write(off, scratch[:r])
-                    else:
+                            if part is not None:
+                                part.crc = isal_zlib.crc32(scratch[:r], part.crc)
+                    elif part is not None:  # a slice at a time, so its CRC32 runs while later bytes arrive
+                        r = resp.readinto(mv[off:off + min(n - off, _CRC_SLICE)])
+                        if r:
+                            part.crc = isal_zlib.crc32(mv[off:off + r], part.crc)
+                    else:  # readinto fills the whole view before it returns
                         r = resp.readinto(mv[off:] if mv is not None else scratch[:n - off])
                     if not r:
                         raise http.client.IncompleteRead(b"", acc - got)
