@@ -888,3 +888,28 @@ def test_upload_sends_pending_bytes_only_once_they_are_final(s3, monkeypatch, pa
     assert etag == store.head("late/data_0.tensors").etag
     assert (0, len(final)) not in pending.waited  # nothing waited for the whole object
     assert sorted(pending.waited) == sorted(set(pending.waited))  # each piece waited for once
+
+
+def test_a_failure_while_a_body_is_half_sent_drops_that_connection(s3, monkeypatch) -> None:
+    """The hashing fails after the request's first bytes went out: the upload raises that error, nothing is
+    stored, and the thread's next request goes on a fresh connection (not after a half-sent body): no retry."""
+    store = _store(s3)
+    final = os.urandom(2 * MiB)
+    buf = bytearray(final)
+
+    class Failing(_LateHeaders):
+        def wait(self, a: int, b: int) -> None:
+            if a >= MiB:
+                raise RuntimeError("hashing failed")
+            super().wait(a, b)
+
+    ranges = [(10, 20), (MiB, MiB + 100)]
+    cuts = [0, 10, 20, MiB, MiB + 100, len(final)]
+    with pytest.raises(RuntimeError, match="hashing failed"):
+        store.upload("half/x", len(final), [(a, memoryview(buf)[a:b]) for a, b in zip(cuts, cuts[1:])],
+                     pending=Failing(buf, final, ranges))
+    assert store.head("half/x") is None
+    store.retries.clear()
+    etag = store.upload("half/y", len(final), [(0, memoryview(final))])
+    assert store.get_bytes("half/y", len(final))[0] == final and etag == store.head("half/y").etag
+    assert sum(store.retries.values()) == 0
