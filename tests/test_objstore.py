@@ -852,3 +852,64 @@ def test_a_short_last_part_after_whole_rounds_goes_with_the_part_before(s3, monk
     assert bytes(buf) == data
     assert objclient._part_spans(len(data), 5 * MiB, 4) == [(0, 5 * MiB), (5 * MiB, 10 * MiB), (10 * MiB, len(data))]
     assert len(objclient._part_spans(256 * MiB + 20728, 16 * MiB, 16)) == 16
+
+
+class _LateHeaders:
+    """A stand-in for the save's ``DeferredHashes``: the bytes of ``ranges`` hold zeros until :meth:`wait` is
+    asked for them, then their final bytes (as a tensor header gets its hashes)."""
+
+    def __init__(self, buf: bytearray, final: bytes, ranges: List[Tuple[int, int]]) -> None:
+        self.buf, self.final, self.ranges = buf, final, ranges
+        self.waited: List[Tuple[int, int]] = []
+        for s, e in ranges:
+            buf[s:e] = bytes(e - s)
+
+    def wait(self, a: int, b: int) -> None:
+        self.waited.append((a, b))
+        for s, e in self.ranges:
+            if s < b and a < e:
+                self.buf[s:e] = self.final[s:e]
+
+
+@pytest.mark.parametrize("part_mib", [64, 5])  # one PUT; multipart with a range across a part boundary
+def test_upload_sends_pending_bytes_only_once_they_are_final(s3, monkeypatch, part_mib) -> None:
+    """Bytes in ``pending.ranges`` go out only after ``pending.wait`` covered them, and every part waits
+    only for the ranges it holds, not for the whole object: the object holds the final bytes."""
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(part_mib * MiB))
+    store = _store(s3)
+    final = os.urandom(11 * MiB + 777)
+    ranges = [(100, 200), (3 * MiB, 3 * MiB + 4096), (5 * MiB - 10, 5 * MiB + 10), (11 * MiB + 700, 11 * MiB + 777)]
+    buf = bytearray(final)
+    pending = _LateHeaders(buf, final, ranges)
+    cuts = sorted({0, len(final), *(x for r in ranges for x in r)})  # each range its own segment, as headers are
+    segments = [(a, memoryview(buf)[a:b]) for a, b in zip(cuts, cuts[1:])]
+    etag = store.upload("late/data_0.tensors", len(final), segments, pending=pending)
+    assert s3.boto3().get_object(Bucket=s3.bucket, Key="late/data_0.tensors")["Body"].read() == final
+    assert etag == store.head("late/data_0.tensors").etag
+    assert (0, len(final)) not in pending.waited  # nothing waited for the whole object
+    assert sorted(pending.waited) == sorted(set(pending.waited))  # each piece waited for once
+
+
+def test_a_failure_while_a_body_is_half_sent_drops_that_connection(s3, monkeypatch) -> None:
+    """The hashing fails after the request's first bytes went out: the upload raises that error, nothing is
+    stored, and the thread's next request goes on a fresh connection (not after a half-sent body): no retry."""
+    store = _store(s3)
+    final = os.urandom(2 * MiB)
+    buf = bytearray(final)
+
+    class Failing(_LateHeaders):
+        def wait(self, a: int, b: int) -> None:
+            if a >= MiB:
+                raise RuntimeError("hashing failed")
+            super().wait(a, b)
+
+    ranges = [(10, 20), (MiB, MiB + 100)]
+    cuts = [0, 10, 20, MiB, MiB + 100, len(final)]
+    with pytest.raises(RuntimeError, match="hashing failed"):
+        store.upload("half/x", len(final), [(a, memoryview(buf)[a:b]) for a, b in zip(cuts, cuts[1:])],
+                     pending=Failing(buf, final, ranges))
+    assert store.head("half/x") is None
+    store.retries.clear()
+    etag = store.upload("half/y", len(final), [(0, memoryview(final))])
+    assert store.get_bytes("half/y", len(final))[0] == final and etag == store.head("half/y").etag
+    assert sum(store.retries.values()) == 0

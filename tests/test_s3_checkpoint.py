@@ -884,6 +884,44 @@ def test_index_blocks_give_the_bytes_asked_for_and_refuse_ranges_past_the_end():
     assert len(fetches) <= 6, fetches
 
 
+def test_a_file_in_one_put_is_sent_while_its_tensors_are_still_hashed(s3, monkeypatch):
+    """A file small enough for one PUT (most ranks' files at scale) starts its body before any tensor is
+    hashed: each tensor header waits for its own hashes on the open request, nothing waits for the whole
+    file (a save that hashed first would fail after 20 s); the load with ``verify=True`` checks every
+    tensor's CRC32 and SHA-256."""
+    import http.client
+    import threading
+
+    from megashard.format import writer
+    from megashard.format.layout import MAGIC
+
+    monkeypatch.setenv("MEGASHARD_S3_PART_BYTES", str(64 * MiB))  # ~12 MiB: one PUT
+    sent = threading.Event()
+    real_hash, real_send = writer._hash_item, http.client.HTTPConnection.send
+
+    def hash_item(it):
+        if not sent.wait(20):
+            raise AssertionError(f"tensor {it.name} was to be hashed before the file's first bytes were sent")
+        real_hash(it)
+
+    def send(self, data):
+        if bytes(memoryview(data)[:len(MAGIC)]) == MAGIC:  # the prologue: the body has begun
+            sent.set()
+        return real_send(self, data)
+
+    monkeypatch.setattr(writer, "_hash_item", hash_item)
+    monkeypatch.setattr(http.client.HTTPConnection, "send", send)
+    want = state(big=True)
+    url = s3.url("run/iter_0000013")
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
+    megashard.save(want, url)
+    assert store.stats["MPU_PART"] == 0  # the .tensors file went up in one PUT
+    monkeypatch.setattr(writer, "_hash_item", real_hash)
+    got = megashard.load(template(want), url, verify=True)
+    check_loaded(got, want)
+
+
 def test_shards_read_into_the_templates_tensors_need_no_head_first(s3):
     """A load whose shards all go straight into the template's own tensors allocates nothing from the
     index's claims, so it sends no HEAD before its GETs (each ranged GET checks the object's size,

@@ -28,6 +28,7 @@ page cache. The bytes written are the same either way.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import hashlib
@@ -617,6 +618,7 @@ class DeferredHashes:
         for it in items:
             assert it.plan is not None
             self.ranges.append((it.header_offset, it.header_offset + len(it.plan.buf)))
+        self._ends = [e for _, e in self.ranges]
         self._done = [threading.Event() for _ in items]
         self._lock = threading.Lock()
         self._next = 0
@@ -646,10 +648,12 @@ class DeferredHashes:
             self._done[i].set()
 
     def wait(self, a: int, b: int) -> None:
-        """Block until every header overlapping bytes ``[a, b)`` holds its hashes."""
-        for i, (s, e) in enumerate(self.ranges):
-            if s < b and a < e:
-                self._done[i].wait()
+        """Block until every header overlapping bytes ``[a, b)`` holds its hashes (a bisection: an
+        upload asks once per header, so a file of many tensors must not cost a scan per ask)."""
+        i = bisect.bisect_right(self._ends, a)  # ranges are in file order and disjoint
+        while i < len(self.ranges) and self.ranges[i][0] < b:
+            self._done[i].wait()
+            i += 1
         if self._error is not None:
             raise self._error
 

@@ -18,6 +18,7 @@ import bisect
 import collections
 import hashlib
 import http.client
+import itertools
 import logging
 import os
 import queue
@@ -1171,7 +1172,8 @@ class ObjectStore:
         parallel (a part may span segments), aborted on any failure. With ``if_none_match`` the object must
         not exist yet (CommitConflictError otherwise). ``pending`` (a
         :class:`~megashard.format.writer.DeferredHashes`): bytes still being written (``ranges``);
-        parts clear of them go first, a part holding some is sent after ``pending.wait(a, b)``.
+        parts clear of them go first, and a request sends each of its views once ``pending.wait`` says
+        its bytes are final (only views that meet a range wait: the body starts at once).
         Returns the ETag.
         """
         views = []
@@ -1187,12 +1189,30 @@ class ObjectStore:
         if pos != size:
             raise CheckpointError(f"{self.url(key)}: upload segments hold {pos} bytes, not {size}")
         if size <= single_put_bytes():
-            if pending is not None:
-                pending.wait(0, size)
             headers = {"If-None-Match": "*"} if if_none_match else {}
             url = self._presign("put_object", key)
-            return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers)
+            return self._put_views("PUT", key, url, [mv for _, mv in views], size, headers,
+                                   gate=self._gate(pending, [o for o, _ in views]))
         return self._multipart(key, size, part_bytes(size), views, if_none_match, threads or connections(), pending)
+
+    @staticmethod
+    def _gate(pending: Any, offsets: Sequence[int]) -> Optional[Callable[[int, memoryview], None]]:
+        """What :meth:`_put_views` calls before sending its ``j``-th view (at object offset ``offsets[j]``):
+        ``pending.wait`` for that view's bytes when they meet one of ``pending.ranges``, so a request
+        sends what is final and waits, on the open connection, only where a tensor header still waits
+        for its hashes (None: nothing pending)."""
+        if pending is None:
+            return None
+        ranges = sorted(pending.ranges)
+        starts, ends = [s for s, _ in ranges], [e for _, e in ranges]
+
+        def gate(j: int, mv: memoryview) -> None:
+            a, b = offsets[j], offsets[j] + mv.nbytes
+            i = bisect.bisect_right(ends, a)  # the first range ending after a
+            if i < len(ranges) and starts[i] < b:
+                pending.wait(a, b)
+
+        return gate
 
     @staticmethod
     def _slice(views: List[Tuple[int, memoryview]], starts: List[int], a: int, b: int) -> List[memoryview]:
@@ -1218,10 +1238,10 @@ class ObjectStore:
 
             def send(i: int) -> str:
                 a, b = spans[i]
-                if pending is not None:
-                    pending.wait(a, b)
+                pieces = self._slice(views, starts, a, b)
+                offsets = list(itertools.accumulate((mv.nbytes for mv in pieces[:-1]), initial=a))
                 url = self._presign("upload_part", key, UploadId=upload_id, PartNumber=i + 1)
-                return self._put_views("MPU_PART", key, url, self._slice(views, starts, a, b), b - a, {})
+                return self._put_views("MPU_PART", key, url, pieces, b - a, {}, gate=self._gate(pending, offsets))
 
             order = list(range(nparts))
             if pending is not None:  # parts whose bytes are final first: they go while the rest is hashed
@@ -1306,8 +1326,9 @@ class ObjectStore:
             raise
 
     def _put_views(self, kind: str, key: str, url: str, views: List[memoryview], length: int,
-                   headers: Dict[str, str]) -> str:
-        """One PUT of ``length`` bytes sent straight from ``views``; returns the ETag."""
+                   headers: Dict[str, str], gate: Optional[Callable[[int, memoryview], None]] = None) -> str:
+        """One PUT of ``length`` bytes sent straight from ``views``; returns the ETag. ``gate(j, view)``
+        runs before the ``j``-th view is sent (:meth:`_gate`: until its bytes are final)."""
         where = self.url(key)
 
         def landed() -> Optional[str]:
@@ -1329,12 +1350,17 @@ class ObjectStore:
                 for name, value in headers.items():
                     conn.putheader(name, value)
                 conn.endheaders()
-                for mv in views:
+                for j, mv in enumerate(views):
+                    if gate is not None:
+                        gate(j, mv)
                     conn.send(mv)
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 self._drop(url)
                 raise _Retryable(f"connection error: {e!r}") from None
+            except BaseException:  # e.g. the hashing failed mid-body: never reuse a half-sent request
+                self._drop(url)
+                raise
             if resp.status != 200:
                 code, message = self._error_response(url, resp)
                 if resp.status in _RETRY_STATUS or code in _RETRY_CODES:
