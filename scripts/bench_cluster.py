@@ -146,52 +146,6 @@ def _instrument(events: List[Dict[str, Any]]) -> None:
     ck.ObjectSave.write_file = phase("write_file", ck.ObjectSave.write_file, True)
 
 
-def _put(url: str, view: memoryview) -> str:
-    import http.client
-    import urllib.parse
-
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
-    try:
-        conn.putrequest("PUT", f"{u.path}?{u.query}", skip_accept_encoding=True)
-        conn.putheader("Content-Length", str(len(view)))
-        conn.endheaders()
-        conn.send(view)
-        resp = conn.getresponse()
-        body = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"floor PUT: HTTP {resp.status} {body[:300]!r}")
-        return resp.getheader("ETag") or ""
-    finally:
-        conn.close()
-
-
-def _floor_put(store: Any, key: str, flat: memoryview, streams: int) -> None:
-    """``flat`` as one presigned PUT (1 stream) or a multipart upload of ``streams`` equal parts (at least
-    5 MiB) on as many connections: ``scripts/bench_s3.py``'s ``floor_put``."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    c = store.boto3_client()
-    sign = c.generate_presigned_url
-    if streams == 1:
-        _put(sign("put_object", Params={"Bucket": store.bucket, "Key": key}, ExpiresIn=3600), flat)
-        return
-    n = len(flat)
-    part = max(5 * 2**20, -(-n // streams))
-    nparts = -(-n // part)
-    upload_id = c.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
-
-    def send(i: int) -> str:
-        url = sign("upload_part", Params={"Bucket": store.bucket, "Key": key, "UploadId": upload_id,
-                                          "PartNumber": i + 1}, ExpiresIn=3600)
-        return _put(url, flat[i * part:min(n, (i + 1) * part)])
-
-    with ThreadPoolExecutor(nparts) as ex:
-        etags = list(ex.map(send, range(nparts)))
-    c.complete_multipart_upload(Bucket=store.bucket, Key=key, UploadId=upload_id, MultipartUpload={
-        "Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]})
-
-
 def _worker(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -248,6 +202,7 @@ def _worker(a: argparse.Namespace) -> int:
             # save's data PUTs sent (the sizes of its objects), from one buffer of its tensors' bytes
             from urllib.parse import urlparse
 
+            from bench_s3 import floor_put  # the plain-PUT floor bench_s3 measures, from this node
             from megashard.storage.s3.client import ObjectStore
 
             events = json.loads(Path(a.results, f"rank{rank}-{step - 1}.json").read_text())["events"]
@@ -267,7 +222,7 @@ def _worker(a: argparse.Namespace) -> int:
                 meet("save_floor", {"storage": storage, "streams": streams})
                 t0 = time.perf_counter()
                 for j, buf in enumerate(bufs):
-                    _floor_put(store, f"floor/{streams}/r{rank}-{j}", buf, streams)
+                    floor_put(store, f"floor/{streams}/r{rank}-{j}", buf, streams)
                 dist.barrier()
                 done({"seconds": time.perf_counter() - t0, "bytes": sizes})
                 step += 1
