@@ -92,7 +92,9 @@ def job(tmp_path_factory) -> List[Dict[str, Any]]:
 def test_load_peak_extra_memory_is_bounded_by_chunks_and_largest_tensor(job, case: str, mode: str) -> None:
     extra = {"scatter": 4 * CHUNK,  # the node's ring slots, mapped by its ranks
              "readonce": 3 * CHUNK}  # one round's received runs, at most a chunk from each other rank
-    bound = 2 * CHUNK + 2 * LARGEST + extra.get(mode, 0)
+    # + 64 KiB: what the peak-RSS measure itself swings by under load (allocator arenas, thread stacks; a CI run
+    # saw 12 KiB over); holding a saved file, or the half a rank sends, would exceed the bound by megabytes
+    bound = 2 * CHUNK + 2 * LARGEST + extra.get(mode, 0) + 64 * 1024
     checkpoint = TENSORS * LARGEST
     for rank, r in enumerate(job):
         m = r[f"{case}/{mode}"]
