@@ -41,7 +41,6 @@ fits. The copies run in parallel chunks.
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import logging
 import os
@@ -53,6 +52,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import exiting
 from .errors import CheckpointError, MegashardError
 from .format.fastio import default_threads, empty_buffer, prefault, run_parallel, take_io_role, tensor_memoryview
 from .transport import Comm
@@ -473,5 +473,5 @@ def _after_fork_in_child() -> None:
     _STAGING, _WRITER, _IN_FLIGHT, _LAST_JOB = Staging(), _Writer(), None, None
 
 
-atexit.register(_abandon_at_exit)
+exiting.at_exit(exiting.WRITES, _abandon_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -416,9 +416,9 @@ def _replicator(args: Any, comm: Any, root: str, name: str) -> Any:
     key = (os.path.abspath(root), name)
     if key not in _REPLICATORS:
         if not _REPLICATORS:  # the last version's replication finishes before the process exits
-            import atexit
+            from megashard import exiting
 
-            atexit.register(wait_for_replication)
+            exiting.at_exit(exiting.WRITES, wait_for_replication)
         _REPLICATORS[key] = replication.Replicator(root, name, rep[0], rep[1], comm)
     return _REPLICATORS[key]
 

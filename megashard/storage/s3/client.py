@@ -13,7 +13,6 @@ boto3/botocore are imported only when an object URL is actually used.
 """
 from __future__ import annotations
 
-import atexit
 import bisect
 import collections
 import hashlib
@@ -33,6 +32,7 @@ from urllib.parse import urlsplit
 
 from isal import isal_zlib
 
+from ... import exiting
 from ...errors import CheckpointError, CommitConflictError, ObjectChangedError
 from .url import ObjectURL, join_key, parse_url
 
@@ -279,7 +279,7 @@ def _stop_threads() -> None:
         pool.stop()
 
 
-atexit.register(_stop_threads)
+exiting.at_exit(exiting.THREADS, _stop_threads)
 
 
 def _run_parallel(tasks: Sequence[Callable[[], T]], threads: int) -> List[T]:
