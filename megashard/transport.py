@@ -237,13 +237,11 @@ class Comm:
         failing ranks, as without ``lead``."""
         if lead is not None:
             return self._coordinate_led(what, error, payload, compute, lead)
-        size = gather_group_size(self.world_size)
-        leader = self.rank - self.rank % size
+        size, leader = self._gather_place()
         mine = encode_message(error, payload)
         try:
             if self.rank != leader:
-                self._send_bytes(mine, leader, what)
-                reply = json.loads(self._recv_bytes([leader], what)[0])
+                reply = self._member_exchange(mine, leader, what)
             elif leader != 0:
                 members = self._recv_bytes(list(range(leader + 1, min(self.world_size, leader + size))), what)
                 self._send_bytes(pack_part([mine] + members), 0, what)
@@ -277,13 +275,11 @@ class Comm:
     def _coordinate_led(self, what: str, error: Optional[str], payload: Any,
                         compute: Callable[[List[Any]], List[Any]], lead: "Lead") -> Any:
         """:meth:`coordinate` with ``lead``: leaders reduce, rank 0 computes over the parts."""
-        size = gather_group_size(self.world_size)
-        leader = self.rank - self.rank % size
+        size, leader = self._gather_place()
         mine = encode_message(error, payload)
         try:
             if self.rank != leader:
-                self._send_bytes(mine, leader, what)
-                return _reply_value(json.loads(self._recv_bytes([leader], what)[0]), what)
+                return _reply_value(self._member_exchange(mine, leader, what), what)
             members = list(range(leader + 1, min(self.world_size, leader + size)))
             texts = [mine] + self._recv_bytes(members, what)
             with gc_paused():
@@ -313,6 +309,16 @@ class Comm:
         except DistributedError as e:
             raise self._with_own(e, error, what) from None
         return _reply_value(reply, what)
+
+    def _gather_place(self) -> Tuple[int, int]:
+        """(group size, this rank's leader) of the two-level gather (:func:`gather_groups`)."""
+        size = gather_group_size(self.world_size)
+        return size, self.rank - self.rank % size
+
+    def _member_exchange(self, mine: bytes, leader: int, what: str) -> Any:
+        """A member's share of a gather: its message up to its leader, its reply (decoded) back."""
+        self._send_bytes(mine, leader, what)
+        return json.loads(self._recv_bytes([leader], what)[0])
 
     def _lead_reduce(self, what: str, leader: int, errors: Dict[int, str], payloads: List[Any],
                      lead: "Lead") -> Dict[str, Any]:

@@ -71,7 +71,7 @@ import sys
 import time
 import zlib
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -192,12 +192,9 @@ class _Tree:
         payloads, decode = self.decode(own, parts)
         return payloads, decode, sent
 
-    def collect(self, texts_of_ranks: Any) -> Tuple[List[bytes], List[bytes], List[int]]:
-        """What rank 0 receives: its own group's messages and the other leaders' parts (each
-        leader packs its group, :func:`transport.pack_part`); and the bytes each rank sends."""
-        own: List[bytes] = []
-        parts: List[bytes] = []
-        sent: List[int] = []
+    def _groups(self, texts_of_ranks: Any, sent: List[int]) -> Iterator[Tuple[int, List[bytes]]]:
+        """Each group's messages in turn (group number, texts), counting the bytes each rank
+        sends (into ``sent``) and each leader receives."""
         texts: List[bytes] = []
         for r, text in enumerate(texts_of_ranks):
             texts.append(text)
@@ -205,16 +202,28 @@ class _Tree:
             if len(texts) == self.group or r == self.world - 1:
                 g = r // self.group
                 self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
-                if g == 0:
-                    own = texts
-                else:
-                    t1 = _clock()
-                    part = transport.pack_part(texts)
-                    self.leader_s[g] += _clock() - t1
-                    sent[-len(texts)] = len(part) + SIZE_EXCHANGE
-                    self.recv[0] += len(part) + SIZE_EXCHANGE
-                    parts.append(part)
+                yield g, texts
                 texts = []
+
+    def _up(self, g: int, part: bytes, members: int, t1: float, sent: List[int], parts: List[bytes]) -> None:
+        """Leader ``g`` (which began at ``t1``) sends rank 0 ``part`` for its ``members`` ranks."""
+        self.leader_s[g] += _clock() - t1
+        sent[-members] = len(part) + SIZE_EXCHANGE
+        self.recv[0] += len(part) + SIZE_EXCHANGE
+        parts.append(part)
+
+    def collect(self, texts_of_ranks: Any) -> Tuple[List[bytes], List[bytes], List[int]]:
+        """What rank 0 receives: its own group's messages and the other leaders' parts (each
+        leader packs its group, :func:`transport.pack_part`); and the bytes each rank sends."""
+        own: List[bytes] = []
+        parts: List[bytes] = []
+        sent: List[int] = []
+        for g, texts in self._groups(texts_of_ranks, sent):
+            if g == 0:
+                own = texts
+            else:
+                t1 = _clock()
+                self._up(g, transport.pack_part(texts), len(texts), t1, sent, parts)
         return own, parts, sent
 
     def collect_led(self, texts_of_ranks: Any) -> Tuple[List[bytes], List[bytes], List[int], List[bytes]]:
@@ -228,28 +237,18 @@ class _Tree:
         parts: List[bytes] = []
         sent: List[int] = []
         stored: List[bytes] = []
-        texts: List[bytes] = []
-        for r, text in enumerate(texts_of_ranks):
-            texts.append(text)
-            sent.append(len(text) + SIZE_EXCHANGE)
-            if len(texts) == self.group or r == self.world - 1:
-                g = r // self.group
-                self.recv[g] += sum(len(t) + SIZE_EXCHANGE for t in texts[1:])
-                stored.append(zlib.compress(b"".join(len(t).to_bytes(8, "little") + t for t in texts), 1))
-                if g == 0:
-                    own = texts
-                else:
-                    t1 = _clock()
-                    with transport.gc_paused():
-                        errors, payloads = transport.unpack_messages(texts)
-                        assert not errors
-                        part = transport.pack_led_part({"part": saving._SaveLead(g * self.group).reduce(payloads)})
-                    del payloads
-                    self.leader_s[g] += _clock() - t1
-                    sent[-len(texts)] = len(part) + SIZE_EXCHANGE
-                    self.recv[0] += len(part) + SIZE_EXCHANGE
-                    parts.append(part)
-                texts = []
+        for g, texts in self._groups(texts_of_ranks, sent):
+            stored.append(zlib.compress(b"".join(len(t).to_bytes(8, "little") + t for t in texts), 1))
+            if g == 0:
+                own = texts
+            else:
+                t1 = _clock()
+                with transport.gc_paused():
+                    errors, payloads = transport.unpack_messages(texts)
+                    assert not errors
+                    part = transport.pack_led_part({"part": saving._SaveLead(g * self.group).reduce(payloads)})
+                del payloads
+                self._up(g, part, len(texts), t1, sent, parts)
         return own, parts, sent, stored
 
     def expand_led(self, stored: List[bytes], down: List[bytes], own_replies: List[Any], own_payloads: List[Any],
