@@ -539,7 +539,7 @@ _FAILING_ASYNC = textwrap.dedent("""
         client._threads = lambda: (time.sleep(1.0), real())[1]
     g = torch.Generator().manual_seed(0)
     h = save({"w": torch.randn(64, 32, generator=g), "big": torch.randn(3 << 20, generator=g)}, url,
-                       async_save=True)
+             async_save=True)
     try:
         h.result(timeout=None if mode == "fails" else 0.01)
     except megashard.MegashardError as e:
