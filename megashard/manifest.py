@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import math
 import re
 import zlib
 from collections.abc import Mapping
@@ -407,6 +408,72 @@ def record_text(key: str, global_shape: Sequence[int], offset: Sequence[int], sh
     return f"[{flat_text},{file_text},{name_text},{_int(header_offset)},{_int(data_offset)},{_int(nbytes)}]"
 
 
+def group_records(results: Sequence[Mapping[str, Any]], consume: bool = False) -> Dict[str, Any]:
+    """A gather group's share of the index, made by its leader: its members' write records
+    (``[key, chunk text, order, record text, CRC32]`` rows, ``results[i]["records"]``) grouped by
+    chunk, each chunk's records sorted by flat start and joined as its section's body, so that
+    rank 0 lays out the group's sections without touching a record (:meth:`IndexBuilder.group`).
+    Returns ``counts`` (records per member), ``keys``, ``chunks`` (per chunk: the key's number,
+    ndim, offset, shape, first record's order, record count, body length, and 1 when the
+    group's records cover the chunk, 0 when other groups hold pieces of it too), ``body``, and
+    ``crcs``/``slots`` (hex, little-endian u32, section order; slots count from the group's first
+    record in member order). ``consume``: each member's records are dropped once grouped."""
+    by: Dict[Tuple[str, str], List[Tuple[int, str, int, int]]] = {}
+    counts: List[int] = []
+    slot = 0
+    for res in results:
+        rows = res["records"]
+        counts.append(len(rows))
+        for key, chunk, order, text, crc in rows:
+            got = by.get((key, chunk))
+            if got is None:
+                by[(key, chunk)] = [(_int(order), text, slot, crc)]
+            else:
+                got.append((_int(order), text, slot, crc))
+            slot += 1
+        if consume:
+            res["records"] = None  # type: ignore[index]
+    keys: Dict[str, int] = {}
+    parsed: Dict[str, Tuple[List[int], List[int], int]] = {}
+    ints: List[int] = []
+    body: List[str] = []
+    crcs: List[int] = []
+    slots: List[int] = []
+    for (key, chunk), recs in by.items():
+        got = parsed.get(chunk)
+        if got is None:
+            off, shp = json.loads(chunk)
+            if len(off) != len(shp) or not all(type(v) is int and v >= 0 for v in off + shp):  # noqa: E721
+                raise ValueError(f"{key!r}: malformed chunk {chunk[:200]}")
+            got = parsed[chunk] = (off, shp, math.prod(shp))
+        off, shp, numel = got
+        if len(recs) > 1:
+            recs.sort(key=_first)
+        text = ",".join([r[1] for r in recs])
+        if not numel:  # an empty chunk every rank holding it records: joined with other groups' at rank 0
+            whole = False
+        elif text.startswith("[null,"):  # not flattened: the one record is the whole chunk
+            whole = len(recs) == 1
+        else:  # flat pieces: whole when their ranges add up to the chunk
+            held = 0
+            for r in recs:
+                a, b = r[1][2:r[1].index("]")].split(",")
+                held += int(b) - int(a)
+            whole = held == numel
+        ints += (keys.setdefault(key, len(keys)), len(off))
+        ints += off
+        ints += shp
+        ints += (recs[0][0], len(recs), len(text), int(whole))
+        body.append(text)
+        crcs += [r[3] for r in recs]
+        slots += [r[2] for r in recs]
+    c = np.array(crcs, dtype=np.int64)
+    if c.size and (c.min() < 0 or c.max() > 0xFFFFFFFF):
+        raise ValueError("a CRC32 lies outside 0..2**32-1")
+    return {"counts": counts, "keys": list(keys), "chunks": ints, "body": "".join(body),
+            "crcs": c.astype("<u4").tobytes().hex(), "slots": np.array(slots, dtype="<u4").tobytes().hex()}
+
+
 def check_crc(v: Any) -> int:
     """``v`` if it is a CRC32 (an int in 0..2**32-1), else ValueError."""
     if not 0 <= _int(v) <= 0xFFFFFFFF:
@@ -458,6 +525,13 @@ class IndexBuilder:
         self._perm: Any = None  # section order -> slot
         self._resumed = False
         self.tail: Optional["IndexTail"] = None  # what finish laid out after the CRC32 region
+        # fed by groups (group()): each key's chunks laid out so far, (offset, shape, start, length, crc32);
+        # chunks whose pieces several groups hold, until finish; CRC32s and slots in section order
+        self._table: Optional[Dict[str, List[Tuple[Any, Any, int, int, int]]]] = None
+        self._open: Dict[Tuple[str, Any, Any], List[Tuple[int, bytes, Any, Any]]] = {}
+        self._crc_parts: List[Any] = []
+        self._slot_parts: List[Any] = []
+        self._placed = 0  # records whose CRC32s the sections laid out so far number
 
     @classmethod
     def resume(cls, skeleton: "IndexSkeleton", crcs: Any) -> "IndexBuilder":
@@ -490,27 +564,84 @@ class IndexBuilder:
         if slot >= self.slots:
             self.slots = slot + 1
 
-    def records(self, rows: Any, parsed: Dict[str, Any]) -> None:
-        """:meth:`record` for many ``(key, chunk text, order, record text, CRC32)`` rows, slots
-        numbered from :attr:`slots` on in row order. A chunk text is ``[[offset...],[shape...]]``;
-        ``parsed`` (chunk text -> ``(offset, shape)`` tuples, filled here) lets the caller's
-        later calls parse each distinct text once. One call per rank, not one per record
-        (millions at 100k ranks)."""
-        by_key = self._chunks
-        slot = self.slots
-        for key, chunk, order, text, crc in rows:
-            c = parsed.get(chunk)
-            if c is None:
-                off, shp = json.loads(chunk)
-                c = parsed[chunk] = (tuple(off), tuple(shp))
-            groups = by_key[key]
-            got = groups.get(c)
-            if got is None:
-                groups[c] = [(order, text, slot, crc)]
+    def group(self, part: Mapping[str, Any]) -> None:
+        """One gather group's records (:func:`group_records`), slots numbered from :attr:`slots`
+        on. Each chunk its records cover is laid out now as its section, written from the
+        group's joined text in one piece: no record is decoded, sorted or encoded here (millions
+        at 100k ranks). A chunk whose pieces other groups hold too waits for them (``finish``)."""
+        if self._table is None:
+            self._table = {k: [] for k in self._chunks}
+        keys, ints, body = part["keys"], part["chunks"], part["body"].encode()
+        crcs = np.frombuffer(bytes.fromhex(part["crcs"]), dtype="<u4")
+        slots = np.frombuffer(bytes.fromhex(part["slots"]), dtype="<u4").astype(np.int64) + self.slots
+        count = sum(part["counts"])
+        if not (len(crcs) == len(slots) == count and (count == 0 or int(slots.max()) < self.slots + count)):
+            raise ValueError(f"a group's records are inconsistent: {count} records, {len(crcs)} CRC32s, "
+                             f"{len(slots)} slots")
+        tables = [self._table.get(k) for k in keys]
+        sec = self.sec
+        assert sec.buf is not None
+        write, pos, crc32, mv = sec.buf.write, sec.size, zlib.crc32, memoryview(body)
+        i = a = r = 0
+        while i < len(ints):
+            k, nd = ints[i], ints[i + 1]
+            off, shp = tuple(ints[i + 2:i + 2 + nd]), tuple(ints[i + 2 + nd:i + 2 + 2 * nd])
+            order, n, length, whole = ints[i + 2 + 2 * nd:i + 6 + 2 * nd]
+            i += 6 + 2 * nd
+            table = tables[k]
+            if table is None:
+                raise ValueError(f"records of {keys[k]!r}, which the save's plan does not hold")
+            text = mv[a:a + length]
+            if whole:
+                head = b"[%d," % self._placed
+                crc = crc32(b"]", crc32(text, crc32(head)))
+                write(head)
+                write(text)
+                write(b"]")
+                table.append((off, shp, pos, len(head) + length + 1, crc))
+                pos += len(head) + length + 1
+                self._placed += n
+                self._crc_parts.append(crcs[r:r + n])
+                self._slot_parts.append(slots[r:r + n])
             else:
-                got.append((order, text, slot, crc))
-            slot += 1
-        self.slots = slot
+                self._open.setdefault((keys[k], off, shp), []).append((order, bytes(text), crcs[r:r + n],
+                                                                       slots[r:r + n]))
+            a += length
+            r += n
+        if a != len(body) or r != count:
+            raise ValueError("a group's records are inconsistent: its chunk table does not cover its records")
+        sec.size = pos
+        self.slots += count
+
+    def _group_sections(self) -> None:
+        """After every group: the chunks several groups hold (pieces joined in flat order), then
+        every key's chunk table, in chunk order."""
+        assert self._table is not None and self.sec.buf is not None
+        for (key, off, shp), pieces in self._open.items():
+            pieces.sort(key=_first)
+            data = b"[%d," % self._placed + b",".join([p[1] for p in pieces]) + b"]"
+            self._table[key].append((off, shp, self.sec.size, len(data), zlib.crc32(data)))
+            self.sec.write(data)
+            for p in pieces:
+                self._placed += len(p[2])
+                self._crc_parts.append(p[2])
+                self._slot_parts.append(p[3])
+        self._open = {}
+        for key, rows in self._table.items():
+            rows.sort(key=_first_two)
+            chunks: List[int] = []
+            for off, shp, start, length, crc in rows:
+                chunks += off
+                chunks += shp
+                chunks += (start, length, crc)
+            self.tensors[key]["chunks"] = chunks
+        self._table = None
+        self._crcs = np.concatenate(self._crc_parts) if self._crc_parts else np.zeros(0, dtype="<u4")
+        perm = np.concatenate(self._slot_parts) if self._slot_parts else np.zeros(0, dtype=np.int64)
+        self._crc_parts, self._slot_parts = [], []
+        n = perm.size
+        if n == self.slots and (n == 0 or (perm.min() >= 0 and (np.bincount(perm, minlength=n) == 1).all())):
+            self._perm = perm
 
     def object(self, ukey: str, text: str) -> None:
         self._objects.append((ukey, text))
@@ -576,7 +707,10 @@ class IndexBuilder:
             assert self.skeleton is not None
             tensors = self.skeleton.tensors
         else:
-            self._chunk_sections()
+            if self._table is not None:
+                self._group_sections()
+            else:
+                self._chunk_sections()
             tensors = _buckets(sec, self.tensors, TENSOR_BUCKET)
             if self._perm is not None:
                 prefix = sec.size
@@ -655,6 +789,10 @@ class IndexTail:
 
 def _first(pair: Tuple[Any, ...]) -> Any:
     return pair[0]
+
+
+def _first_two(row: Tuple[Any, ...]) -> Any:
+    return row[0], row[1]
 
 
 def _chunk_order(chunk: Any) -> Any:

@@ -51,7 +51,7 @@ from .errors import (CheckpointError, DistributedError, NoSpaceError, StateDictE
 from .format import write_file
 from .logs import log_summary, rank_prefix
 from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, IndexSkeleton, check_crc, dtype_name,
-                       itemsize, record_text, shard_name)
+                       group_records, itemsize, record_text, shard_name)
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
                       looks_like_sharded_tensor, object_unique_key, reject_unapplied)
 from .transport import SOLO, Comm, gc_paused
@@ -434,13 +434,19 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
     built: List[Optional[IndexSkeleton]] = [None]
 
     def commit(results: List[Dict[str, Any]]) -> List[Any]:
-        head, sections, built[0] = build_index(results, keep.tensors, comm.world_size, layout,
-                                               entry.skeleton if steady and entry is not None else None,
-                                               consume=True)
-        # a steady commit's ranks may leave out what they sent last time: the skeleton keeps it
-        files = built[0].meta["files"] if built[0] is not None and built[0].meta else [r["files"] for r in results]
-        target.commit(token, dict(enumerate(files)), {r: res.get("where") for r, res in enumerate(results)},
-                      head, sections)
+        """Steady: every rank's message; else the gather groups' commit parts (:func:`commit_part`)."""
+        if steady:
+            head, sections, built[0] = build_index(results, keep.tensors, comm.world_size, layout,
+                                                   entry.skeleton if entry is not None else None)
+            where = [res.get("where") for res in results]
+            files = [res.get("files") for res in results]
+        else:
+            where = [w for part in results for w in part["where"]]
+            files = [f for part in results for f in part["files"]]
+            head, sections, built[0] = build_index_from_parts(results, keep.tensors, comm.world_size, layout)
+        if built[0] is not None and built[0].meta:  # a steady commit's ranks may leave out what they sent last
+            files = built[0].meta["files"]          # time: the skeleton keeps it
+        target.commit(token, dict(enumerate(files)), dict(enumerate(where)), head, sections)
         keep.temp_dir = None  # committed: it is the checkpoint now
         try:
             target.after_commit()
@@ -453,7 +459,7 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
     if entry is not None:
         entry.records = entry.meta = None  # set again once this commit succeeds
     with _discard_on_failure(keep):
-        total = comm.coordinate("save", err, payload, commit)
+        total = comm.coordinate("save", err, payload, commit, None if steady else _CommitLead())
     if entry is not None:
         entry.records, entry.meta = digest, meta
         entry.skeleton = built[0]
@@ -632,12 +638,45 @@ def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tupl
     grouped, so that rank 0 does not hold every rank's decoded records and the index
     built from them at once (the commit's peak memory)."""
     with gc_paused():
-        return _build_index(results, tensors, world, layout, skeleton, consume)
+        if skeleton is None:
+            results = [commit_part(results, consume)]
+        return _build_index(results, tensors, world, layout, skeleton)
+
+
+def commit_part(results: Sequence[Mapping[str, Any]], consume: bool = False) -> Dict[str, Any]:
+    """A gather group's first-save commit for rank 0 (its leader's :class:`_CommitLead` reduce):
+    its members' records grouped by chunk (:func:`~megashard.manifest.group_records`) and, per
+    member, the fields of :data:`META_FIELDS` and ``where``."""
+    part: Dict[str, Any] = {"records": group_records(results, consume)}
+    for k in META_FIELDS + ("where",):
+        part[k] = [r.get(k) for r in results]
+    return part
+
+
+class _CommitLead:
+    """A gather group leader's share of a first save's commit (``Comm.coordinate(..., lead=)``):
+    it groups its members' records (:func:`commit_part`); rank 0 lays the index out from the
+    groups' parts (:func:`build_index_from_parts`) and answers each group with the saved total."""
+
+    def reduce(self, payloads: List[Any]) -> Dict[str, Any]:
+        return commit_part(payloads, consume=True)
+
+    def expand(self, group_reply: Any, payloads: List[Any]) -> List[Any]:
+        return [group_reply] * len(payloads)
+
+
+def build_index_from_parts(parts: List[Dict[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
+                           layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+    """Rank 0: :func:`build_index` of a first save from its gather groups' commit parts (:func:`commit_part`)
+    (group order); each part's records are dropped once laid out."""
+    with gc_paused():
+        return _build_index(parts, tensors, world, layout, None)
 
 
 def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
                  layout: Optional[Mapping[str, Any]],
-                 skeleton: Optional[IndexSkeleton], consume: bool = False) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+                 skeleton: Optional[IndexSkeleton]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+    """``results``: every rank's commit message with ``skeleton`` (steady), else the groups' parts."""
     if skeleton is not None:
         b = IndexBuilder.resume(skeleton, _steady_crcs(results))
         meta = skeleton.meta
@@ -654,12 +693,10 @@ def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tup
         b = IndexBuilder()
         for k, (dt, gs) in sorted(tensors.items()):
             b.tensor(k, dt, list(gs))
-        chunks: Dict[str, Tuple[Tuple[int, ...], Tuple[int, ...]]] = {}  # chunk text -> (offset, shape), parsed once
-        for r in results:
-            b.records(r["records"], chunks)
-            if consume:
-                r["records"] = None  # type: ignore[index]  # the builder holds what it needs of them
-        meta = {k: [r[k] for r in results] for k in META_FIELDS}
+        for part in results:
+            b.group(part["records"])
+            part["records"] = None  # type: ignore[index]  # laid out: the builder holds what it needs of it
+        meta = {k: [v for part in results for v in part[k]] for k in META_FIELDS}
         changed = set(META_FIELDS)
     head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
             "layout": dict(layout or {}), "rank_trees": [], "extra": {}}

@@ -71,7 +71,7 @@ import sys
 import time
 import zlib
 from types import SimpleNamespace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -226,19 +226,22 @@ class _Tree:
                 self._up(g, transport.pack_part(texts), len(texts), t1, sent, parts)
         return own, parts, sent
 
-    def collect_led(self, texts_of_ranks: Any) -> Tuple[List[bytes], List[bytes], List[int], List[bytes]]:
-        """The plan's gather with ``lead`` (``Comm.coordinate(..., lead=saving._SaveLead)``): each
-        other leader decodes its group's messages, condenses them (``plan.PlanLead.reduce``) and
-        sends rank 0 one part (:func:`transport.pack_led_part`), timed as that leader's. Returns
-        rank 0's own group's messages, the parts, the bytes each rank sends, and each group's
-        messages zlib-compressed (kept by the simulation, outside rank 0's memory window, to
-        expand the replies and to vote later)."""
+    def collect_led(self, texts_of_ranks: Any, lead: Callable[[int], Any] = lambda base: saving._SaveLead(base),
+                    keep: bool = True) -> Tuple[List[bytes], List[bytes], List[int], List[bytes]]:
+        """A gather with ``lead`` (``Comm.coordinate(..., lead=...)``; the plan's: ``saving._SaveLead``,
+        the first commit's: ``saving._CommitLead``): each other leader decodes its group's messages,
+        condenses them (``lead(its first rank).reduce``) and sends rank 0 one part
+        (:func:`transport.pack_led_part`), timed as that leader's. Returns rank 0's own group's
+        messages, the parts, the bytes each rank sends, and (``keep``) each group's messages
+        zlib-compressed (kept by the simulation, outside rank 0's memory window, to expand the
+        plan's replies and to vote later)."""
         own: List[bytes] = []
         parts: List[bytes] = []
         sent: List[int] = []
         stored: List[bytes] = []
         for g, texts in self._groups(texts_of_ranks, sent):
-            stored.append(zlib.compress(b"".join(len(t).to_bytes(8, "little") + t for t in texts), 1))
+            if keep:
+                stored.append(zlib.compress(b"".join(len(t).to_bytes(8, "little") + t for t in texts), 1))
             if g == 0:
                 own = texts
             else:
@@ -246,7 +249,7 @@ class _Tree:
                 with transport.gc_paused():
                     errors, payloads = transport.unpack_messages(texts)
                     assert not errors
-                    part = transport.pack_led_part({"part": saving._SaveLead(g * self.group).reduce(payloads)})
+                    part = transport.pack_led_part({"part": lead(g * self.group).reduce(payloads)})
                 del payloads
                 self._up(g, part, len(texts), t1, sent, parts)
         return own, parts, sent, stored
@@ -446,10 +449,22 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
             yield transport.encode_message(None, res)
 
     t0 = _clock()
-    own, parts, commit_send = tree.collect(commits())
+    # the first commit as Comm.coordinate(..., lead=saving._CommitLead()) runs it: each leader groups its
+    # members' records by chunk (saving.commit_part); rank 0 decodes its own group's messages and groups
+    # them, decodes the other leaders' parts and lays the index out from the parts
+    own, parts, commit_send, _ = tree.collect_led(commits(), lambda base: saving._CommitLead(), keep=False)
     t_write = _clock() - t0
-    mem_commit = _Peak()  # rank 0 holds the commit messages it received (and its plan's keep)
-    results, t_decode_commit = tree.decode(own, parts)
+    mem_commit = _Peak()  # rank 0 holds the commit messages and parts it received (and its plan's keep)
+    with transport.gc_paused():
+        t0 = _clock()
+        errors, own_payloads = transport.unpack_messages(own)
+        assert not errors
+        own.clear()
+        got = [saving._CommitLead().reduce(own_payloads)]
+        del own_payloads
+        got += [transport.unpack_led_part(p)["part"] for p in parts]
+        parts.clear()
+        t_decode_commit = _clock() - t0
     t_write += t_decode_commit
     commit_decoded = mem_commit.now()
     t_commit_encode, _ = tree.scatter([{"ok": 0}] * world)
@@ -458,10 +473,10 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
 
     t0 = _clock()
     layout_doc = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
-    head, sections, skeleton = saving.build_index(results, keep.tensors, world, layout_doc, consume=True)
+    head, sections, skeleton = saving.build_index_from_parts(got, keep.tensors, world, layout_doc)
     t_index = _clock() - t0
     commit_peak = mem_commit.peak()
-    del results
+    del got
     steady_tree = _Tree(world, group)
     own, parts, steady_send = steady_tree.collect(iter(steady_texts))
     steady_texts = []
@@ -473,7 +488,9 @@ def simulate_save(model: str, layout: sm.Layout, quirk: bool = False, group: Opt
     steady_peak = mem_steady.peak()
     del steady_msgs
     # the same index as a full build of the steady-state save's records (not timed)
-    head3, sections3, _ = saving.build_index(steady_results, keep.tensors, world, layout_doc)
+    head3, sections3, _ = saving.build_index_from_parts([saving.commit_part(steady_results[g:g + group])
+                                                         for g in range(0, world, group)],
+                                                        keep.tensors, world, layout_doc)
     same_index = sections2 == sections3 and sections2 != sections and digests_same
     steady_results = []
     del head2, sections2, head3, sections3

@@ -355,3 +355,68 @@ def test_steady_commit_sends_only_what_changed_and_index_equals_a_fresh_build():
     assert sections8 == sections9
     m = mf.LazyIndex(mf.parse_head(head8, "t"), lambda s, n: sections8[s:s + n], "t", len(head8)).full()
     assert m.object("rng/0") == {"s": 1} and m.files["model-r00002.tensors"]["etag"] == "abc"
+
+
+def _results_split(crc_of, world: int = 3):
+    """:func:`_results` plus key ``d`` (4 x 3) saved flat across the ranks: rank r holds elements
+    4r..4r+4 of its one chunk, so that chunk's records lie in every rank's message."""
+    from megashard.manifest import record_text
+
+    out = _results(crc_of, world)
+    for r, res in enumerate(out):
+        a, b = 4 * r, 4 * r + 4
+        text = record_text("d", (4, 3), (0, 0), (4, 3), (a, b), f"model-r{r:05d}.tensors", "d", 65536, 69632, 16)
+        res["records"].insert(1, ["d", "[[0,0],[4,3]]", a, text, crc_of(r, 7)])
+    return out
+
+
+@pytest.mark.parametrize("groups", [[3], [1, 1, 1], [2, 1], [1, 2]])
+def test_index_from_gather_groups_holds_every_record_as_one_group_build(groups):
+    """Issue 32: rank 0 lays the first save's index out from its gather groups' parts
+    (``saving.commit_part``, each leader's): a chunk whose records one group holds is written from
+    the group's joined text; a chunk whose pieces several groups hold (``d``) is joined at rank 0
+    in flat order. Every grouping gives the index of every record with its CRC32, and a steady
+    commit from its skeleton the bytes of a fresh build of the same grouping."""
+    from megashard import manifest as mf
+    from megashard.plan import Box
+
+    tensors = {"w": ("float32", (6, 6)), "e": ("float32", (0,)), "d": ("float32", (4, 3))}
+
+    def build(results):
+        parts, at = [], 0
+        for n in groups:
+            parts.append(saving.commit_part(results[at:at + n]))
+            at += n
+        split = [c for p in parts for c in _chunk_rows(p["records"]) if p["records"]["keys"][c[0]] == "d" and not c[-1]]
+        assert len(split) == (0 if groups == [3] else len(groups))  # d is whole only in one group of all
+        return saving.build_index_from_parts(parts, tensors, 3, None)
+
+    def shards(head, sections):
+        index = mf.LazyIndex(mf.parse_head(head, "t"), lambda s, n: sections[s:s + n], "t", len(head))
+        return sorted((k, s.offset, s.flat, s.file, s.name, s.header_offset, s.data_offset, s.crc32)
+                      for k, box in (("w", Box((0, 0), (6, 6))), ("d", Box((0, 0), (4, 3))))
+                      for s in index.pieces(k, box)), index
+
+    first = _results_split(lambda r, i: r * 100 + i)
+    head, sections, skel = build(first)
+    got, index = shards(head, sections)
+    assert [g[:3] + (g[-1],) for g in got if g[0] == "d"] == [("d", (0, 0), (4 * r, 4 * r + 4), r * 100 + 7)
+                                                               for r in range(3)]
+    assert len([g for g in got if g[0] == "w"]) == 6 and index.full().tensors["e"].shards[0].nbytes == 0
+    # the one-group build (build_index) holds the same records
+    one_head, one_sections, _ = saving.build_index(_results_split(lambda r, i: r * 100 + i), tensors, 3, None)
+    assert shards(one_head, one_sections)[0] == got
+    # steady: new CRC32s into this grouping's skeleton = a fresh build of it
+    new = _results_split(lambda r, i: 7 * r + i + 1)
+    _, steady, _ = saving.build_index([saving.steady_commit(r) for r in new], tensors, 3, None, skel)
+    assert steady == build(new)[1]
+
+
+def _chunk_rows(grouped):
+    """The chunk rows of a :func:`megashard.manifest.group_records` part, each ending in its whole flag."""
+    ints, i, rows = grouped["chunks"], 0, []
+    while i < len(ints):
+        nd = ints[i + 1]
+        rows.append(ints[i:i + 6 + 2 * nd])
+        i += 6 + 2 * nd
+    return rows
