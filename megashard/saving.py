@@ -54,7 +54,7 @@ from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuild
                        group_records, itemsize, record_text, shard_name)
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
                       looks_like_sharded_tensor, object_unique_key, reject_unapplied)
-from .transport import SOLO, Comm, gc_paused
+from .transport import SOLO, Comm, gather_group_size, gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -440,10 +440,10 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
                                                    entry.skeleton if entry is not None else None)
             where = [res.get("where") for res in results]
             files = [res.get("files") for res in results]
-        else:
-            where = [w for part in results for w in part["where"]]
-            files = [f for part in results for f in part["files"]]
-            head, sections, built[0] = build_index_from_parts(results, keep.tensors, comm.world_size, layout)
+        else:  # the groups' parts, decoded one at a time as the index is laid out from them
+            seen: Dict[str, List[Any]] = {"where": [], "files": []}
+            head, sections, built[0] = build_index_from_parts(results, keep.tensors, comm.world_size, layout, seen)
+            where, files = seen["where"], seen["files"]
         if built[0] is not None and built[0].meta:  # a steady commit's ranks may leave out what they sent last
             files = built[0].meta["files"]          # time: the skeleton keeps it
         target.commit(token, dict(enumerate(files)), dict(enumerate(where)), head, sections)
@@ -453,7 +453,7 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed; clean-up is best effort
             log.warning("%scould not remove leftovers of earlier saves: %s", rank_prefix(comm), e)
         total = sum(f["bytes"] for fs in files for f in fs.values())
-        return [total] * len(results)
+        return [total] * (len(results) if steady else len(range(0, comm.world_size, gather_group_size(comm.world_size))))
 
     payload = steady_commit(result, entry.meta if entry is not None else None) if steady else result
     if entry is not None:
@@ -637,10 +637,10 @@ def build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tupl
     ``consume``: each result's ``records`` are taken out of it (``None`` after) as they are
     grouped, so that rank 0 does not hold every rank's decoded records and the index
     built from them at once (the commit's peak memory)."""
+    if skeleton is None:
+        return build_index_from_parts([commit_part(results, consume)], tensors, world, layout)
     with gc_paused():
-        if skeleton is None:
-            results = [commit_part(results, consume)]
-        return _build_index(results, tensors, world, layout, skeleton)
+        return _steady_index(results, tensors, world, layout, skeleton)
 
 
 def commit_part(results: Sequence[Mapping[str, Any]], consume: bool = False) -> Dict[str, Any]:
@@ -658,6 +658,8 @@ class _CommitLead:
     it groups its members' records (:func:`commit_part`); rank 0 lays the index out from the
     groups' parts (:func:`build_index_from_parts`) and answers each group with the saved total."""
 
+    streams = True  # rank 0 lays out each group's part as it is decoded (transport.Lead)
+
     def reduce(self, payloads: List[Any]) -> Dict[str, Any]:
         return commit_part(payloads, consume=True)
 
@@ -665,39 +667,49 @@ class _CommitLead:
         return [group_reply] * len(payloads)
 
 
-def build_index_from_parts(parts: List[Dict[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
-                           layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
-    """Rank 0: :func:`build_index` of a first save from its gather groups' commit parts (:func:`commit_part`)
-    (group order); each part's records are dropped once laid out."""
+def build_index_from_parts(parts: Iterable[Dict[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]],
+                           world: int, layout: Optional[Mapping[str, Any]],
+                           seen: Optional[Dict[str, List[Any]]] = None) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+    """Rank 0: :func:`build_index` of a first save from its gather groups' commit parts
+    (:func:`commit_part`, group order), in one pass: each part is laid out and dropped before
+    the next is taken, so ``parts`` may decode them as they are reached. ``seen``: lists
+    whose keys (``where``, ``files``) get every member's value, in rank order."""
     with gc_paused():
-        return _build_index(parts, tensors, world, layout, None)
-
-
-def _build_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
-                 layout: Optional[Mapping[str, Any]],
-                 skeleton: Optional[IndexSkeleton]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
-    """``results``: every rank's commit message with ``skeleton`` (steady), else the groups' parts."""
-    if skeleton is not None:
-        b = IndexBuilder.resume(skeleton, _steady_crcs(results))
-        meta = skeleton.meta
-        if meta is None or any(len(col) != len(results) for col in meta.values()):
-            raise ValueError(f"the index skeleton holds no commit of {len(results)} ranks to reuse")
-        changed = set()
-        for r, res in enumerate(results):
-            if len(res) - ("crcs" in res) - ("where" in res):  # more than its CRC32s (and "where"): what changed
-                for k in META_FIELDS:
-                    if k in res:
-                        meta[k][r] = res[k]
-                        changed.add(k)
-    else:
         b = IndexBuilder()
         for k, (dt, gs) in sorted(tensors.items()):
             b.tensor(k, dt, list(gs))
-        for part in results:
+        meta: Dict[str, List[Any]] = {k: [] for k in META_FIELDS}
+        for part in parts:
             b.group(part["records"])
-            part["records"] = None  # type: ignore[index]  # laid out: the builder holds what it needs of it
-        meta = {k: [v for part in results for v in part[k]] for k in META_FIELDS}
-        changed = set(META_FIELDS)
+            part["records"] = None  # laid out: the builder holds what it needs of it
+            for k in META_FIELDS:
+                meta[k] += part[k]
+            for k, got in (seen or {}).items():
+                got += part[k]
+        return _index_from_builder(b, meta, set(META_FIELDS), None, world, layout)
+
+
+def _steady_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tuple[str, Sequence[int]]], world: int,
+                  layout: Optional[Mapping[str, Any]], skeleton: IndexSkeleton) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+    """A steady-state commit's index: every rank's CRC32s (and what changed) into ``skeleton``."""
+    b = IndexBuilder.resume(skeleton, _steady_crcs(results))
+    meta = skeleton.meta
+    if meta is None or any(len(col) != len(results) for col in meta.values()):
+        raise ValueError(f"the index skeleton holds no commit of {len(results)} ranks to reuse")
+    changed = set()
+    for r, res in enumerate(results):
+        if len(res) - ("crcs" in res) - ("where" in res):  # more than its CRC32s (and "where"): what changed
+            for k in META_FIELDS:
+                if k in res:
+                    meta[k][r] = res[k]
+                    changed.add(k)
+    return _index_from_builder(b, meta, changed, skeleton, world, layout)
+
+
+def _index_from_builder(b: IndexBuilder, meta: Dict[str, List[Any]], changed: Set[str],
+                        skeleton: Optional[IndexSkeleton], world: int,
+                        layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
+    """The head and sections once ``b`` holds every chunk: files, objects and trees from ``meta``."""
     head = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "created": time.time(), "world_size": world,
             "layout": dict(layout or {}), "rank_trees": [], "extra": {}}
     # objects and trees as last time (every rank sent at most its files): the last index's

@@ -35,6 +35,38 @@ def _compute(parts: List[Any]) -> List[Any]:
     return [{"ranks": p["ranks"], "total": total, "group": g} for g, p in enumerate(parts)]
 
 
+class _Streamed(_Sum):
+    streams = True  # rank 0's compute takes the parts as an iterator, each decoded when reached
+
+
+def _streamed_cases(comm: Any, rank: int) -> Any:
+    """A streaming lead: rank 0's compute gets an iterator, not a list, and each other group's part
+    is decoded only when compute reaches it (the log interleaves decodes with uses)."""
+    log: List[str] = []
+    unpack = transport.unpack_led_part
+
+    def logged_unpack(data):
+        log.append("decode")
+        return unpack(data)
+
+    def compute(parts):
+        kinds = type(parts).__name__
+        seen = []
+        for p in parts:
+            log.append(f"use {p['ranks']}")
+            seen.append(p)
+        return [dict(r, kind=kinds) for r in _compute(seen)]
+
+    transport.unpack_led_part = logged_unpack
+    try:
+        ok = comm.coordinate("lead test", None, {"rank": rank, "value": 10 * rank + 1}, compute, _Streamed())
+        err = _raises(lambda: comm.coordinate("lead test", "rank 3 broke" if rank == 3 else None,
+                                              {"rank": rank, "value": 1}, compute, _Streamed()))
+    finally:
+        transport.unpack_led_part = unpack
+    return {"ok": ok, "log": log, "member": (err[0], "rank 3 broke" in err[1]) if err else None}
+
+
 def _raises(fn):
     try:
         fn()
@@ -69,6 +101,7 @@ def _lead_cases(rank, world):
     # compute answers the wrong number of groups: an internal error on every rank
     err = _raises(lambda: comm.coordinate("lead test", None, {"rank": rank, "value": 1}, lambda p: [1], _Sum()))
     out["count"] = (err[0], "no reply per group" in err[1]) if err else None
+    out["streamed"] = _streamed_cases(comm, rank)
     # and the same Comm still coordinates without lead afterwards
     out["plain"] = comm.coordinate("plain", None, rank, lambda ps: [p * 2 for p in ps])
     return out
@@ -89,6 +122,12 @@ def test_leaders_reduce_and_expand_and_failures_reach_every_rank():
         assert got["compute"] == ([0], True), f"rank {rank}: {got['compute']}"
         assert got["count"] == ([0], True), f"rank {rank}: {got['count']}"
         assert got["plain"] == 2 * rank
+        streamed = got["streamed"]
+        assert streamed["ok"]["got"] == dict(want_ok["got"], kind="generator"), f"rank {rank}: {streamed}"
+        # rank 0: its own group's part is used, then the other group's decoded only when compute reaches it;
+        # a failing member's group sends its failures, decoded without compute running
+        assert streamed["log"] == (["use [0, 1]", "decode", "use [2, 3]", "decode"] if rank == 0 else []), streamed
+        assert streamed["member"] == ([3], True), f"rank {rank}: {streamed['member']}"
 
 
 def test_a_world_of_one_reduces_computes_and_expands():
@@ -104,5 +143,7 @@ def test_a_world_of_one_reduces_computes_and_expands():
 def test_led_parts_round_trip(monkeypatch):
     part = {"part": {"a": [1, 2], "b": "x" * 100}}
     assert transport.unpack_led_part(transport.pack_led_part(part)) == part
+    assert not transport.led_part_failed(transport.pack_led_part(part))
+    assert transport.led_part_failed(transport.pack_led_part({"failures": {"3": "broke"}}))
     monkeypatch.setattr(transport, "lzma", None)
     assert transport.unpack_led_part(transport.pack_led_part(part)) == part
