@@ -617,7 +617,11 @@ class IndexBuilder:
         """After every group: the chunks several groups hold (pieces joined in flat order), then
         every key's chunk table, in chunk order."""
         assert self._table is not None and self.sec.buf is not None
-        for (key, off, shp), pieces in self._open.items():
+        waiting = list(self._open.items())
+        self._open = {}
+        waiting.reverse()
+        while waiting:  # each chunk's pieces dropped once its section is written: memory moves, not doubles
+            (key, off, shp), pieces = waiting.pop()
             pieces.sort(key=_first)
             data = b"[%d," % self._placed + b",".join([p[1] for p in pieces]) + b"]"
             self._table[key].append((off, shp, self.sec.size, len(data), zlib.crc32(data)))
@@ -626,7 +630,7 @@ class IndexBuilder:
                 self._placed += len(p[2])
                 self._crc_parts.append(p[2])
                 self._slot_parts.append(p[3])
-        self._open = {}
+            del pieces
         for key, rows in self._table.items():
             rows.sort(key=_first_two)
             chunks: List[int] = []
