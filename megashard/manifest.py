@@ -525,10 +525,10 @@ class IndexBuilder:
         self._perm: Any = None  # section order -> slot
         self._resumed = False
         self.tail: Optional["IndexTail"] = None  # what finish laid out after the CRC32 region
-        # fed by groups (group()): each key's chunks laid out so far, (offset, shape, start, length, crc32);
+        # fed by groups (group()): each key's chunks laid out so far, (offset + shape, start, length, crc32);
         # chunks whose pieces several groups hold, until finish; CRC32s and slots in section order
-        self._table: Optional[Dict[str, List[Tuple[Any, Any, int, int, int]]]] = None
-        self._open: Dict[Tuple[str, Any, Any], List[Tuple[int, bytes, Any, Any]]] = {}
+        self._table: Optional[Dict[str, List[Tuple[List[int], int, int, int]]]] = None
+        self._open: Dict[Tuple[str, Tuple[int, ...]], List[Tuple[int, bytes, Any, Any]]] = {}
         self._crc_parts: List[Any] = []
         self._slot_parts: List[Any] = []
         self._placed = 0  # records whose CRC32s the sections laid out so far number
@@ -581,35 +581,39 @@ class IndexBuilder:
         tables = [self._table.get(k) for k in keys]
         sec = self.sec
         assert sec.buf is not None
-        write, pos, crc32, mv = sec.buf.write, sec.size, zlib.crc32, memoryview(body)
+        write, pos, crc32, mv, placed = sec.buf.write, sec.size, zlib.crc32, memoryview(body), self._placed
+        wholes: List[int] = []  # per chunk, part order: 1 if laid out now
+        counts: List[int] = []  # per chunk: its records
         i = a = r = 0
         while i < len(ints):
             k, nd = ints[i], ints[i + 1]
-            off, shp = tuple(ints[i + 2:i + 2 + nd]), tuple(ints[i + 2 + nd:i + 2 + 2 * nd])
-            order, n, length, whole = ints[i + 2 + 2 * nd:i + 6 + 2 * nd]
-            i += 6 + 2 * nd
+            e = i + 2 + 2 * nd
+            where = ints[i + 2:e]  # offset, then shape: sorts as (offset, shape) among one key's chunks
+            order, n, length, whole = ints[e:e + 4]
+            i = e + 4
             table = tables[k]
             if table is None:
                 raise ValueError(f"records of {keys[k]!r}, which the save's plan does not hold")
-            text = mv[a:a + length]
+            wholes.append(whole)
+            counts.append(n)
             if whole:
-                head = b"[%d," % self._placed
-                crc = crc32(b"]", crc32(text, crc32(head)))
-                write(head)
-                write(text)
-                write(b"]")
-                table.append((off, shp, pos, len(head) + length + 1, crc))
-                pos += len(head) + length + 1
-                self._placed += n
-                self._crc_parts.append(crcs[r:r + n])
-                self._slot_parts.append(slots[r:r + n])
+                data = b"[%d," % placed + mv[a:a + length] + b"]"
+                write(data)
+                table.append((where, pos, len(data), crc32(data)))
+                pos += len(data)
+                placed += n
             else:
-                self._open.setdefault((keys[k], off, shp), []).append((order, bytes(text), crcs[r:r + n],
-                                                                       slots[r:r + n]))
+                self._open.setdefault((keys[k], tuple(where)), []).append((order, bytes(mv[a:a + length]),
+                                                                           crcs[r:r + n], slots[r:r + n]))
             a += length
             r += n
         if a != len(body) or r != count:
             raise ValueError("a group's records are inconsistent: its chunk table does not cover its records")
+        if counts:  # the CRC32s and slots of the chunks laid out now, in section order
+            now = np.repeat(np.array(wholes, dtype=bool), np.array(counts, dtype=np.int64))
+            self._crc_parts.append(crcs[now])
+            self._slot_parts.append(slots[now])
+        self._placed = placed
         sec.size = pos
         self.slots += count
 
@@ -621,10 +625,10 @@ class IndexBuilder:
         self._open = {}
         waiting.reverse()
         while waiting:  # each chunk's pieces dropped once its section is written: memory moves, not doubles
-            (key, off, shp), pieces = waiting.pop()
+            (key, where), pieces = waiting.pop()
             pieces.sort(key=_first)
             data = b"[%d," % self._placed + b",".join([p[1] for p in pieces]) + b"]"
-            self._table[key].append((off, shp, self.sec.size, len(data), zlib.crc32(data)))
+            self._table[key].append((list(where), self.sec.size, len(data), zlib.crc32(data)))
             self.sec.write(data)
             for p in pieces:
                 self._placed += len(p[2])
@@ -632,11 +636,10 @@ class IndexBuilder:
                 self._slot_parts.append(p[3])
             del pieces
         for key, rows in self._table.items():
-            rows.sort(key=_first_two)
+            rows.sort(key=_first)
             chunks: List[int] = []
-            for off, shp, start, length, crc in rows:
-                chunks += off
-                chunks += shp
+            for where, start, length, crc in rows:
+                chunks += where
                 chunks += (start, length, crc)
             self.tensors[key]["chunks"] = chunks
         self._table = None
@@ -793,10 +796,6 @@ class IndexTail:
 
 def _first(pair: Tuple[Any, ...]) -> Any:
     return pair[0]
-
-
-def _first_two(row: Tuple[Any, ...]) -> Any:
-    return row[0], row[1]
 
 
 def _chunk_order(chunk: Any) -> Any:
