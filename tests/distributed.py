@@ -19,6 +19,9 @@ def _entry(fn: Callable, rank: int, world: int, store: str, env: Dict[str, str],
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
+        # every rank's gloo mesh connected before any rank runs: a rank whose fn returns at once would
+        # otherwise close its sockets while a slower peer is still connecting ("connectFullMesh failed")
+        dist.barrier()
         out = fn(rank, world, *args)
         q.put((rank, True, out))
     except BaseException as e:  # noqa: BLE001
