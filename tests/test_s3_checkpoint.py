@@ -332,11 +332,17 @@ def test_sigkill_leaves_the_previous_checkpoint_and_recover_cleans(s3, when):
     p = subprocess.Popen([sys.executable, "-c", _SAVER, root, when], env=dict(os.environ))
     try:
         if when == "mid-upload":
-            deadline = time.monotonic() + 60
-            while not any(r["status"] == 503 for r in s3.requests()) and time.monotonic() < deadline:
+            # the saver starts a Python, imports torch and uploads ~12 MiB before its first completion
+            # POST: on a loaded 2-core CI box that can take well over a minute. The wait ends at the
+            # first 503, so a generous limit costs nothing; past it, say so instead of killing the
+            # saver early (which left no upload and failed the assertions below obscurely)
+            deadline = time.monotonic() + 240
+            while not any(r["status"] == 503 for r in s3.requests()):
+                assert p.poll() is None and time.monotonic() < deadline, \
+                    f"the saver never reached its upload's completion (exit status {p.poll()})"
                 time.sleep(0.05)
             p.send_signal(signal.SIGKILL)
-        p.wait(timeout=120)
+        p.wait(timeout=300)  # before-tracker: the whole save, on a loaded box; ends as soon as it dies
     finally:
         p.kill()
         s3.reset()
