@@ -60,6 +60,14 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180,
             results[rank] = (ok, val)
         except _q.Empty:
             if all(not p.is_alive() for p in procs):
+                # a rank may have put its result and exited between the get's last look and this check
+                # (the parent descheduled there, on a loaded machine): what the ranks put is in the pipe
+                while len(results) < world:
+                    try:
+                        rank, ok, val = q.get(timeout=0.5)
+                    except _q.Empty:
+                        break
+                    results[rank] = (ok, val)
                 break
     for p in procs:
         p.join(timeout=max(1.0, deadline - time.monotonic()))

@@ -178,13 +178,35 @@ def _probe(sw: SeaweedFS) -> Optional[str]:
         client.close()
 
 
+#: Starts on ports another process took first (between :func:`free_ports` and weed's bind), before giving up.
+PORT_TRIES = 3
+
+
 def start(root: Path, ip: str = "127.0.0.1", prefix: Sequence[str] = (), extra_args: Sequence[str] = (),
           timeout: float = 90.0, weed: Optional[str] = None, volumes_per_bucket: Optional[int] = None) -> SeaweedFS:
     """Start ``weed server`` with its files under ``root`` and wait until a signed PUT succeeds. Raises
     RuntimeError (with the server's log tail) when it exits or is not ready within ``timeout``; the process
     is stopped then. ``volumes_per_bucket``: how many volumes a bucket's first write creates (weed's default 7;
-    tests that make a bucket each pass 1: fewer files and less time per bucket)."""
+    tests that make a bucket each pass 1: fewer files and less time per bucket).
+
+    Its 8 ports are picked free, then released for weed to bind seconds later: on a shared machine (a CI
+    box running two test sessions side by side) another process may bind one first, and weed exits
+    ("address already in use"). Only then it starts again, on other ports, with a fresh data directory."""
     root = Path(root)
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return _start(root, ip, prefix, extra_args, timeout, weed, volumes_per_bucket)
+        except RuntimeError as e:
+            if attempt == PORT_TRIES or "exited with" not in str(e) or "address already in use" not in str(e):
+                raise
+        for name in ("data", "weed.log"):  # kept for a look, out of the next start's way
+            if (root / name).exists():
+                os.replace(root / name, root / f"{name}.port-taken-{attempt}")
+    raise AssertionError("unreachable")
+
+
+def _start(root: Path, ip: str, prefix: Sequence[str], extra_args: Sequence[str], timeout: float,
+           weed: Optional[str], volumes_per_bucket: Optional[int]) -> SeaweedFS:
     (root / "data").mkdir(parents=True, exist_ok=True)
     if volumes_per_bucket:  # weed server reads master.toml from its working directory (root)
         (root / "master.toml").write_text(f"[master.volume_growth]\ncopy_1 = {int(volumes_per_bucket)}\n")

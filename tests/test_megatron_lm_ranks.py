@@ -21,7 +21,11 @@ from test_megatron_lm_install import ARGS, mlm_base, mlm_tree  # noqa: F401 - fi
 
 SCRIPT = os.path.join(TESTS, "megatron_helpers", "mlm_pretrain_gpt.py")
 TRACKER = "latest_checkpointed_iteration.txt"
-PROMPT_S = 60  # "promptly": Megatron's process-group timeout is 10 minutes
+# "promptly": a rank left waiting in a collective would be freed only by the process-group timeout, which
+# job() sets to 3 minutes (--distributed-timeout-minutes 3). A rank's seconds count from before Megatron-LM's
+# imports (then its initialization, the model, one step or the load): 23 s for a whole test here beside a CI run;
+# 60 s was tight for a loaded 2-core CI box; 120 s still falls well short of the 180 s a stranded rank waits.
+PROMPT_S = 120
 
 
 @pytest.fixture(scope="module")

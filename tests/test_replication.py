@@ -138,7 +138,10 @@ def test_replicate_restore_from_peers_and_fall_back(tmp_path):
 
 
 BIG = 1 << 16  # 256 KiB per version, sent in 16 KiB messages: a kill lands mid-stream
-STALL_TIMEOUT = 5.0  # the job's timeout (seconds) in the stalled-peer test
+# the job's timeout (seconds) in the stalled-peer test. It bounds every wait of that job, also the healthy
+# replications of iterations 2 and 3: 5 s was short for 4 ranks on a loaded 2-core CI box. 15 s is still
+# far below the side group's own 30 min, which a replication that ignored the job's timeout would wait.
+STALL_TIMEOUT = 15.0
 
 
 def _killed_mid_replication(rank: int, world: int, base: str, how: str = "kill") -> dict:
@@ -250,7 +253,8 @@ def test_sigkill_mid_replication_keeps_previous_versions_and_replicas(tmp_path):
 def test_stalled_peer_mid_replication_fails_within_the_jobs_timeout(tmp_path):
     """A peer that stops answering (a node gone without closing its connections) fails the replication
     on the survivor within the job's timeout, not the side group's own (30 min for gloo)."""
-    res = all_ok(run_ranks(_killed_mid_replication, 4, str(tmp_path), "stall", env=NODES, timeout=120))
+    # ~45 s on a loaded 2-core box: the stalled rank sleeps 2 * STALL_TIMEOUT before its side ends
+    res = all_ok(run_ranks(_killed_mid_replication, 4, str(tmp_path), "stall", env=NODES, timeout=240))
     assert f"no answer within {STALL_TIMEOUT:.0f} s" in (res[1]["broken"] or ""), res[1]
     assert [h["iteration"] for h in res[1]["history"]] == [2, 3], res[1]
     assert [h["iteration"] for h in res[0]["history"]] == [2, 3, 4] and not res[0]["broken"], res[0]

@@ -332,11 +332,17 @@ def test_sigkill_leaves_the_previous_checkpoint_and_recover_cleans(s3, when):
     p = subprocess.Popen([sys.executable, "-c", _SAVER, root, when], env=dict(os.environ))
     try:
         if when == "mid-upload":
-            deadline = time.monotonic() + 60
-            while not any(r["status"] == 503 for r in s3.requests()) and time.monotonic() < deadline:
+            # the saver starts a Python, imports torch and uploads ~12 MiB before its first completion
+            # POST: on a loaded 2-core CI box that can take well over a minute. The wait ends at the
+            # first 503, so a generous limit costs nothing; past it, say so instead of killing the
+            # saver early (which left no upload and failed the assertions below obscurely)
+            deadline = time.monotonic() + 240
+            while not any(r["status"] == 503 for r in s3.requests()):
+                assert p.poll() is None and time.monotonic() < deadline, \
+                    f"the saver never reached its upload's completion (exit status {p.poll()})"
                 time.sleep(0.05)
             p.send_signal(signal.SIGKILL)
-        p.wait(timeout=120)
+        p.wait(timeout=300)  # before-tracker: the whole save, on a loaded box; ends as soon as it dies
     finally:
         p.kill()
         s3.reset()
@@ -490,14 +496,16 @@ def test_a_commit_that_another_save_overtook_while_the_answer_was_lost_is_discar
 def test_recover_aborts_only_uploads_of_dead_megashard_saves(s3):
     """Other clients' multipart uploads under the prefix survive ``megashard recover``; on a Megatron save
     root the age rule applies to each save prefix under iter_N, so a save still being written survives and
-    only a dead one's upload is aborted. The server dates uploads truly, so "old" is ``--older-than 3`` and the
-    dead save's upload is started 3 s before the young save's."""
+    only a dead one's upload is aborted. The server dates uploads truly, so "old" is ``--older-than 8`` and the
+    dead save's upload is started 8 s before the young save's."""
     from megashard.cli import main as cli_main
 
     root = s3.url("mroot")
     store, key = ObjectStore.for_url(root)
     client = s3.boto3()
-    age = 3.0
+    # the young save stays young only while recover reaches it within age - 1 s (dates have whole seconds):
+    # with 3 s, 2 s for a few dozen requests through the proxy and SeaweedFS, short on a loaded 2-core box
+    age = 8.0
 
     def start(k):
         return client.create_multipart_upload(Bucket=s3.bucket, Key=f"{key}/{k}")["UploadId"]

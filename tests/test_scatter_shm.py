@@ -476,10 +476,14 @@ def test_fdpass_checks_peer_and_counts(tmp_path) -> None:
         lst.close()
         lst = fdpass.Listener()
         fdpass.send(lst.name, me, [fd])  # not the reader's pid: closed, the wait goes on
-        for _ in range(1000):  # the accept thread holds it first (slow on a loaded machine)
+        # the accept thread holds it first: slow on a loaded machine (10 s was not always enough); the wait
+        # ends as soon as it does, and fails here, saying so, rather than in the match below
+        deadline = time.monotonic() + 120
+        while True:
             with lst._cond:
                 if me in lst._held:
                     break
+            assert time.monotonic() < deadline, "the listener's accept thread never took the connection"
             time.sleep(0.01)
         with pytest.raises(fdpass.FdPassError, match=r"no connection .* 1 other connection\(s\) closed"):
             lst.receive(me + 1, 1, timeout=0.3)
