@@ -175,7 +175,9 @@ def test_exit_wait_is_bounded_and_names_the_temp_dir(tmp_path):
         report(temp_dir=h.temp_dir)
     """, str(tmp_path / "ckpt"), env={"MEGASHARD_ASYNC_EXIT_WAIT": "1"}, timeout=90)
     took = time.monotonic() - t0
-    assert took < 60
+    # the child's Python and torch imports count too (9 s niced here, more on a loaded CI box); an exit
+    # that ignored MEGASHARD_ASYNC_EXIT_WAIT would wait the default 120 s and end past the 90 s timeout
+    assert took < 85
     assert "abandoned" in err and res["temp_dir"] in err and "did not end within 1" in err, err
     assert os.path.isdir(res["temp_dir"]) and not storage.is_checkpoint(res["temp_dir"])
     assert not (tmp_path / "ckpt").exists()
