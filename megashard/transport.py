@@ -340,9 +340,9 @@ class Comm:
         groups = len(range(0, self.world_size, size))
         failures = {int(r): m for g in got if isinstance(g, dict) for r, m in g.get("failures", {}).items()}
         if not failures:
-            parts: Any = _decoded_parts(got)  # a streaming lead's parts: decoded as compute reaches them
-            if all(isinstance(g, dict) for g in got):
-                parts = [g["part"] for g in got]
+            streamed = not all(isinstance(g, dict) for g in got)  # a streaming lead's: decoded as reached
+            parts: Any = _decoded_parts(got) if streamed else [g["part"] for g in got]
+            if not streamed:
                 got.clear()
             out, err = self.run(what, lambda: compute(parts))
             del parts
