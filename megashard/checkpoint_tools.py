@@ -133,7 +133,7 @@ def _only_sharded(value: Any) -> bool:
 def _check_ref(m: Manifest, ref: Any, path: str) -> None:
     from .loading import _checked_ref
 
-    if isinstance(ref, dict) and ref.get("kind") in ("tensor", "bytes"):
+    if isinstance(ref, dict) and ref.get("kind") in ("tensor", "bytes", "json"):
         _checked_ref(ref, m, path[len("state "):] if path.startswith("state ") else path)  # it says "state"
 
 
@@ -144,7 +144,7 @@ def _int(v: Any) -> int:
 
 def _tree_refs(node: Any) -> Iterator[Dict[str, Any]]:
     if isinstance(node, dict):
-        if node.get("kind") in ("tensor", "bytes") and "file" in node and "data_offset" in node:
+        if node.get("kind") in ("tensor", "bytes", "json") and "file" in node and "data_offset" in node:
             yield node
         for v in node.values():
             yield from _tree_refs(v)

@@ -455,7 +455,7 @@ def _rank0_state(src: str, m: Manifest) -> Tuple[Dict[str, Any], Dict[str, Any]]
     from .loading import _decode_saved_tree, _finalize_tree, _LoadWork
     from .readers import read_own
 
-    work = _LoadWork()
+    work = _LoadWork(base=src)
     tree = _decode_saved_tree(m.tree_for_rank(0), m, work)
     objects = {u: _decode_saved_tree(e.get("value"), m, work, u) for u, e in m.objects.items()}
     read_own(src, m, work.ops, work.view_ops, work.row_jobs, None)

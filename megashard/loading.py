@@ -191,6 +191,7 @@ class _LoadWork:
     check_crc: bool = False  # load() turns it on: CRC32 of every saved tensor read whole
     crcs: Dict[Tuple[str, str], _Crc] = field(default_factory=dict)
     by_read: Dict[int, _Crc] = field(default_factory=dict)  # id(op or row job) -> the tensor its bytes are, whole
+    base: str = "<checkpoint>"  # where the checkpoint is, for messages
 
     def whole(self, c: Optional[_Crc], data: Any, read: Any) -> None:
         """``read`` (an op or row job) brings exactly the bytes of ``c``'s tensor into ``data``."""
@@ -448,7 +449,7 @@ def _decode_saved_tree(tree: Any, index: Index, work: _LoadWork, path_prefix: st
         kind = ref.get("kind") if isinstance(ref, dict) else None
         if kind in ("sharded", "object"):
             return _SHARDED
-        if kind in ("tensor", "bytes"):
+        if kind in ("tensor", "bytes", "json"):
             _checked_ref(ref, index, path)
             return _LazyRef(ref, path) if lazy else _materialize(ref, path, index, work)
         raise CheckpointError(f"state {path or '<root>'}: unknown reference {str(ref)[:100]} in the index")
@@ -460,6 +461,7 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
                  into: Optional[torch.Tensor] = None) -> Any:
     """Plan the read of a file-backed value, into ``into`` when it is a matching CPU tensor."""
     dtype, shape, file, offset, nbytes = _checked_ref(ref, index, path)
+    held = _stored_json(ref, path, work.base, dtype, shape, file, offset, nbytes) if ref.get("kind") == "json" else None
     direct = (into is not None and into.dtype == dtype and tuple(into.shape) == shape
               and into.is_contiguous() and into.device.type == "cpu")
     t = into if direct else torch.empty(shape, dtype=dtype)  # size validated against the file above
@@ -471,6 +473,9 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
     if into is not None and not direct:
         work.finish.append(lambda d=into, s=t: d.copy_(s.view(d.shape)))
         return into
+    if held is not None:
+        work.finish.append(partial(held.decode, t))
+        return held
     return _LazyBytes(t) if ref.get("kind") == "bytes" else t
 
 
@@ -501,10 +506,55 @@ class _LazyBytes:
         self.t = t
 
 
+def _stored_json(ref: Dict[str, Any], path: str, base: str, dtype: torch.dtype, shape: Tuple[int, ...], file: Any,
+                 offset: int, nbytes: int) -> "_LazyJson":
+    """A ShardedObject's value stored as JSON in a file, checked before anything is allocated for it."""
+    if dtype != torch.uint8 or len(shape) != 1:
+        raise CheckpointError(f"state {path or '<root>'}: a stored JSON value must be a 1-D uint8 tensor, "
+                              f"the index says {dtype_name(dtype)} {list(shape)}")
+    name, hoff = str(ref.get("name", "")), ref.get("header_offset")
+    hl = offset - hoff if type(hoff) is int else 0
+    if not nbytes or not 0 < hl <= MAX_HEADER or type(ref.get("crc32")) is not int:
+        raise CheckpointError(f"{file}: object {path!r} (tensor {name!r}): its reference lacks a valid "
+                              "header offset, size or CRC32; the checkpoint is damaged or forged")
+    return _LazyJson(path, base, _Crc(file, name, f"object {path!r}", offset, nbytes, ref["crc32"], hl, dtype,
+                                      [shape]))
+
+
+class _LazyJson:
+    """A ShardedObject's value stored as JSON text in a rank's file (saving.OBJECT_IN_FILE_THRESHOLD):
+    decoded once its bytes are read, in the load's finish step (so a bad value fails every rank's load)."""
+
+    def __init__(self, path: str, base: str, crc: _Crc) -> None:
+        self.path, self.base, self.crc, self.file = path, base, crc, crc.file
+        self.strict = False  # refuse unregistered enums (a strict load's template asked for it)
+        self.value: Any = None
+        self.done = False
+
+    def decode(self, t: torch.Tensor) -> None:
+        """Check the bytes' CRC32 (whatever check_crc says: JSON is parsed only from intact bytes), then decode."""
+        self.crc.compute(t)
+        bad = self.crc.problem(self.base)
+        if bad is not None:
+            raise ChecksumError(bad)
+        data = t.numpy().tobytes()
+        # no resolver: a value stored this way holds no references (saving._object_in_file)
+        where = f"{self.file}: object {self.path!r} (tensor {self.crc.name!r})"
+        self.value = jsonstate.decode(jsonstate.parse_json(data, where), path=self.path)
+        if self.strict:
+            _refuse_unregistered(self.value, self.path)
+        self.done = True
+
+
 def _finalize_tree(value: Any) -> Any:
     """Drop template-supplied markers, turn lazily read bytes into bytes."""
     if isinstance(value, _LazyBytes):
         return bytes(value.t.numpy().tobytes())
+    if isinstance(value, _LazyJson):
+        if not value.done:
+            raise CheckpointError(f"{value.file}: object {value.path!r} was never read (a load that skipped its "
+                                  "finish step); this is a megashard bug, please report it")
+        return value.value
     if isinstance(value, _LazyRef):
         return _SHARDED  # never planned for reading (e.g. under load_common): left out
     if isinstance(value, dict):
@@ -547,9 +597,12 @@ def _merge_template(template: Any, saved: Any, keys: Tuple[Any, ...], work: _Loa
         if ukey not in objects:
             work.problems.append(f"missing: object {ukey!r} (at {path}) is not in the checkpoint")
             return template.data
-        if strict:
-            _refuse_unregistered(objects[ukey], path)
-        return objects[ukey]
+        value = objects[ukey]
+        if strict and isinstance(value, _LazyJson):
+            value.strict = True  # checked when it is decoded
+        elif strict:
+            _refuse_unregistered(value, path)
+        return value
     found, sv = _lookup(saved, keys)
     if isinstance(template, torch.Tensor):
         if not found or not isinstance(sv, _LazyRef) or sv.ref.get("kind") != "tensor":
@@ -798,7 +851,8 @@ def load(
     node = {int(r): rd for r, rd in probe["node"].items()}
 
     index, err = comm.run("load/index", lambda: _open_shared_index(comm, base, probe))
-    work = _LoadWork(rows_ok=chosen == "own", check_crc=check_crc and not verify)  # verify re-reads every byte
+    work = _LoadWork(rows_ok=chosen == "own", check_crc=check_crc and not verify,  # verify re-reads every byte
+                     base=base)
 
     def plan_local() -> Any:
         saved = _decode_saved_tree(index.tree_for_rank(comm.rank), index, work, lazy=True)

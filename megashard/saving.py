@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 MODEL_CHUNK_PREFIX = "model"
 REST_STEM = "__rest__"
 BYTES_IN_FILE_THRESHOLD = 64 * 1024  # larger bytes values go into .tensors files, not JSON
+# A ShardedObject whose JSON is larger goes into its writer's file, the index keeping a reference: per-rank objects
+# (Megatron's RNG state under expert parallelism, ~20 KB each) would otherwise pass through rank 0 and sit in the index.
+OBJECT_IN_FILE_THRESHOLD = 2048
 SHA256_ENV = "MEGASHARD_SHA256"
 _FALSE = ("0", "false", "no", "off")
 _TRUE = ("1", "true", "yes", "on")
@@ -176,6 +179,22 @@ def _encode_object_value(st: _SaveState, ukey: str, value: Any, stem: str) -> An
         return jsonstate.UNHANDLED
 
     return jsonstate.encode(value, path=ukey, hook=hook)
+
+
+def _object_in_file(st: _SaveState, ukey: str, encoded: Any, stem: str) -> Any:
+    """``encoded`` itself, or a reference to its JSON text stored as a uint8 tensor in this rank's
+    file when that text is over :data:`OBJECT_IN_FILE_THRESHOLD` and refers to nothing else (an
+    object holding tensors keeps its value in the index: loads resolve one level of references)."""
+    if st.obj_local.get(ukey):
+        return encoded
+    text = _dumps(encoded).encode()
+    if len(text) <= OBJECT_IN_FILE_THRESHOLD:
+        return encoded
+    t = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    ref = _tensor_ref(t)
+    ref["kind"] = "json"
+    st.obj_local[ukey] = [_LocalTensor(f"__object__/{ukey}", t, stem, ref)]
+    return {jsonstate.TAG: "ref", "ref": ref}
 
 
 def _shard_meta(sh: ShardedTensor) -> List[Any]:
@@ -846,7 +865,7 @@ def _select(st: _SaveState, reply: Mapping[str, Any]) -> _WriteJob:
         if ukey in objects:
             continue
         objects[ukey] = {"key": obj.key, "offset": list(obj.global_offset), "shape": list(obj.global_shape),
-                         "value": _encode_object_value(st, ukey, obj.data, stem)}
+                         "value": _object_in_file(st, ukey, _encode_object_value(st, ukey, obj.data, stem), stem)}
     local_refs: List[Tuple[str, str, Dict[str, Any]]] = []
     for lt in st.local + [lt for items in st.obj_local.values() for lt in items]:
         if lt.tensor.numel() == 0:

@@ -42,7 +42,7 @@ megatron-core on CPU by ``tests/test_scale_models.py`` for the ``local`` spec):
   ``flattened_range``, halves the *flat* DP piece (``torch.chunk``) and shards each half as a
   1-D tensor along the weight's row axis, so global shapes depend on the DP piece's length
   (differ between DP ranks: the save is refused);
-* ``rng_state`` ShardedObject (``(pp, tp)`` / ``(pp, tp, dp)`` with EP), common values.
+* ``rng_state`` ShardedObject (``(pp, tp)`` / ``(pp, tp, dp)`` with EP), random values of a real state's sizes.
 
 What follows megatron-core's code for the GPU setup (Transformer Engine spec) and could
 not be compared on CPU (no Transformer Engine here): ``spec="te"`` (default for the big
@@ -71,8 +71,10 @@ values (their exact contents do not affect planning); CP = 1, ETP = TP.
 from __future__ import annotations
 
 import argparse
+import base64
 import functools
 import math
+import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -681,10 +683,27 @@ def _args(model: str, layout: Layout) -> argparse.Namespace:
         consumed_train_samples=1000 * 1024, micro_batch_size=1, global_batch_size=1024, seq_length=4096)
 
 
+def _rng_state(seed: str) -> Dict[str, Any]:
+    """An RNG state as ``megashard.megatron.state.capture_rng_state`` captures it on a GPU, with random
+    values of the real sizes (~20 KB of JSON): python's and numpy's Mersenne Twister (624 words each), torch's
+    CPU generator (5,056 bytes), the CUDA generator and Megatron's three tracker states (16 bytes each)."""
+    r = random.Random(seed)
+
+    def b64(n: int) -> str:
+        return base64.b64encode(r.randbytes(n)).decode("ascii")
+
+    return {"format": "megashard-rng-v1",
+            "random_rng_state": {"version": 3, "state": [r.getrandbits(32) for _ in range(624)] + [624],
+                                 "gauss_next": None},
+            "np_rng_state": {"kind": "MT19937", "keys": [r.getrandbits(32) for _ in range(624)], "pos": 624,
+                             "has_gauss": 0, "cached_gaussian": 0.0},
+            "torch_rng_state": b64(5056), "cuda_rng_state": b64(16),
+            "rng_tracker_states": {k: b64(16) for k in ("model-parallel-rng", "expert-parallel-rng",
+                                                        "data-parallel-rng")}}
+
+
 def _rng_object(layout: Layout, c: Coords) -> ShardedObject:
-    state = [{"format": "megashard-rng-v1", "random_rng_state": {"version": 3, "state": [0] * 625,
-                                                                  "gauss_next": None},
-              "torch_rng_state": "", "cuda_rng_state": "", "rng_tracker_states": {}}]
+    state = [_rng_state(f"{c.pp}.{c.tp}.{c.dp}")]
     if layout.ep > 1:
         return ShardedObject("rng_state", state, (layout.pp, layout.tp, layout.dp), (c.pp, c.tp, c.dp), 0)
     return ShardedObject("rng_state", state, (layout.pp, layout.tp), (c.pp, c.tp), c.dp)
