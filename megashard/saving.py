@@ -148,7 +148,9 @@ def _make_save_hook(st: _SaveState, file_stems: Optional[Mapping[str, str]]) -> 
             return {"kind": "sharded", "key": sh.key}
         if looks_like_sharded_object(value):
             st.objects.append((path, value, _stem_for(path, file_stems)))
-            return {"kind": "object", "key": object_unique_key(value)}
+            # the global key, as for a ShardedTensor: a load takes the object from its template, so a per-rank
+            # object (its offset differs on every rank) leaves the ranks' state trees equal (stored once)
+            return {"kind": "object", "key": value.key}
         if isinstance(value, torch.Tensor):
             ref = _tensor_ref(value)
             st.local.append(_LocalTensor(f"__rank{st.rank}__/{path}", value, _stem_for(path, file_stems), ref, path))

@@ -135,6 +135,9 @@ def _job(rank: int, world: int, ckpt: str) -> dict:
         out[mode] = True
     files = {}
     if rank == 0:
+        m = storage.read_manifest(ckpt)
+        # a per-rank object does not make the ranks' state trees differ: one tree for all ranks
+        assert len(set(m.rank_trees)) == 1, m.rank_trees
         for r in range(world):
             files[r] = _blob(ckpt, f"rng/shard_{r}_{world}")["file"]
     return {"modes": out, "files": files}
