@@ -197,7 +197,7 @@ def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] 
         progress(done, total)
     listed: Dict[str, Dict[str, str]] = {}  # file -> {tensor name: the index entry naming it}
 
-    def check_entry(where: str, file: Any, name: str, data_offset: int, nbytes: int, crc32: int) -> None:
+    def check_entry(where: str, file: Any, name: str, data_offset: int, nbytes: int, crc32: Optional[int]) -> None:
         if not nbytes:
             return
         if file not in entries:
@@ -209,8 +209,9 @@ def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] 
         info = entries[file].get(name)
         if info is None:
             problems.append(f"{where}: tensor {name!r} not found in {file}")
-        elif (info.data_offset, info.nbytes, info.crc32) != (data_offset, nbytes, crc32):
-            problems.append(f"{where}: manifest says {file}:{name} at {data_offset}+{nbytes} crc {crc32:#010x}, "
+        elif (info.data_offset, info.nbytes, info.crc32 if crc32 is not None else None) != (data_offset, nbytes, crc32):
+            said = f" crc {crc32:#010x}" if crc32 is not None else ""  # a stored object's: its header's CRC32 only
+            problems.append(f"{where}: manifest says {file}:{name} at {data_offset}+{nbytes}{said}, "
                             f"file has {info.data_offset}+{info.nbytes} crc {info.crc32:#010x}")
     for key, t in m.tensors.items():
         for s in t.shards:
@@ -224,7 +225,7 @@ def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] 
         for i, ref in enumerate(_tree_refs(tree)):
             check_entry(f"state {tid} value {i}", ref.get("file"), str(ref.get("name", "")),
                         _int(ref.get("data_offset", 0)),
-                        _int(ref.get("nbytes", 0)), _int(ref.get("crc32", 0)))
+                        _int(ref.get("nbytes", 0)), None if ref.get("kind") == "json" else _int(ref.get("crc32", 0)))
     for tid, tree in list(m.trees.items()) + [(k, v.get("value") if isinstance(v, dict) else v)
                                               for k, v in m.objects.items()]:
         try:  # every state tree decodes (tags, nesting, integer sizes, registered enums, valid refs)

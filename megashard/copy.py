@@ -137,9 +137,10 @@ def _data_name(name: str, where: str) -> str:
     return name
 
 
-def _expected(m: Manifest) -> Dict[str, Dict[str, Tuple[int, int, int]]]:
+def _expected(m: Manifest) -> Dict[str, Dict[str, Tuple[int, int, Optional[int]]]]:
     """{file: {tensor name: (data offset, bytes, CRC32)}} as the index records them: shards of global
-    tensors and the tensors the state trees and objects refer to."""
+    tensors and the tensors the state trees and objects refer to (a stored object's CRC32 is None: its
+    reference holds none, the file's header does and the copy's verifier checks it)."""
     from .checkpoint_tools import _tree_refs
 
     out: Dict[str, Dict[str, Tuple[int, int, int]]] = {}
@@ -208,7 +209,7 @@ def _check_against_index(path: str, verifier: Any, crcs: Mapping[str, int],
         if (e.data_offset, e.data_length) != (do, nb):
             raise CheckpointError(f"{path}: tensor {tname!r}: the index says bytes {do}+{nb}, the file's own index "
                                   f"{e.data_offset}+{e.data_length}")
-        if crcs[tname] != crc:
+        if crc is not None and crcs[tname] != crc:  # None: a stored object's, guarded by its header's CRC32
             shown = f"{crc:08x}" if type(crc) is int else repr(str(crc)[:20])
             raise CheckpointError(f"{path}: tensor {tname!r}: CRC32 {crcs[tname]:08x} differs from the index's "
                                   f"{shown}; the file or the index is damaged")

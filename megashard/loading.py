@@ -25,10 +25,11 @@ from isal import isal_zlib
 
 from . import jsonstate, plan, readers, storage
 from .devicecopy import on_host
-from .errors import CheckpointError, ChecksumError, StateDictError
+from .errors import CheckpointError, ChecksumError, FormatError, StateDictError
 from .format import empty_buffer
 from .format.fastio import default_read_threads, tensor_memoryview
-from .format.layout import zeroed_header_crcs
+from .format.dtypes import encode_dtype
+from .format.layout import TENSOR_TYPE_STATE_DICT, MetaEntry, parse_header, zeroed_header_crcs
 from .format.reader import MAX_HEADER
 from .index import Index, index_from_bytes
 from .storage import check_file_size, open_index, read_index_bytes
@@ -451,7 +452,9 @@ def _decode_saved_tree(tree: Any, index: Index, work: _LoadWork, path_prefix: st
             return _SHARDED
         if kind in ("tensor", "bytes", "json"):
             _checked_ref(ref, index, path)
-            return _LazyRef(ref, path) if lazy else _materialize(ref, path, index, work)
+            if lazy:
+                return _LazyRef(ref, path)
+            return _stored_json(ref, path, index, work) if kind == "json" else _materialize(ref, path, index, work)
         raise CheckpointError(f"state {path or '<root>'}: unknown reference {str(ref)[:100]} in the index")
 
     return jsonstate.decode(tree, path=path_prefix, resolver=resolver)
@@ -461,7 +464,6 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
                  into: Optional[torch.Tensor] = None) -> Any:
     """Plan the read of a file-backed value, into ``into`` when it is a matching CPU tensor."""
     dtype, shape, file, offset, nbytes = _checked_ref(ref, index, path)
-    held = _stored_json(ref, path, work.base, dtype, shape, file, offset, nbytes) if ref.get("kind") == "json" else None
     direct = (into is not None and into.dtype == dtype and tuple(into.shape) == shape
               and into.is_contiguous() and into.device.type == "cpu")
     t = into if direct else torch.empty(shape, dtype=dtype)  # size validated against the file above
@@ -473,9 +475,6 @@ def _materialize(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork,
     if into is not None and not direct:
         work.finish.append(lambda d=into, s=t: d.copy_(s.view(d.shape)))
         return into
-    if held is not None:
-        work.finish.append(partial(held.decode, t))
-        return held
     return _LazyBytes(t) if ref.get("kind") == "bytes" else t
 
 
@@ -506,41 +505,54 @@ class _LazyBytes:
         self.t = t
 
 
-def _stored_json(ref: Dict[str, Any], path: str, base: str, dtype: torch.dtype, shape: Tuple[int, ...], file: Any,
-                 offset: int, nbytes: int) -> "_LazyJson":
-    """A ShardedObject's value stored as JSON in a file, checked before anything is allocated for it."""
+def _stored_json(ref: Dict[str, Any], path: str, index: Index, work: _LoadWork) -> "_LazyJson":
+    """Plan the read of a ShardedObject's value stored as JSON in a file (``saving._object_in_file``):
+    its tensor header and data, checked (before anything is allocated) to lie in a listed file; decoded
+    in the load's finish step."""
+    dtype, shape, file, offset, nbytes = _checked_ref(ref, index, path)
     if dtype != torch.uint8 or len(shape) != 1:
         raise CheckpointError(f"state {path or '<root>'}: a stored JSON value must be a 1-D uint8 tensor, "
                               f"the index says {dtype_name(dtype)} {list(shape)}")
     name, hoff = str(ref.get("name", "")), ref.get("header_offset")
     hl = offset - hoff if type(hoff) is int else 0
-    if not nbytes or not 0 < hl <= MAX_HEADER or type(ref.get("crc32")) is not int:
-        raise CheckpointError(f"{file}: object {path!r} (tensor {name!r}): its reference lacks a valid "
-                              "header offset, size or CRC32; the checkpoint is damaged or forged")
-    return _LazyJson(path, base, _Crc(file, name, f"object {path!r}", offset, nbytes, ref["crc32"], hl, dtype,
-                                      [shape]))
+    if not nbytes or not 0 < hl <= MAX_HEADER:
+        raise CheckpointError(f"{file}: object {path!r} (tensor {name!r}): its reference lacks a valid size or "
+                              "header offset; the checkpoint is damaged or forged")
+    buf = torch.empty(hl + nbytes, dtype=torch.uint8)  # the range lies in the file (checked above)
+    work.ops.append(_Op(file, hoff, hl + nbytes, _bytes_view(buf)))
+    work.touch(file, name, offset, nbytes, ("state", path))
+    held = _LazyJson(path, f"{work.base}/{file}", name, hl)
+    work.finish.append(partial(held.decode, buf))
+    return held
 
 
 class _LazyJson:
-    """A ShardedObject's value stored as JSON text in a rank's file (saving.OBJECT_IN_FILE_THRESHOLD):
-    decoded once its bytes are read, in the load's finish step (so a bad value fails every rank's load)."""
+    """A ShardedObject's value stored as JSON text in a rank's file: checked against its tensor
+    header's own CRC32 (the index's reference holds none) and decoded once its bytes are read, in the
+    load's finish step, so a bad value fails every rank's load."""
 
-    def __init__(self, path: str, base: str, crc: _Crc) -> None:
-        self.path, self.base, self.crc, self.file = path, base, crc, crc.file
+    def __init__(self, path: str, where: str, name: str, header_bytes: int) -> None:
+        self.path, self.where, self.name, self.header_bytes = path, where, name, header_bytes
         self.strict = False  # refuse unregistered enums (a strict load's template asked for it)
         self.value: Any = None
         self.done = False
 
-    def decode(self, t: torch.Tensor) -> None:
-        """Check the bytes' CRC32 (whatever check_crc says: JSON is parsed only from intact bytes), then decode."""
-        self.crc.compute(t)
-        bad = self.crc.problem(self.base)
-        if bad is not None:
-            raise ChecksumError(bad)
-        data = t.numpy().tobytes()
+    def decode(self, buf: torch.Tensor) -> None:
+        raw = buf.numpy().tobytes()
+        head, data = raw[:self.header_bytes], raw[self.header_bytes:]
+        what = f"{self.where}: tensor {self.name!r} (object {self.path!r})"
+        entry = MetaEntry(self.name, self.name.encode(), TENSOR_TYPE_STATE_DICT, encode_dtype(torch.uint8),
+                          (len(data),), 0, self.header_bytes, len(data), False)
+        try:
+            header = parse_header(head, entry, self.where)
+        except FormatError as e:
+            raise ChecksumError(f"{what}: its header is damaged ({e}); restore the file from a copy or load an "
+                                "earlier checkpoint") from None
+        if header.crc32 is None or isal_zlib.crc32(data, isal_zlib.crc32(header.zeroed)) != header.crc32:
+            raise ChecksumError(f"{what} is damaged (its CRC32 does not match its header's); restore the file "
+                                "from a copy or load an earlier checkpoint")
         # no resolver: a value stored this way holds no references (saving._object_in_file)
-        where = f"{self.file}: object {self.path!r} (tensor {self.crc.name!r})"
-        self.value = jsonstate.decode(jsonstate.parse_json(data, where), path=self.path)
+        self.value = jsonstate.decode(jsonstate.parse_json(data, what), path=self.path)
         if self.strict:
             _refuse_unregistered(self.value, self.path)
         self.done = True
@@ -552,7 +564,7 @@ def _finalize_tree(value: Any) -> Any:
         return bytes(value.t.numpy().tobytes())
     if isinstance(value, _LazyJson):
         if not value.done:
-            raise CheckpointError(f"{value.file}: object {value.path!r} was never read (a load that skipped its "
+            raise CheckpointError(f"{value.where}: object {value.path!r} was never read (a load that skipped its "
                                   "finish step); this is a megashard bug, please report it")
         return value.value
     if isinstance(value, _LazyRef):

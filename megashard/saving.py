@@ -183,16 +183,30 @@ def _encode_object_value(st: _SaveState, ukey: str, value: Any, stem: str) -> An
     return jsonstate.encode(value, path=ukey, hook=hook)
 
 
+_object_capacity: Dict[str, int] = {}  # unique key -> bytes its JSON was padded to at this process's last save
+
+
 def _object_in_file(st: _SaveState, ukey: str, encoded: Any, stem: str) -> Any:
     """``encoded`` itself, or a reference to its JSON text stored as a uint8 tensor in this rank's
     file when that text is over :data:`OBJECT_IN_FILE_THRESHOLD` and refers to nothing else (an
-    object holding tensors keeps its value in the index: loads resolve one level of references)."""
+    object holding tensors keeps its value in the index: loads resolve one level of references).
+
+    The text is padded with spaces to a capacity kept from this process's last save of the object
+    (while the text fits in it and fills half of it), and the reference holds no CRC32 (the
+    tensor's header in the file holds it): an RNG state changes at every save, its reference does
+    not, so a steady-state save (the plan cache) sends and lays out no object again."""
     if st.obj_local.get(ukey):
         return encoded
     text = _dumps(encoded).encode()
-    if len(text) <= OBJECT_IN_FILE_THRESHOLD:
+    n = len(text)
+    if n <= OBJECT_IN_FILE_THRESHOLD:
         return encoded
-    t = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    cap = _object_capacity.get(ukey, 0)
+    if not n <= cap <= 2 * n:
+        cap = -(-(n + n // 8) // 4096) * 4096  # room for the value to grow a little between saves
+    _object_capacity[ukey] = cap
+    t = torch.full((cap,), ord(" "), dtype=torch.uint8)
+    t[:n] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     ref = _tensor_ref(t)
     ref["kind"] = "json"
     st.obj_local[ukey] = [_LocalTensor(f"__object__/{ukey}", t, stem, ref)]
@@ -924,7 +938,9 @@ def _write_job(job: _WriteJob, temp_dir: str, rank: int, align: int, fsync: bool
     for stem, name, ref in job.local_refs:
         fname, inf = placed[(stem, name)]
         ref.update(file=fname, name=name, header_offset=inf.header_offset, data_offset=inf.data_offset,
-                   nbytes=inf.nbytes, crc32=inf.crc32)
+                   nbytes=inf.nbytes)
+        if ref["kind"] != "json":  # a stored object's reference stays equal across saves (_object_in_file)
+            ref["crc32"] = inf.crc32
     # JSON texts as the index stores them: the coordinator only places them
     return {"files": files, "records": records, "objects": {u: _dumps(v) for u, v in job.objects.items()},
             "tree": job.tree, "parts": {pid: _dumps(v) for pid, v in job.parts.items()}}

@@ -93,15 +93,18 @@ def test_object_with_tensors_keeps_its_value_in_the_index(tmp_path):
 
 
 @pytest.mark.parametrize("check_crc", [True, False])
-def test_damaged_stored_object_fails_the_load_naming_file_and_object(tmp_path, check_crc):
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_damaged_stored_object_fails_the_load_naming_file_and_object(tmp_path, check_crc, where):
     ckpt = str(tmp_path / "ck")
     megashard.save(_state(0, 1), ckpt)
     ref = _blob(ckpt, "rng/shard_0_1")
+    # data: one byte of the JSON text (found by the CRC32 before any parsing); header: a byte of its name
+    at = ref["data_offset"] + 10 if where == "data" else ref["header_offset"] + 20
     with open(os.path.join(ckpt, ref["file"]), "r+b") as f:
-        f.seek(ref["data_offset"] + 10)
+        f.seek(at)
         b = f.read(1)
-        f.seek(ref["data_offset"] + 10)
-        f.write(bytes([b[0] ^ 0x20]))  # still valid-looking JSON text: only the CRC32 can tell
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
     with pytest.raises(ChecksumError, match=r"model|state") as e:
         megashard.load(_template(0, 1), ckpt, check_crc=check_crc)
     assert ref["file"] in str(e.value) and "rng/shard_0_1" in str(e.value)
@@ -151,3 +154,23 @@ def test_every_rank_stores_its_own_object_and_every_mode_loads_it(tmp_path):
     # each rank's object sits in that rank's own file: nothing of it went through rank 0's file
     assert {r: f.split("-r")[1] for r, f in res[0]["files"].items()} == {r: f"{r:05d}.tensors" for r in range(world)}
     assert saving.OBJECT_IN_FILE_THRESHOLD < len(json.dumps(_rng_like(0)))
+
+
+def test_reference_stays_equal_when_the_value_changes_so_a_steady_save_resends_nothing(tmp_path):
+    """An RNG state changes at every save; its stored reference must not (the plan cache's steady-state
+    commit then sends no object): the JSON is padded to a remembered capacity and the reference holds no
+    CRC32 (the tensor header's own CRC32 in the file guards it)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    megashard.save(_state(0, 1), a)
+    state = _state(0, 1)
+    state["rng"] = ShardedObject("rng", _rng_like(7), (1,), (0,), replica_id=0)
+    state["rng"].data["random_rng_state"]["state"][:40] = [1] * 40  # a shorter text than the first save's
+    megashard.save(state, b)
+    ma, mb = storage.read_manifest(a), storage.read_manifest(b)
+    assert ma.object("rng/shard_0_1") == mb.object("rng/shard_0_1")  # equal reference, other value
+    assert "crc32" not in _blob(b, "rng/shard_0_1")
+    assert ma.files == mb.files  # the file keeps its size
+    assert saving.steady_commit({"records": [], **{k: {} for k in saving.META_FIELDS}})  # the API used below
+    got = megashard.load(_template(0, 1), b)
+    assert got["rng"] == json.loads(json.dumps(state["rng"].data)) | {"step": (7, 1.5)}
+    assert verify_checkpoint(b) == []
