@@ -174,3 +174,20 @@ def test_reference_stays_equal_when_the_value_changes_so_a_steady_save_resends_n
     got = megashard.load(_template(0, 1), b)
     assert got["rng"] == json.loads(json.dumps(state["rng"].data)) | {"step": (7, 1.5)}
     assert verify_checkpoint(b) == []
+
+
+def test_copy_checks_a_stored_object_by_its_header_and_the_copy_loads(tmp_path):
+    from megashard.copy import copy
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    megashard.save(_state(0, 1), src)
+    copy(src, dst)
+    assert megashard.load(_template(0, 1), dst)["rng"] == _expected(0)["rng"]
+    ref = _blob(src, "rng/shard_0_1")
+    with open(os.path.join(src, ref["file"]), "r+b") as f:  # damage the source: the copy refuses it
+        f.seek(ref["data_offset"] + 3)
+        b = f.read(1)
+        f.seek(ref["data_offset"] + 3)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(megashard.MegashardError, match=ref["file"]):
+        copy(src, str(tmp_path / "dst2"))
