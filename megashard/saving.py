@@ -685,6 +685,17 @@ def commit_part(results: Sequence[Mapping[str, Any]], consume: bool = False) -> 
     part: Dict[str, Any] = {"records": group_records(results, consume)}
     for k in META_FIELDS + ("where",):
         part[k] = [r.get(k) for r in results]
+    # most members' state trees are equal (same stage, objects named by global key): each sent once, so rank 0
+    # decodes and holds one list per distinct tree, not one per rank
+    number: Dict[str, int] = {}
+    trees: List[Any] = []
+    tree_of: List[int] = []
+    for t in part["tree"]:
+        i = number.setdefault(_dumps(t), len(trees))
+        if i == len(trees):
+            trees.append(t)
+        tree_of.append(i)
+    part["tree"], part["tree_of"] = trees, tree_of
     return part
 
 
@@ -717,6 +728,8 @@ def build_index_from_parts(parts: Iterable[Dict[str, Any]], tensors: Mapping[str
         for part in parts:
             b.group(part["records"])
             part["records"] = None  # laid out: the builder holds what it needs of it
+            trees = part["tree"]
+            part["tree"] = [trees[i] for i in part["tree_of"]]  # one shared list per distinct tree
             for k in META_FIELDS:
                 meta[k] += part[k]
             for k, got in (seen or {}).items():
@@ -767,12 +780,16 @@ def _index_from_builder(b: IndexBuilder, meta: Dict[str, List[Any]], changed: Se
             b.object(u, text)
     rank_trees: List[str] = []
     tids: Dict[Any, str] = {}  # a state tree's (key, part id) pairs -> its id: most ranks share a few
+    shared: Dict[int, str] = {}  # id of a tree list many ranks share (commit_part) -> its id
     for pairs in meta["tree"]:
-        k = tuple(map(tuple, pairs))
-        tid = tids.get(k)
+        tid = shared.get(id(pairs))
         if tid is None:
-            tid = tids[k] = hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()[:16]
-            b.tree(tid, [(key, parts[pid]) for key, pid in pairs])
+            k = tuple(map(tuple, pairs))
+            tid = tids.get(k)
+            if tid is None:
+                tid = tids[k] = hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()[:16]
+                b.tree(tid, [(key, parts[pid]) for key, pid in pairs])
+            shared[id(pairs)] = tid  # meta holds every list while this runs: an id is not reused
         rank_trees.append(tid)
     head["rank_trees"] = rank_trees
     head_bytes, sections = b.finish(head, files)

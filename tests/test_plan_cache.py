@@ -412,6 +412,27 @@ def test_index_from_gather_groups_holds_every_record_as_one_group_build(groups):
     assert steady == build(new)[1]
 
 
+def test_commit_part_sends_each_distinct_state_tree_once_and_the_index_keeps_every_rank_s():
+    """Issue 32: a leader sends its members' equal state trees once (``tree_of`` numbers them), so
+    rank 0 decodes and holds one list per distinct tree; the index names the right tree for every rank."""
+    from megashard import manifest as mf
+
+    tensors = {"w": ("float32", (8, 6)), "e": ("float32", (0,))}
+    results = _results(lambda r, i: r * 100 + i, world=4)
+    results[2]["tree"] = [["step", "q"], ["extra", "p"]]
+    results[2]["parts"] = {"q": "8"}
+    part = saving.commit_part([dict(r) for r in results])
+    assert part["tree_of"] == [0, 0, 1, 0] and part["tree"] == [[["step", "p"]], [["step", "q"], ["extra", "p"]]]
+    head, sections, _ = saving.build_index_from_parts([part], tensors, 4, None)
+    index = mf.LazyIndex(mf.parse_head(head, "t"), lambda s, n: sections[s:s + n], "t", len(head))
+    assert [index.tree_for_rank(r) for r in range(4)] == [{"step": 7}, {"step": 7}, {"step": 8, "extra": 7},
+                                                          {"step": 7}]
+    assert len(set(index.rank_trees)) == 2
+    one_head, one_sections, _ = saving.build_index(_results(lambda r, i: r * 100 + i, world=4)[:2] + [results[2]]
+                                                   + _results(lambda r, i: r * 100 + i, world=4)[3:], tensors, 4, None)
+    assert mf.parse_head(one_head, "t")["rank_trees"] == mf.parse_head(head, "t")["rank_trees"]
+
+
 def _chunk_rows(grouped):
     """The chunk rows of a :func:`megashard.manifest.group_records` part, each ending in its whole flag."""
     ints, i, rows = grouped["chunks"], 0, []
