@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 from . import jsonstate, saveroot, storage
 from .errors import MegashardError
@@ -153,6 +153,35 @@ def _tree_refs(node: Any) -> Iterator[Dict[str, Any]]:
             yield from _tree_refs(v)
 
 
+def _stored_object_problems(base: str, m: Manifest, readable: Mapping[str, Any]) -> List[str]:
+    """Every ShardedObject stored as JSON in a readable file (``saving._object_in_file``) passes the
+    checks a load makes of it (its header's CRC32) and decodes as strictly as the state trees."""
+    from .loading import _LoadWork, _stored_json
+    from .readers import read_own
+
+    work, problems = _LoadWork(base=base), []
+    for ukey, entry in m.objects.items():
+        value = entry.get("value") if isinstance(entry, dict) else None
+        ref = value.get("ref") if isinstance(value, dict) and value.get(jsonstate.TAG) == "ref" else None
+        if isinstance(ref, dict) and ref.get("kind") == "json" and ref.get("file") in readable:
+            try:
+                _stored_json(ref, ukey, m, work).strict = True
+            except MegashardError as e:
+                problems.append(str(e))
+    if not work.ops:
+        return problems
+    try:
+        read_own(base, m, work.ops, work.view_ops, work.row_jobs, None)
+    except MegashardError as e:
+        return problems + [str(e)]
+    for decode in work.finish:
+        try:
+            decode()
+        except MegashardError as e:
+            problems.append(str(e))
+    return problems
+
+
 def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] = None) -> List[str]:
     """Every problem found (empty list = every byte of the checkpoint is as saved).
 
@@ -232,6 +261,7 @@ def verify_checkpoint(path: str, progress: Optional[Callable[[int, int], None]] 
             jsonstate.decode(tree, path=f"state {tid}", resolver=partial(_check_ref, m), strict=True)
         except MegashardError as e:  # a message naming only a key: named by the index that holds it
             problems.append(str(e) if base in str(e) else f"{cf.path(storage.MANIFEST_NAME)}: {e}")
+    problems += _stored_object_problems(base, m, entries)
     for fname, names in sorted(entries.items()):
         extra = sorted(set(names) - set(listed.get(fname, ())))
         if extra:

@@ -191,3 +191,23 @@ def test_copy_checks_a_stored_object_by_its_header_and_the_copy_loads(tmp_path):
         f.write(bytes([b[0] ^ 0x01]))
     with pytest.raises(megashard.MegashardError, match=ref["file"]):
         copy(src, str(tmp_path / "dst2"))
+
+
+def test_verify_and_load_refuse_a_stored_object_that_is_not_json(tmp_path, monkeypatch):
+    """Bytes whose CRC32 matches (written so) but that do not parse: verify names the object, a load
+    fails with a CheckpointError instead of returning anything."""
+    real = saving._dumps
+
+    def truncating(x):  # the object's text loses its last byte before it is written (and hashed)
+        text = real(x)
+        return text[:-1] if isinstance(x, dict) and x.get("format") == "not-json-test" else text
+
+    monkeypatch.setattr(saving, "_dumps", truncating)
+    ckpt = str(tmp_path / "ck")
+    value = {"format": "not-json-test", "pad": "x" * 4000}
+    megashard.save({"o": ShardedObject("o", value, (1,), (0,), replica_id=0)}, ckpt)
+    monkeypatch.setattr(saving, "_dumps", real)
+    problems = verify_checkpoint(ckpt)
+    assert any("'o/shard_0_1'" in p and "not valid JSON" in p for p in problems), problems
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        megashard.load({"o": ShardedObject("o", None, (1,), (0,), replica_id=0)}, ckpt)
