@@ -546,16 +546,11 @@ def _bounded_failures(failures: Dict[int, str]) -> Dict[int, str]:
 #: (default: about the square root of the world size; a world up to FLAT_GATHER_MAX ranks is one group).
 FLAT_GATHER_MAX = 64
 PART_ZLIB_LEVEL = 1  # rank 0's replies to a leader (rank 0 compresses every group's): fast
-#: a leader's part for rank 0 (:func:`pack_part`): xz (LZMA2) preset 1 finds the long repeats of
-#: the members' records and tree parts that zlib's 32 KiB window misses: parts ~4x smaller than
-#: zlib level 1 (DeepSeek-V3, scripts/simulate_scale.py), decompressed at about zlib's speed;
-#: the leaders compress in parallel, ~190 MB/s each
-PART_XZ_PRESET = 1
-try:  # a Python built without liblzma has no lzma module: its leaders send zlib (unpack_part reads both)
-    import lzma
-except ImportError:  # pragma: no cover - every supported build here has it
-    lzma = None  # type: ignore[assignment]
-_XZ_MAGIC = b"\xfd7zXZ\x00"
+#: a leader's part for rank 0 (:func:`pack_part`, :func:`pack_led_part`): zlib level 6. xz preset 1
+#: made parts ~2.5x smaller but rank 0 decompresses every leader's part, and at 131,072 DeepSeek-V3
+#: ranks that cost it 1.07 CPU-s against zlib's 0.44 (scripts/simulate_scale.py; rank 0 then receives
+#: ~27 MB instead of ~13 MB, well under the 64 MB bound); leaders compress in parallel
+PART_UP_ZLIB_LEVEL = 6
 
 
 def gather_group_size(world: int) -> int:
@@ -638,7 +633,7 @@ def unpack_messages(texts: Sequence[bytes]) -> Tuple[Dict[int, str], List[Any]]:
 def pack_part(texts: Sequence[bytes]) -> bytes:
     """A leader's part for rank 0: its group's messages, the field texts that several members
     share (the same announcement of data-parallel replicas, the same state-tree keys) stored
-    once, xz-compressed (:data:`PART_XZ_PRESET`). Fields are compared and copied as the
+    once, zlib-compressed (:data:`PART_UP_ZLIB_LEVEL`). Fields are compared and copied as the
     members' JSON texts: the leader decodes only each message's first line."""
     errors: Dict[str, str] = {}
     fields: List[str] = []
@@ -671,22 +666,14 @@ def pack_part(texts: Sequence[bytes]) -> bytes:
         rows.append(row)
     part = b"".join((b'{"errors":', _dumps_bytes(errors), b',"fields":', _dumps_bytes(fields),
                      b',"table":[', b",".join(table), b'],"rows":', _dumps_bytes(rows), b"}"))
-    if lzma is None:
-        return zlib.compress(part, PART_ZLIB_LEVEL)
-    return lzma.compress(part, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=PART_XZ_PRESET)
+    return zlib.compress(part, PART_UP_ZLIB_LEVEL)
 
 
 def unpack_part(data: bytes) -> Tuple[Dict[int, str], List[Any]]:
     """Rank 0: a leader's :func:`pack_part` as (errors by position in the group, payloads);
     members' shared values are one object."""
     with gc_paused():
-        if data[:6] == _XZ_MAGIC:
-            if lzma is None:
-                raise DistributedError({0: "a group leader sent an xz-compressed part and rank 0's Python has no "
-                                           "lzma module: run every rank with the same Python build"}, "gather")
-            part = json.loads(lzma.decompress(data, format=lzma.FORMAT_XZ))
-        else:
-            part = json.loads(zlib.decompress(data))
+        part = json.loads(zlib.decompress(data))
         fields, table = part["fields"], part["table"]
         payloads = [table[row["v"]] if isinstance(row, dict) else {fields[f]: table[j] for f, j in row}
                     for row in part["rows"]]
@@ -712,9 +699,7 @@ def pack_led_part(part: Mapping[str, Any]) -> bytes:
     every part, then the compressed JSON."""
     data = _dumps_bytes(part)
     tag = b"F" if "failures" in part else b"P"
-    if lzma is None:
-        return tag + zlib.compress(data, PART_ZLIB_LEVEL)
-    return tag + lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32, preset=PART_XZ_PRESET)
+    return tag + zlib.compress(data, PART_UP_ZLIB_LEVEL)
 
 
 def led_part_failed(data: bytes) -> bool:
@@ -738,13 +723,7 @@ def unpack_led_part(data: bytes) -> Dict[str, Any]:
     if data[:1] not in (b"F", b"P"):
         raise DistributedError({0: "a group leader's part has no tag byte: run every rank with the same "
                                    "megashard version"}, "gather")
-    data = data[1:]
-    if data[:6] == _XZ_MAGIC:
-        if lzma is None:
-            raise DistributedError({0: "a group leader sent an xz-compressed part and rank 0's Python has no "
-                                       "lzma module: run every rank with the same Python build"}, "gather")
-        return json.loads(lzma.decompress(data, format=lzma.FORMAT_XZ))
-    return json.loads(zlib.decompress(data))
+    return json.loads(zlib.decompress(data[1:]))
 
 
 def pack_replies(replies: Sequence[Any]) -> bytes:

@@ -15,6 +15,7 @@ import torch
 import megashard
 from megashard import saving
 from megashard.errors import CheckpointError, DistributedError
+from megashard.plan import text_ints
 from megashard.sharded import ShardedTensor
 
 from bitexact import assert_same
@@ -435,7 +436,7 @@ def test_commit_part_sends_each_distinct_state_tree_once_and_the_index_keeps_eve
 
 def _chunk_rows(grouped):
     """The chunk rows of a :func:`megashard.manifest.group_records` part, each ending in its whole flag."""
-    ints, i, rows = grouped["chunks"], 0, []
+    ints, i, rows = text_ints(grouped["chunks"]).tolist(), 0, []
     while i < len(ints):
         nd = ints[i + 1]
         rows.append(ints[i:i + 6 + 2 * nd])
