@@ -355,12 +355,11 @@ _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 class _Sections:
     """The index file being built, in one growing buffer (not a list of parts joined at the
-    end: that held the index twice); identical section texts are stored once."""
+    end: that held the index twice). Callers share equal sections themselves (state-tree parts)."""
 
     def __init__(self) -> None:
         self.buf: Optional[io.BytesIO] = io.BytesIO()
         self.size = 0
-        self.seen: Dict[bytes, List[int]] = {}
 
     def write(self, data: Any) -> None:
         """Append ``data`` (bytes-like) as it is, no section entry."""
@@ -368,21 +367,16 @@ class _Sections:
         self.buf.write(data)
         self.size += len(data)
 
-    def add(self, data: bytes, unique: bool = False) -> List[int]:
-        """``[start, length, crc32]`` of ``data`` (``unique``: never shared with another section)."""
-        got = None if unique else self.seen.get(data)
-        if got is None:
-            got = [self.size, len(data), zlib.crc32(data)]
-            if not unique:
-                self.seen[data] = got
-            self.write(data)
+    def add(self, data: bytes) -> List[int]:
+        """``[start, length, crc32]`` of ``data``, appended as a section of its own."""
+        got = [self.size, len(data), zlib.crc32(data)]
+        self.write(data)
         return got
 
     def take(self) -> bytes:
         """The sections as one bytes object: ``BytesIO.getvalue`` of an unshared buffer hands
         over the buffer itself (shrunk in place), so the index is never copied."""
         assert self.buf is not None, "the index sections were taken already"
-        self.seen = {}
         data, self.buf = self.buf.getvalue(), None
         assert len(data) == self.size
         return data
@@ -666,7 +660,7 @@ class IndexBuilder:
         sec = self.sec
         crcs: List[int] = []
         slots: List[int] = []
-        # one section per chunk, hundreds of thousands of them at 100k ranks: sec.add (unique) inlined
+        # one section per chunk, hundreds of thousands of them at 100k ranks: sec.add inlined
         assert sec.buf is not None
         write, pos, crc32 = sec.buf.write, sec.size, zlib.crc32
         for key, groups in self._chunks.items():
@@ -835,9 +829,7 @@ def _buckets(sec: _Sections, table: Any, size: int) -> Any:
     if not isinstance(table, dict):
         return table  # malformed: kept as is for the reader to refuse
     names = sorted(table)
-    # unique: a bucket's names are its own, so no other section equals it (and the index does
-    # not keep a second copy of every table to look it up)
-    return [[names[i]] + sec.add(_dumps({k: table[k] for k in names[i:i + size]}).encode(), unique=True)
+    return [[names[i]] + sec.add(_dumps({k: table[k] for k in names[i:i + size]}).encode())
             for i in range(0, len(names), size)]
 
 
