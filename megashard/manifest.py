@@ -464,8 +464,123 @@ def group_records(results: Sequence[Mapping[str, Any]], consume: bool = False) -
     c = np.array(crcs, dtype=np.int64)
     if c.size and (c.min() < 0 or c.max() > 0xFFFFFFFF):
         raise ValueError("a CRC32 lies outside 0..2**32-1")
-    return {"counts": counts, "keys": list(keys), "chunks": ints_text(ints), "body": "".join(body),
+    return {"counts": counts, "keys": list(keys), "chunks": ints_text(ints), "body": "".join(body).encode(),
             "crcs": c.astype("<u4").tobytes().hex(), "slots": np.array(slots, dtype="<u4").tobytes().hex()}
+
+
+def named_texts(members: Sequence[Optional[Mapping[str, str]]]) -> Dict[str, Any]:
+    """A gather group's per-rank ``{name: JSON text}`` entries of one kind (its members' files,
+    their objects) for rank 0, made by its leader: ``names``, ``counts`` (entries per member)
+    and ``lengths`` (per entry, :func:`~megashard.plan.ints_text`) and ``body``, the texts
+    joined as bytes (a bytes value travels beside a part's JSON: :func:`~megashard.transport.pack_led_part`).
+    Rank 0 lays the index's tables out of them (:class:`NamedTexts`) without decoding a value."""
+    names: List[str] = []
+    counts: List[int] = []
+    texts: List[str] = []
+    for m in members:
+        m = m or {}
+        names += m
+        texts += m.values()
+        counts.append(len(m))
+    if not all(type(t) is str for t in texts):  # noqa: E721
+        raise TypeError("named_texts: every value must be a JSON text")
+    body = "".join(texts).encode()
+    lengths = [len(t) for t in texts]
+    if len(body) != sum(lengths):  # not ASCII (texts of another encoder): each text's own bytes
+        lengths = [len(t.encode()) for t in texts]
+    return {"names": names, "counts": ints_text(counts), "lengths": ints_text(lengths), "body": body}
+
+
+class NamedTexts:
+    """Every rank's ``{name: JSON text}`` entries of one kind, in rank order, from the groups'
+    :func:`named_texts`: ``names``, then (joined when first used) one body, each entry's end in
+    it and each rank's entry count. It stands for the millions of small dicts the first commit at 100k+ ranks held
+    (every rank's files and objects, kept for the next steady commit): the index's file and
+    object tables are cut from it (:meth:`IndexBuilder.finish`) without decoding a value."""
+
+    def __init__(self) -> None:
+        self.names: List[str] = []
+        self._bodies: List[bytes] = []
+        self._lengths: List[Any] = []
+        self._counts: List[Any] = []
+        self._body: Optional[bytes] = None
+        self._ends: Any = None
+        self._rank_counts: Any = None
+
+    def add(self, part: Mapping[str, Any]) -> None:
+        """One group's :func:`named_texts` (group order)."""
+        names, body = part["names"], part["body"]
+        counts, lengths = text_ints(part["counts"]), text_ints(part["lengths"])
+        if not (type(names) is list and isinstance(body, bytes) and len(lengths) == len(names)  # noqa: E721
+                and int(counts.sum()) == len(names) and (counts >= 0).all() and (lengths >= 0).all()
+                and int(lengths.sum()) == len(body) and all(type(n) is str for n in names)):  # noqa: E721
+            raise ValueError("a group's named texts are inconsistent")
+        self._add(names, counts, lengths, body)
+
+    def _add(self, names: List[str], counts: Any, lengths: Any, body: bytes) -> None:
+        self.names += names
+        self._bodies.append(body)
+        self._lengths.append(lengths)
+        self._counts.append(counts)
+        self._body = None
+
+    @classmethod
+    def of(cls, members: Sequence[Optional[Mapping[str, str]]]) -> "NamedTexts":
+        t = cls()
+        t.add(named_texts(members))
+        return t
+
+    def _joined(self) -> Tuple[bytes, Any, Any]:
+        if self._body is None:
+            self._body = b"".join(self._bodies)
+            self._bodies = [self._body]
+            lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
+            self._lengths = [lengths]
+            self._ends = np.cumsum(lengths)
+            self._rank_counts = np.concatenate(self._counts) if self._counts else np.zeros(0, dtype=np.int64)
+            self._counts = [self._rank_counts]
+        return self._body, self._ends, self._rank_counts
+
+    @property
+    def ranks(self) -> int:
+        return len(self._joined()[2])
+
+    def by_rank(self) -> List[Dict[str, Any]]:
+        """Every rank's entries, decoded: ``[{name: value}, ...]`` (the storage's commit checks files)."""
+        body, ends, counts = self._joined()
+        starts = ends - self._lengths[0]
+        mv = memoryview(body)
+        values = json.loads(b"[" + b",".join([mv[a:e] for a, e in zip(starts.tolist(), ends.tolist())]) + b"]")
+        out: List[Dict[str, Any]] = []
+        i = 0
+        for n in counts.tolist():
+            out.append(dict(zip(self.names[i:i + n], values[i:i + n])))
+            i += n
+        return out
+
+    def replaced(self, changes: Mapping[int, Mapping[str, str]]) -> "NamedTexts":
+        """A copy with the entries of the ranks in ``changes`` (rank -> their new ``{name: text}``);
+        the other ranks' entries are copied in runs, not one by one."""
+        body, ends, counts = self._joined()
+        lengths = self._lengths[0]
+        firsts = (np.cumsum(counts) - counts).tolist()
+        out = NamedTexts()
+        r = 0
+        for c in sorted(r for r in changes if 0 <= r < len(counts)) + [len(counts)]:
+            if c > r:  # ranks r..c-1 unchanged
+                i, j = firsts[r], firsts[c - 1] + int(counts[c - 1])
+                a, b = (int(ends[i - 1]) if i else 0), (int(ends[j - 1]) if j else 0)
+                out._add(self.names[i:j], counts[r:c], lengths[i:j], body[a:b])
+            if c < len(counts):
+                out.add(named_texts([changes[c]]))
+            r = c + 1
+        return out
+
+    def order(self) -> List[int]:
+        """Entry numbers sorted by name; of entries of equal names only the last (a dict's update)."""
+        names = self.names
+        idx = sorted(range(len(names)), key=names.__getitem__)
+        return [j for k, j in enumerate(idx) if k + 1 == len(idx) or names[idx[k + 1]] != names[j]]
 
 
 def check_crc(v: Any) -> int:
@@ -511,7 +626,7 @@ class IndexBuilder:
         self.sec = _Sections()
         self.tensors: Dict[str, Any] = {}
         self._chunks: Dict[str, Dict[Any, List[Tuple[Any, str, int, int]]]] = {}
-        self._objects: List[Tuple[str, str]] = []
+        self._objects: Optional[NamedTexts] = None
         self._trees: List[Tuple[str, Sequence[Tuple[str, str]]]] = []
         self.slots = 0
         self.skeleton: Optional[IndexSkeleton] = None
@@ -565,7 +680,9 @@ class IndexBuilder:
         at 100k ranks). A chunk whose pieces other groups hold too waits for them (``finish``)."""
         if self._table is None:
             self._table = {k: [] for k in self._chunks}
-        keys, ints, body = part["keys"], text_ints(part["chunks"]).tolist(), part["body"].encode()
+        keys, ints, body = part["keys"], text_ints(part["chunks"]).tolist(), part["body"]
+        if not isinstance(body, bytes):
+            raise ValueError("a group's records are inconsistent: its body is not bytes")
         crcs = np.frombuffer(bytes.fromhex(part["crcs"]), dtype="<u4")
         slots = np.frombuffer(bytes.fromhex(part["slots"]), dtype="<u4").astype(np.int64) + self.slots
         count = sum(part["counts"])
@@ -644,8 +761,9 @@ class IndexBuilder:
         if n == self.slots and (n == 0 or (perm.min() >= 0 and (np.bincount(perm, minlength=n) == 1).all())):
             self._perm = perm
 
-    def object(self, ukey: str, text: str) -> None:
-        self._objects.append((ukey, text))
+    def objects(self, table: "NamedTexts") -> None:
+        """Every rank's objects (unique key -> JSON text), each laid out as its own section."""
+        self._objects = table
 
     def tree(self, tid: str, parts: Sequence[Tuple[str, str]]) -> None:
         """A state tree as (top-level key or TREE_WHOLE, JSON text) parts."""
@@ -729,7 +847,8 @@ class IndexBuilder:
                 tables = dict(tail.tables)
             else:
                 tail = None
-                objects = _place_texts(sec, self._objects)
+                objects = self._objects or NamedTexts()
+                rows = _place_named(sec, objects)
                 placed: Dict[str, List[int]] = {}  # part text -> its section: ranks' trees share most parts
 
                 def part(text: str) -> List[int]:
@@ -739,9 +858,11 @@ class IndexBuilder:
                     return got
 
                 trees = {tid: [[k] + part(text) for k, text in parts] for tid, parts in self._trees}
-                tables = {"objects": _buckets(sec, objects, OBJECT_BUCKET), "trees": _buckets(sec, trees, TREE_BUCKET)}
+                tables = {"objects": _row_buckets(sec, objects, rows, OBJECT_BUCKET),
+                          "trees": _buckets(sec, trees, TREE_BUCKET)}
             files_at = sec.size  # the file table comes last
-            tables["files"] = _buckets(sec, files, FILE_BUCKET)
+            tables["files"] = (_text_buckets(sec, files, FILE_BUCKET) if isinstance(files, NamedTexts)
+                               else _buckets(sec, files, FILE_BUCKET))
             new_tail = (tables, tail.rank_trees if tail is not None else head.get("rank_trees"), files_at)
         size = sec.size
         data = sec.take()
@@ -788,24 +909,41 @@ class IndexTail:
     files_at: int  # where the file table's sections start (the last of the tail)
 
 
-def _place_texts(sec: _Sections, named: Sequence[Tuple[str, str]]) -> Dict[str, List[int]]:
-    """Each (name, JSON text) as its own section, in order: ``{name: [start, length, crc32]}``.
-    One encode and one write for all (131,072 ranks' objects: one ``add`` each cost a third of a
-    second); no text is shared with another section (object texts name their key and offset)."""
-    texts = [t for _u, t in named]
-    data = "".join(texts).encode()
-    lengths = [len(t) for t in texts]
-    if len(data) != sum(lengths):  # not ASCII (another encoder): each text's own bytes
-        parts = [t.encode() for t in texts]
-        lengths = [len(b) for b in parts]
-        data = b"".join(parts)
-    out: Dict[str, List[int]] = {}
-    mv, pos, start, crc32 = memoryview(data), sec.size, 0, zlib.crc32
-    for (u, _t), n in zip(named, lengths):
-        out[u] = [pos + start, n, crc32(mv[start:start + n])]
-        start += n
-    sec.write(data)
+def _place_named(sec: _Sections, table: "NamedTexts") -> List[str]:
+    """Each entry's text as its own section, in rank order and in one write (no text is shared
+    with another section: object texts name their key and offset); returns each entry's row
+    of the table ``{name: [start, length, crc32]}`` as JSON text (``"name":[...]``)."""
+    body, ends, _ = table._joined()
+    starts = ends - table._lengths[0]
+    base = sec.size
+    sec.write(body)
+    mv, crc32, names = memoryview(body), zlib.crc32, table.names
+    return [f"{_quote(n)}:[{base + a},{e - a},{crc32(mv[a:e])}]"
+            for n, a, e in zip(names, starts.tolist(), ends.tolist())]
+
+
+def _row_buckets(sec: _Sections, table: "NamedTexts", rows: List[str], size: int) -> List[Any]:
+    """:func:`_buckets` of ``table``'s names (same bytes) from each entry's row text."""
+    order, names = table.order(), table.names
+    return [[names[order[i]]] + sec.add(("{" + ",".join([rows[j] for j in order[i:i + size]]) + "}").encode())
+            for i in range(0, len(order), size)]
+
+
+def _text_buckets(sec: _Sections, table: "NamedTexts", size: int) -> List[Any]:
+    """:func:`_buckets` of ``{name: value}`` from the values' texts (same bytes): no value decoded."""
+    body, ends, _ = table._joined()
+    starts = (ends - table._lengths[0]).tolist()
+    ends_, mv, names = ends.tolist(), memoryview(body), table.names
+    order = table.order()
+    out = []
+    for i in range(0, len(order), size):
+        got = order[i:i + size]
+        data = b"{" + b",".join([b"%s:%s" % (_quote(names[j]).encode(), mv[starts[j]:ends_[j]]) for j in got]) + b"}"
+        out.append([names[got[0]]] + sec.add(data))
     return out
+
+
+_quote = json.encoder.encode_basestring_ascii  # a str's JSON text as _dumps writes it (ensure_ascii)
 
 
 def _first(pair: Tuple[Any, ...]) -> Any:

@@ -51,7 +51,7 @@ from .errors import (CheckpointError, DistributedError, NoSpaceError, StateDictE
 from .format import write_file
 from .logs import log_summary, rank_prefix
 from .manifest import (MANIFEST_FORMAT, MANIFEST_VERSION, TREE_WHOLE, IndexBuilder, IndexSkeleton, check_crc, dtype_name,
-                       group_records, itemsize, record_text, shard_name)
+                       NamedTexts, group_records, itemsize, named_texts, record_text, shard_name)
 from .sharded import (ShardedTensor, check_data, is_main_replica, looks_like_sharded_object,
                       looks_like_sharded_tensor, object_unique_key, reject_unapplied)
 from .transport import SOLO, Comm, gather_group_size, gc_paused
@@ -479,8 +479,8 @@ def _finish_save(comm: Comm, err: Optional[str], result: Any, *, keep: _Coordina
             seen: Dict[str, List[Any]] = {"where": [], "files": []}
             head, sections, built[0] = build_index_from_parts(results, keep.tensors, comm.world_size, layout, seen)
             where, files = seen["where"], seen["files"]
-        if built[0] is not None and built[0].meta:  # a steady commit's ranks may leave out what they sent last
-            files = built[0].meta["files"]          # time: the skeleton keeps it
+        if steady and built[0] is not None and built[0].meta:  # its ranks may leave out what they sent last
+            files = built[0].meta["files"].by_rank()  # time: the skeleton keeps it
         target.commit(token, dict(enumerate(files)), dict(enumerate(where)), head, sections)
         keep.temp_dir = None  # committed: it is the checkpoint now
         try:
@@ -685,6 +685,10 @@ def commit_part(results: Sequence[Mapping[str, Any]], consume: bool = False) -> 
     part: Dict[str, Any] = {"records": group_records(results, consume)}
     for k in META_FIELDS + ("where",):
         part[k] = [r.get(k) for r in results]
+    # every member's files and objects as texts in one bytes body: rank 0 cuts the index's tables from
+    # them and keeps them for the next steady commit without making a dict per file or object
+    part["files"] = named_texts(_file_texts(part["files"]))
+    part["objects"] = named_texts(part["objects"])
     # most members' state trees are equal (same stage, objects named by global key): each sent once, so rank 0
     # decodes and holds one list per distinct tree, not one per rank
     number: Dict[str, int] = {}
@@ -697,6 +701,11 @@ def commit_part(results: Sequence[Mapping[str, Any]], consume: bool = False) -> 
         tree_of.append(i)
     part["tree"], part["tree_of"] = trees, tree_of
     return part
+
+
+def _file_texts(files: Sequence[Optional[Mapping[str, Any]]]) -> List[Dict[str, str]]:
+    """Each rank's files with their records as JSON texts (:func:`~megashard.manifest.named_texts`)."""
+    return [{n: _dumps(f) for n, f in (fs or {}).items()} for fs in files]
 
 
 class _CommitLead:
@@ -724,16 +733,23 @@ def build_index_from_parts(parts: Iterable[Dict[str, Any]], tensors: Mapping[str
         b = IndexBuilder()
         for k, (dt, gs) in sorted(tensors.items()):
             b.tensor(k, dt, list(gs))
-        meta: Dict[str, List[Any]] = {k: [] for k in META_FIELDS}
+        meta: Dict[str, Any] = {k: NamedTexts() if k in _TABLES else [] for k in META_FIELDS}
         for part in parts:
             b.group(part["records"])
             part["records"] = None  # laid out: the builder holds what it needs of it
             trees = part["tree"]
             part["tree"] = [trees[i] for i in part["tree_of"]]  # one shared list per distinct tree
             for k in META_FIELDS:
-                meta[k] += part[k]
+                if k in _TABLES:
+                    meta[k].add(part[k])
+                else:
+                    meta[k] += part[k]
             for k, got in (seen or {}).items():
-                got += part[k]
+                if k not in _TABLES:
+                    got += part[k]
+        for k, got in (seen or {}).items():
+            if k in _TABLES:
+                got += meta[k].by_rank()
         return _index_from_builder(b, meta, set(META_FIELDS), None, world, layout)
 
 
@@ -742,16 +758,23 @@ def _steady_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tu
     """A steady-state commit's index: every rank's CRC32s (and what changed) into ``skeleton``."""
     b = IndexBuilder.resume(skeleton, _steady_crcs(results))
     meta = skeleton.meta
-    if meta is None or any(len(col) != len(results) for col in meta.values()):
+    if meta is None or any((col.ranks if isinstance(col, NamedTexts) else len(col)) != len(results)
+                           for col in meta.values()):
         raise ValueError(f"the index skeleton holds no commit of {len(results)} ranks to reuse")
-    changed = set()
+    changed: Dict[str, Dict[int, Any]] = {}
     for r, res in enumerate(results):
         if len(res) - ("crcs" in res) - ("where" in res):  # more than its CRC32s (and "where"): what changed
             for k in META_FIELDS:
                 if k in res:
-                    meta[k][r] = res[k]
-                    changed.add(k)
-    return _index_from_builder(b, meta, changed, skeleton, world, layout)
+                    changed.setdefault(k, {})[r] = res[k]
+    for k, got in changed.items():
+        if k in _TABLES:
+            meta[k] = meta[k].replaced(dict(zip(got, _file_texts(list(got.values())) if k == "files"
+                                                 else got.values())))
+        else:
+            for r, v in got.items():
+                meta[k][r] = v
+    return _index_from_builder(b, meta, set(changed), skeleton, world, layout)
 
 
 def _index_from_builder(b: IndexBuilder, meta: Dict[str, List[Any]], changed: Set[str],
@@ -762,11 +785,7 @@ def _index_from_builder(b: IndexBuilder, meta: Dict[str, List[Any]], changed: Se
             "layout": dict(layout or {}), "rank_trees": [], "extra": {}}
     # objects and trees as last time (every rank sent at most its files): the last index's
     reuse = skeleton is not None and skeleton.tail is not None and changed <= {"files"}
-    files: Optional[Dict[str, Dict[str, Any]]] = None
-    if not reuse or "files" in changed:
-        files = {}
-        for fs in meta["files"]:
-            files.update(fs)
+    files: Optional[NamedTexts] = meta["files"] if not reuse or "files" in changed else None
     if reuse:
         assert skeleton is not None
         head_bytes, sections = b.finish(head, files, tail=skeleton.tail)
@@ -775,9 +794,7 @@ def _index_from_builder(b: IndexBuilder, meta: Dict[str, List[Any]], changed: Se
     parts: Dict[str, str] = {}
     for ps in meta["parts"]:
         parts.update(ps)
-    for objs in meta["objects"]:
-        for u, text in objs.items():
-            b.object(u, text)
+    b.objects(meta["objects"])
     rank_trees: List[str] = []
     tids: Dict[Any, str] = {}  # a state tree's (key, part id) pairs -> its id: most ranks share a few
     shared: Dict[int, str] = {}  # id of a tree list many ranks share (commit_part) -> its id
@@ -799,6 +816,7 @@ def _index_from_builder(b: IndexBuilder, meta: Dict[str, List[Any]], changed: Se
 
 
 META_FIELDS = ("files", "objects", "tree", "parts")  # what a steady commit leaves out when unchanged
+_TABLES = ("files", "objects")  # of META_FIELDS: kept as NamedTexts (per rank, {name: JSON text})
 
 
 def records_digest(records: Sequence[Sequence[Any]]) -> str:

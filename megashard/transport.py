@@ -696,10 +696,31 @@ class Lead(Protocol):
 def pack_led_part(part: Mapping[str, Any]) -> bytes:
     """A leader's reduced part (``{"part": ...}`` or ``{"failures": ...}``) for rank 0: one tag
     byte (``F``: failures, ``P``: a part), so that rank 0 finds failures without decoding
-    every part, then the compressed JSON."""
-    data = _dumps_bytes(part)
+    every part, then, compressed: the JSON text's length (u64), the JSON, and each bytes value
+    of the part as it is. A bytes value (a group's joined records, object texts) travels
+    outside the JSON: no escaped quote to encode or decode, no str made of it at rank 0."""
+    blobs: List[bytes] = []
+    at = 0
+
+    def blob(v: Any) -> Any:
+        nonlocal at
+        if isinstance(v, (bytes, bytearray)):
+            blobs.append(bytes(v))
+            at += len(v)
+            return {_BLOB: [at - len(v), len(v)]}
+        raise TypeError(f"a part holds a {type(v).__name__}, which JSON cannot carry")
+
+    data = json.dumps(part, separators=(",", ":"), default=blob).encode()
     tag = b"F" if "failures" in part else b"P"
-    return tag + zlib.compress(data, PART_UP_ZLIB_LEVEL)
+    body = zlib.compressobj(PART_UP_ZLIB_LEVEL)
+    out = [tag, body.compress(len(data).to_bytes(8, "little")), body.compress(data)]
+    out += [body.compress(b) for b in blobs]
+    out.append(body.flush())
+    return b"".join(out)
+
+
+#: the key of the JSON object that stands for a :func:`pack_led_part` bytes value (where it lies after the JSON)
+_BLOB = "\x00blob"
 
 
 def led_part_failed(data: bytes) -> bool:
@@ -719,11 +740,27 @@ def _decoded_parts(got: List[Any]) -> Iterator[Any]:
 
 
 def unpack_led_part(data: bytes) -> Dict[str, Any]:
-    """Rank 0: a leader's :func:`pack_led_part`."""
+    """Rank 0: a leader's :func:`pack_led_part`, its bytes values in place."""
     if data[:1] not in (b"F", b"P"):
         raise DistributedError({0: "a group leader's part has no tag byte: run every rank with the same "
                                    "megashard version"}, "gather")
-    return json.loads(zlib.decompress(data[1:]))
+    raw = zlib.decompress(data[1:])
+    n = int.from_bytes(raw[:8], "little")
+    out = json.loads(raw[8:8 + n])
+    base = 8 + n
+    todo = [out]  # bytes values are looked for in dicts only (parts hold them there); no recursive closure:
+    while todo:   # its reference cycle would keep every decompressed part while the collector is paused
+        d = todo.pop()
+        for k, v in d.items():
+            if type(v) is dict:  # noqa: E721
+                if len(v) == 1 and _BLOB in v:
+                    a, size = v[_BLOB]
+                    if not 0 <= a <= a + size <= len(raw) - base:
+                        raise DistributedError({0: "a group leader's part is malformed"}, "gather")
+                    d[k] = raw[base + a:base + a + size]
+                else:
+                    todo.append(v)
+    return out
 
 
 def pack_replies(replies: Sequence[Any]) -> bytes:

@@ -14,7 +14,7 @@ from typing import Any
 
 from megashard import manifest, storage
 from megashard.jsonstate import TAG
-from megashard.manifest import TREE_WHOLE, IndexBuilder, record_text
+from megashard.manifest import TREE_WHOLE, IndexBuilder, NamedTexts, record_text
 
 _dumps = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
@@ -115,8 +115,7 @@ def encode_doc(doc: Any) -> tuple:
                 text = _dumps([fl, s.get("file"), s.get("name", ""), s.get("header_offset", 0),
                                s.get("data_offset"), s.get("nbytes")])
             b.record(key, g, _flat_start(fl), text, crc=s.get("crc32", 0))
-    for u, v in doc.get("objects", {}).items():
-        b.object(u, _dumps(v))
+    b.objects(NamedTexts.of([{u: _dumps(v) for u, v in doc.get("objects", {}).items()}]))
     for tid, tree in doc.get("trees", {}).items():
         if isinstance(tree, dict) and TREE_WHOLE not in tree and TAG not in tree:
             b.tree(tid, [(k, _dumps(v)) for k, v in tree.items()])

@@ -5,7 +5,11 @@ and each leader expands its group's reply to its members. A member's error, a re
 raises on a leader and a compute that raises reach every rank, naming the failing ranks."""
 from __future__ import annotations
 
+import sys
 from typing import Any, List
+from unittest import mock
+
+import pytest
 
 from megashard import transport
 from megashard.errors import DistributedError
@@ -145,3 +149,28 @@ def test_led_parts_round_trip():
     assert transport.unpack_led_part(transport.pack_led_part(part)) == part
     assert not transport.led_part_failed(transport.pack_led_part(part))
     assert transport.led_part_failed(transport.pack_led_part({"failures": {"3": "broke"}}))
+
+
+def test_led_parts_carry_bytes_beside_the_json_and_keep_no_decompressed_part():
+    """A part's bytes values (a group's joined records and object texts) travel after the JSON, as
+    they are: equal on arrival, and nothing of the decompressed part outlives the decoded one even
+    with the collector paused (rank 0 decodes hundreds of parts under ``gc_paused``)."""
+    body = b'[null,"a\\"b.tensors",null,1,2,3]' * 1000
+    part = {"part": {"records": {"body": body, "n": [1, 2]}, "objects": {"names": ["u"], "body": b"{}"},
+                     "empty": {"body": b""}, "text": "x"}}
+    packed = transport.pack_led_part(part)
+    assert len(packed) < len(body) // 10  # compressed with the JSON
+    kept: List[bytes] = []
+    real = transport.zlib.decompress
+
+    def watched(data: bytes) -> bytes:
+        kept.append(real(data))
+        return kept[-1]
+
+    with transport.gc_paused(), mock.patch.object(transport.zlib, "decompress", watched):
+        got = transport.unpack_led_part(packed)
+        assert got == part and type(got["part"]["records"]["body"]) is bytes
+        refs = sys.getrefcount(kept[0])  # kept's and the call's (not in the assert: pytest keeps its operands)
+        assert len(kept) == 1 and refs == 2, "the decompressed part outlived its decoding"
+    with pytest.raises(transport.DistributedError):  # a bytes value said to lie past the part's end
+        transport.unpack_led_part(packed[:1] + transport.zlib.compress(real(packed[1:])[:-10]))
