@@ -493,19 +493,17 @@ def named_texts(members: Sequence[Optional[Mapping[str, str]]]) -> Dict[str, Any
 
 class NamedTexts:
     """Every rank's ``{name: JSON text}`` entries of one kind, in rank order, from the groups'
-    :func:`named_texts`: ``names``, then (joined when first used) one body, each entry's end in
-    it and each rank's entry count. It stands for the millions of small dicts the first commit at 100k+ ranks held
-    (every rank's files and objects, kept for the next steady commit): the index's file and
-    object tables are cut from it (:meth:`IndexBuilder.finish`) without decoding a value."""
+    :func:`named_texts`: ``names`` and the texts in one body (:meth:`cut`). It stands for the
+    millions of small dicts the first commit at 100k+ ranks held (every rank's files and objects,
+    kept for the next steady commit): the index's file and object tables are cut from it
+    (:meth:`IndexBuilder.finish`) without decoding a value."""
 
     def __init__(self) -> None:
         self.names: List[str] = []
-        self._bodies: List[bytes] = []
+        self._body = bytearray()  # grown in place: joining the groups' bodies at the end held them twice
         self._lengths: List[Any] = []
         self._counts: List[Any] = []
-        self._body: Optional[bytes] = None
-        self._ends: Any = None
-        self._rank_counts: Any = None
+        self._cut: Optional[Tuple[Any, Any, Any]] = None  # (starts, ends, counts per rank) once asked for
 
     def add(self, part: Mapping[str, Any]) -> None:
         """One group's :func:`named_texts` (group order)."""
@@ -517,12 +515,12 @@ class NamedTexts:
             raise ValueError("a group's named texts are inconsistent")
         self._add(names, counts, lengths, body)
 
-    def _add(self, names: List[str], counts: Any, lengths: Any, body: bytes) -> None:
+    def _add(self, names: List[str], counts: Any, lengths: Any, body: Any) -> None:
         self.names += names
-        self._bodies.append(body)
+        self._body += body
         self._lengths.append(lengths)
         self._counts.append(counts)
-        self._body = None
+        self._cut = None
 
     @classmethod
     def of(cls, members: Sequence[Optional[Mapping[str, str]]]) -> "NamedTexts":
@@ -530,27 +528,26 @@ class NamedTexts:
         t.add(named_texts(members))
         return t
 
-    def _joined(self) -> Tuple[bytes, Any, Any]:
-        if self._body is None:
-            self._body = b"".join(self._bodies)
-            self._bodies = [self._body]
+    def cut(self) -> Tuple[Any, Any, Any, Any]:
+        """``(body, starts, ends, counts)``: the texts joined, each entry's start and end in them
+        (numpy int64), each rank's entry count."""
+        if self._cut is None:
             lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
-            self._lengths = [lengths]
-            self._ends = np.cumsum(lengths)
-            self._rank_counts = np.concatenate(self._counts) if self._counts else np.zeros(0, dtype=np.int64)
-            self._counts = [self._rank_counts]
-        return self._body, self._ends, self._rank_counts
+            counts = np.concatenate(self._counts) if self._counts else np.zeros(0, dtype=np.int64)
+            self._lengths, self._counts = [lengths], [counts]
+            ends = np.cumsum(lengths)
+            self._cut = (ends - lengths, ends, counts)
+        return (self._body,) + self._cut
 
     @property
     def ranks(self) -> int:
-        return len(self._joined()[2])
+        return len(self.cut()[3])
 
     def by_rank(self) -> List[Dict[str, Any]]:
         """Every rank's entries, decoded: ``[{name: value}, ...]`` (the storage's commit checks files)."""
-        body, ends, counts = self._joined()
-        starts = ends - self._lengths[0]
-        mv = memoryview(body)
-        values = json.loads(b"[" + b",".join([mv[a:e] for a, e in zip(starts.tolist(), ends.tolist())]) + b"]")
+        body, starts, ends, counts = self.cut()
+        with memoryview(body) as mv:
+            values = json.loads(b"[" + b",".join([mv[a:e] for a, e in zip(starts.tolist(), ends.tolist())]) + b"]")
         out: List[Dict[str, Any]] = []
         i = 0
         for n in counts.tolist():
@@ -561,8 +558,8 @@ class NamedTexts:
     def replaced(self, changes: Mapping[int, Mapping[str, str]]) -> "NamedTexts":
         """A copy with the entries of the ranks in ``changes`` (rank -> their new ``{name: text}``);
         the other ranks' entries are copied in runs, not one by one."""
-        body, ends, counts = self._joined()
-        lengths = self._lengths[0]
+        body, starts, ends, counts = self.cut()
+        lengths = ends - starts
         firsts = (np.cumsum(counts) - counts).tolist()
         out = NamedTexts()
         r = 0
@@ -913,13 +910,13 @@ def _place_named(sec: _Sections, table: "NamedTexts") -> List[str]:
     """Each entry's text as its own section, in rank order and in one write (no text is shared
     with another section: object texts name their key and offset); returns each entry's row
     of the table ``{name: [start, length, crc32]}`` as JSON text (``"name":[...]``)."""
-    body, ends, _ = table._joined()
-    starts = ends - table._lengths[0]
+    body, starts, ends, _ = table.cut()
     base = sec.size
     sec.write(body)
-    mv, crc32, names = memoryview(body), zlib.crc32, table.names
-    return [f"{_quote(n)}:[{base + a},{e - a},{crc32(mv[a:e])}]"
-            for n, a, e in zip(names, starts.tolist(), ends.tolist())]
+    with memoryview(body) as mv:
+        crc32 = zlib.crc32
+        return [f"{_quote(n)}:[{base + a},{e - a},{crc32(mv[a:e])}]"
+                for n, a, e in zip(table.names, starts.tolist(), ends.tolist())]
 
 
 def _row_buckets(sec: _Sections, table: "NamedTexts", rows: List[str], size: int) -> List[Any]:
@@ -931,15 +928,15 @@ def _row_buckets(sec: _Sections, table: "NamedTexts", rows: List[str], size: int
 
 def _text_buckets(sec: _Sections, table: "NamedTexts", size: int) -> List[Any]:
     """:func:`_buckets` of ``{name: value}`` from the values' texts (same bytes): no value decoded."""
-    body, ends, _ = table._joined()
-    starts = (ends - table._lengths[0]).tolist()
-    ends_, mv, names = ends.tolist(), memoryview(body), table.names
+    body, starts_, ends_, _ = table.cut()
+    starts, ends, names = starts_.tolist(), ends_.tolist(), table.names
     order = table.order()
     out = []
-    for i in range(0, len(order), size):
-        got = order[i:i + size]
-        data = b"{" + b",".join([b"%s:%s" % (_quote(names[j]).encode(), mv[starts[j]:ends_[j]]) for j in got]) + b"}"
-        out.append([names[got[0]]] + sec.add(data))
+    with memoryview(body) as mv:
+        for i in range(0, len(order), size):
+            got = order[i:i + size]
+            data = b"{" + b",".join([b"%s:%s" % (_quote(names[j]).encode(), mv[starts[j]:ends[j]]) for j in got]) + b"}"
+            out.append([names[got[0]]] + sec.add(data))
     return out
 
 
