@@ -889,7 +889,7 @@ class IndexSkeleton:
     tensors: List[Any]
     perm: Any  # numpy int64
     tail: Optional["IndexTail"] = None  # the last index's objects, trees and files (set by its writer)
-    meta: Optional[Dict[str, List[Any]]] = None  # the writer's: what each rank sent last, by field
+    meta: Optional[Dict[str, Any]] = None  # the writer's: what each rank sent last, by field (files, objects: NamedTexts)
 
 
 @dataclass

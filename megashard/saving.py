@@ -777,7 +777,7 @@ def _steady_index(results: Sequence[Mapping[str, Any]], tensors: Mapping[str, Tu
     return _index_from_builder(b, meta, set(changed), skeleton, world, layout)
 
 
-def _index_from_builder(b: IndexBuilder, meta: Dict[str, List[Any]], changed: Set[str],
+def _index_from_builder(b: IndexBuilder, meta: Dict[str, Any], changed: Set[str],
                         skeleton: Optional[IndexSkeleton], world: int,
                         layout: Optional[Mapping[str, Any]]) -> Tuple[bytes, bytes, Optional[IndexSkeleton]]:
     """The head and sections once ``b`` holds every chunk: files, objects and trees from ``meta``."""
