@@ -72,3 +72,8 @@ def test_replaced_swaps_only_the_changed_ranks_entries():
 def test_order_keeps_the_last_of_equal_names():
     t = NamedTexts.of([{"b": "1", "a": "2"}, {"b": "3"}, {"c": "4", "a": "5"}])
     assert [(t.names[j], j) for j in t.order()] == [("a", 4), ("b", 2), ("c", 3)]
+
+
+def test_texts_that_are_not_ascii_keep_their_byte_lengths():
+    t = NamedTexts.of([{"a": '"ü"', "b": '"x"'}, {"c": "[1]"}])
+    assert t.by_rank() == [{"a": "ü", "b": "x"}, {"c": [1]}]
