@@ -500,7 +500,8 @@ class NamedTexts:
 
     def __init__(self) -> None:
         self.names: List[str] = []
-        self._body = bytearray()  # grown in place: joining the groups' bodies at the end held them twice
+        self._bodies: List[bytes] = []  # joined once, when first cut: a bytearray grown group by group
+        # left the allocator's holes behind (commit-window RSS 595 -> 903 MB at 131,072 DeepSeek-V3 ranks)
         self._lengths: List[Any] = []
         self._counts: List[Any] = []
         self._cut: Optional[Tuple[Any, Any, Any]] = None  # (starts, ends, counts per rank) once asked for
@@ -515,9 +516,9 @@ class NamedTexts:
             raise ValueError("a group's named texts are inconsistent")
         self._add(names, counts, lengths, body)
 
-    def _add(self, names: List[str], counts: Any, lengths: Any, body: Any) -> None:
+    def _add(self, names: List[str], counts: Any, lengths: Any, body: bytes) -> None:
         self.names += names
-        self._body += body
+        self._bodies.append(body)
         self._lengths.append(lengths)
         self._counts.append(counts)
         self._cut = None
@@ -532,12 +533,13 @@ class NamedTexts:
         """``(body, starts, ends, counts)``: the texts joined, each entry's start and end in them
         (numpy int64), each rank's entry count."""
         if self._cut is None:
+            self._bodies = [b"".join(self._bodies)]
             lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int64)
             counts = np.concatenate(self._counts) if self._counts else np.zeros(0, dtype=np.int64)
             self._lengths, self._counts = [lengths], [counts]
             ends = np.cumsum(lengths)
             self._cut = (ends - lengths, ends, counts)
-        return (self._body,) + self._cut
+        return (self._bodies[0],) + self._cut
 
     @property
     def ranks(self) -> int:
