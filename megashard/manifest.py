@@ -500,8 +500,7 @@ class NamedTexts:
 
     def __init__(self) -> None:
         self.names: List[str] = []
-        self._bodies: List[bytes] = []  # joined once, when first cut: a bytearray grown group by group
-        # left the allocator's holes behind (commit-window RSS 595 -> 903 MB at 131,072 DeepSeek-V3 ranks)
+        self._bodies: List[bytes] = []  # the groups' bodies, joined once when first cut
         self._lengths: List[Any] = []
         self._counts: List[Any] = []
         self._cut: Optional[Tuple[Any, Any, Any]] = None  # (starts, ends, counts per rank) once asked for
