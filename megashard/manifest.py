@@ -856,7 +856,7 @@ class IndexBuilder:
                     return got
 
                 trees = {tid: [[k] + part(text) for k, text in parts] for tid, parts in self._trees}
-                tables = {"objects": _row_buckets(sec, objects, rows, OBJECT_BUCKET),
+                tables = {"objects": _row_buckets(sec, objects, rows.__getitem__, OBJECT_BUCKET),
                           "trees": _buckets(sec, trees, TREE_BUCKET)}
             files_at = sec.size  # the file table comes last
             tables["files"] = (_text_buckets(sec, files, FILE_BUCKET) if isinstance(files, NamedTexts)
@@ -907,7 +907,7 @@ class IndexTail:
     files_at: int  # where the file table's sections start (the last of the tail)
 
 
-def _place_named(sec: _Sections, table: "NamedTexts") -> List[str]:
+def _place_named(sec: _Sections, table: "NamedTexts") -> List[bytes]:
     """Each entry's text as its own section, in rank order and in one write (no text is shared
     with another section: object texts name their key and offset); returns each entry's row
     of the table ``{name: [start, length, crc32]}`` as JSON text (``"name":[...]``)."""
@@ -916,14 +916,15 @@ def _place_named(sec: _Sections, table: "NamedTexts") -> List[str]:
     sec.write(body)
     with memoryview(body) as mv:
         crc32 = zlib.crc32
-        return [f"{_quote(n)}:[{base + a},{e - a},{crc32(mv[a:e])}]"
+        return [b"%s:[%d,%d,%d]" % (_quote(n).encode(), base + a, e - a, crc32(mv[a:e]))
                 for n, a, e in zip(table.names, starts.tolist(), ends.tolist())]
 
 
-def _row_buckets(sec: _Sections, table: "NamedTexts", rows: List[str], size: int) -> List[Any]:
-    """:func:`_buckets` of ``table``'s names (same bytes) from each entry's row text."""
+def _row_buckets(sec: _Sections, table: "NamedTexts", row: Callable[[int], bytes], size: int) -> List[Any]:
+    """:func:`_buckets` of ``table``'s names (same bytes) from each entry's row (``row(j)``:
+    ``"name":value`` of entry ``j``), made bucket by bucket."""
     order, names = table.order(), table.names
-    return [[names[order[i]]] + sec.add(("{" + ",".join([rows[j] for j in order[i:i + size]]) + "}").encode())
+    return [[names[order[i]]] + sec.add(b"{" + b",".join([row(j) for j in order[i:i + size]]) + b"}")
             for i in range(0, len(order), size)]
 
 
@@ -931,14 +932,8 @@ def _text_buckets(sec: _Sections, table: "NamedTexts", size: int) -> List[Any]:
     """:func:`_buckets` of ``{name: value}`` from the values' texts (same bytes): no value decoded."""
     body, starts_, ends_, _ = table.cut()
     starts, ends, names = starts_.tolist(), ends_.tolist(), table.names
-    order = table.order()
-    out = []
     with memoryview(body) as mv:
-        for i in range(0, len(order), size):
-            got = order[i:i + size]
-            data = b"{" + b",".join([b"%s:%s" % (_quote(names[j]).encode(), mv[starts[j]:ends[j]]) for j in got]) + b"}"
-            out.append([names[got[0]]] + sec.add(data))
-    return out
+        return _row_buckets(sec, table, lambda j: b"%s:%s" % (_quote(names[j]).encode(), mv[starts[j]:ends[j]]), size)
 
 
 _quote = json.encoder.encode_basestring_ascii  # a str's JSON text as _dumps writes it (ensure_ascii)

@@ -48,7 +48,7 @@ def test_objects_placed_one_section_each_then_bucketed_as_before():
     sec = _Sections()
     sec.write(b"xyz")
     rows = manifest._place_named(sec, t)
-    got = manifest._row_buckets(sec, t, rows, 64)
+    got = manifest._row_buckets(sec, t, rows.__getitem__, 64)
     data = sec.take()
     (first, start, length, crc), = got
     table = json.loads(data[start:start + length])
