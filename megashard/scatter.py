@@ -131,10 +131,11 @@ def scatter(comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: D
     Returns ``((bytes read from storage, bytes received, transport used), error or None)``. On a node's
     reader, ``touched`` is extended with what the node's other ranks touch, so that
     ``verify`` there covers every byte the node loaded. Raises DistributedError (on
-    every rank) when the setup fails. ``open_files()`` (readers only) returns the files
-    object (:func:`~megashard.storage.checkpoint_files`): the reader reads through its
-    ``read_into``, passes descriptors (``descriptor``) only where ``passes_descriptors``,
-    and closes it.
+    every rank) when the setup fails. ``open_files()`` returns the files object
+    (:func:`~megashard.storage.checkpoint_files`): the reader reads through its ``read_into``,
+    passes descriptors (``descriptor``) only where ``passes_descriptors``, and closes it; a
+    non-reader opens one only where the reader's has ``every_rank_reads`` (an object store),
+    to read the bytes no other rank of its node needs.
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"scatter_transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -146,7 +147,7 @@ def scatter(comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: D
             return _Reader(comm, base, manifest, ops, touched, readers, chunk, threads, transport, open_files,
                            copier).run()
         return _Consumer(comm, base, manifest, ops, touched, readers[comm.rank], chunk, transport, threads,
-                         copier).run()
+                         copier, open_files).run()
     finally:
         if copier is not None:
             copier.close()
@@ -161,12 +162,13 @@ class _Consumer:
 
     def __init__(self, comm: Comm, base: str, manifest: Any, ops: Sequence[Any], touched: Mapping[str, Dict[str, Any]],
                  reader: int, chunk: int, transport: str, threads: Optional[int],
-                 copier: Optional[DeviceCopier]) -> None:
+                 copier: Optional[DeviceCopier], open_files: Callable[[], Any]) -> None:
         self.comm, self.base, self.manifest, self.ops, self.touched = comm, base, manifest, ops, touched
-        self.copier = copier
+        self.copier, self.open_files = copier, open_files
         self.reader, self.chunk, self.transport = reader, chunk, transport
         self.threads = threads or default_read_threads()
         self.fds: Dict[str, int] = {}
+        self.files: Any = None  # this rank's own files object, where the schedule says it reads itself
         self.lock = threading.Lock()  # ops' lazy temporaries, shared by the ring and direct-read threads
         self.copied_all = False  # every byte is out of the ring: it is unmapped off this load's path
 
@@ -191,7 +193,11 @@ class _Consumer:
                 if "fd_pass" in sched:  # descriptors first; any failure here means "use the ring"
                     _send_json(self.comm, {"error": self.receive_fds(listener, sched["fd_pass"])}, self.reader)
                     sched = _recv_json(self.comm, self.reader)
-                if [str(f) for f in sched.get("fd_files", [])] != list(self.fds):
+                if sched.get("self_read"):  # an object store: this rank GETs its own bytes (no descriptors)
+                    fdpass.close_all(list(self.fds.values()))
+                    self.fds.clear()
+                    self.files = self.open_files()
+                elif [str(f) for f in sched.get("fd_files", [])] != list(self.fds):
                     if sched.get("fd_files"):
                         raise CheckpointError(f"scatter schedule from reader rank {self.reader} names files "
                                               "whose descriptors this rank did not receive")
@@ -199,8 +205,9 @@ class _Consumer:
                     self.fds.clear()
                 if sched.get("transport") == "shm":  # this rank's own bytes need nothing more: read them
                     # while the agreements run (a failed setup stops the reads before anything returns)
-                    direct = _DirectReads(self.ops, self.lock, self.read_passed, self.base,
-                                          self.direct_batches(sched), self.threads, self.copier)
+                    direct = _DirectReads(self.ops, self.lock,
+                                          self.read_self if self.files is not None else self.read_passed,
+                                          self.base, self.direct_batches(sched), self.threads, self.copier)
                     direct.start()
             except MegashardError as e:
                 err = _err(e, f"exchanging the scatter schedule with reader rank {self.reader}")
@@ -230,6 +237,8 @@ class _Consumer:
                 direct.finish(True)  # (a no-op after a transfer) before its descriptors close
             fdpass.close_all(list(self.fds.values()))
             self.fds.clear()
+            if self.files is not None:
+                self.files.close()
             if ring is not None:
                 if self.copied_all:
                     ring.close_in_background()
@@ -239,6 +248,11 @@ class _Consumer:
     def read_passed(self, f: str, reqs: List[Tuple[int, memoryview]], threads: int) -> None:
         """Fill ``reqs`` from ``f`` through the descriptor the reader passed (checked on receipt)."""
         read_requests(self.fds[f], reqs, os.path.join(self.base, f), threads)
+
+    def read_self(self, f: str, reqs: List[Tuple[int, memoryview]], threads: int) -> None:
+        """Fill ``reqs`` from ``f`` through this rank's own files object (every read pinned to the
+        index's ETag and checked against its size, as the reader's are)."""
+        self.files.read_into(f, reqs, size=int(self.manifest.files[f].get("bytes", 0)), threads=threads)
 
     def receive_fds(self, listener: Optional[fdpass.Listener], offer: Dict[str, Any]) -> Optional[str]:
         """Take the reader's descriptors of ``offer["files"]`` (only from ``offer["reader_pid"]``) and
@@ -298,7 +312,8 @@ class _Consumer:
             self.copier.unregister_all()  # before the ring is unmapped
         if direct.error is not None:
             ring.fail_consumer(me)
-            err = err or _err(direct.error, "reading this rank's ranges through the reader's descriptors")
+            err = err or _err(direct.error, "reading this rank's own ranges" + (
+                "" if self.files is not None else " through the reader's descriptors"))
         self.copied_all = err is None
         return (direct.nread, received, "shm"), err
 
@@ -410,8 +425,13 @@ class _Reader:
             if not any(n for r in self.consumers for _, _, n in self.requests[r]):
                 mode = "none"  # only this rank needs bytes: it reads them itself, nothing travels
             elif self.wants_ring():
-                passes = bool(self.files.passes_descriptors)  # else: every other rank's bytes through the ring
-                candidates = {c for c, s in enumerate(self.sockets) if s} if passes else set()
+                passes = bool(self.files.passes_descriptors)
+                if passes:
+                    candidates = {c for c, s in enumerate(self.sockets) if s}
+                elif self.self_reads():  # an object store: each rank GETs the bytes only it needs itself
+                    candidates = set(range(len(self.consumers)))
+                else:  # every other rank's bytes through the ring
+                    candidates = set()
                 sched = self.plan_shm(candidates)
                 mode = self.choose(same_host, self.ring_bytes(sched))
                 if mode == "shm" and passes:
@@ -475,6 +495,13 @@ class _Reader:
             if a < 0 or n < 0 or a + n > size:
                 raise CheckpointError(f"{os.path.join(self.base, f)}: byte range {a}+{n} past end of file ({size} bytes)")
 
+    def self_reads(self) -> bool:
+        """Whether the node's other ranks read the bytes only they need through files objects of their
+        own: the store needs no descriptor for that (``every_rank_reads``: an object store, whose every
+        GET is pinned to the index's ETag). Their bytes then cross no process, and scatter costs what
+        ``own`` does where nothing is shared; the ring carries only bytes several ranks need."""
+        return bool(getattr(self.files, "every_rank_reads", False))
+
     def wants_ring(self) -> bool:
         """Whether shared memory is an option: other ranks need bytes and the caller allows it."""
         return self.transport != "group" and any(n for r in self.consumers for _, _, n in self.requests[r])
@@ -520,13 +547,21 @@ class _Reader:
         ring_owners: List[Tuple[int, int, int]] = []  # (consumer or -1, op index, offset in op)
         direct: List[List[Direct]] = [[] for _ in self.consumers]
         mine_direct: List[Direct] = []
+        alone: List[Tuple[int, Direct]] = []  # (consumer or -1, piece) bytes only one rank needs
         for (f, a, _), (c, i), pieces in zip(ranges, owners, split_shared(ranges)):
             for pos, n, shared in pieces:
                 if shared or (c >= 0 and c not in fd_ok):
                     ring_ranges.append((f, a + pos, n))
                     ring_owners.append((c, i, pos))
                 else:
-                    (mine_direct if c < 0 else direct[c]).append((f, a + pos, n, i, pos))
+                    alone.append((c, (f, a + pos, n, i, pos)))
+        gap = int(getattr(self.files, "read_gap_bytes", 0) or 0)
+        for (c, d), own in zip(alone, _read_alone(alone, ranges, gap)):
+            if own:
+                (mine_direct if c < 0 else direct[c]).append(d)
+            else:  # its GETs would also fetch bytes other ranks need: read once, in the ring's extents
+                ring_ranges.append((d[0], d[1], d[2]))
+                ring_owners.append((c, d[3], d[4]))
         extents, pieces = plan.partition(ring_ranges, self.chunk)
         mine: Dict[int, List[Tuple[int, int, int, int]]] = {}  # ring extent -> (op, pos, n, offset in slot)
         per_consumer: List[Dict[int, List[List[int]]]] = [{} for _ in self.consumers]
@@ -607,6 +642,7 @@ class _Reader:
             files = sorted({d[0] for d in sched["direct"][c]})
             where = {f: j for j, f in enumerate(files)}
             out[r] = {"transport": "shm", "ring": ring, "populate": self.populate_ring(),
+                      "self_read": bool(files) and self.self_reads(),
                       "consumers": len(self.consumers), "index": c,
                       "slots": sched["slots"], "slot_bytes": sched["slot_bytes"], "reader_pid": os.getpid(),
                       "n_extents": len(sched["extents"]), "extents": sorted(sched["per_consumer"][c].items()),
@@ -851,6 +887,57 @@ def _batches(direct: Sequence[Direct], cap: int, ops: Sequence[Any]) -> List[Lis
         batches[-1].append(d)
         size += temp
     return batches
+
+
+def _read_alone(alone: Sequence[Tuple[int, Direct]], ranges: Sequence[Range], gap: int) -> List[bool]:
+    """Per piece that only its rank needs, whether that rank reads it itself. A store whose reads
+    fetch the gaps of up to ``gap`` bytes between one caller's requests (an object store's GETs)
+    would fetch bytes other ranks need along with a rank's own (column halves of row-major
+    tensors: every other row piece); such pieces go through the ring, whose extents are read once
+    for all ranks. A rank's pieces are taken in runs, as its reads would be coalesced: a run stays
+    the rank's own while the needed bytes of its gaps are at most 1/16 of its own, and it holds at
+    least ``gap`` bytes (a smaller one costs a request of its own; in the ring it shares the GETs of
+    the extents around it)."""
+    out = [True] * len(alone)
+    if gap <= 0:
+        return out
+    merged: Dict[str, List[List[int]]] = {}  # file -> the union of every rank's ranges, [start, end] in order
+    for f, a, n in sorted(r for r in ranges if r[2] > 0):
+        m = merged.setdefault(f, [])
+        if m and a <= m[-1][1]:
+            m[-1][1] = max(m[-1][1], a + n)
+        else:
+            m.append([a, a + n])
+    starts = {f: [a for a, _ in m] for f, m in merged.items()}
+    below: Dict[str, List[int]] = {}  # file -> needed bytes before each merged range
+    for f, m in merged.items():
+        acc = below[f] = [0]
+        for a, b in m:
+            acc.append(acc[-1] + b - a)
+
+    def needed_below(f: str, x: int) -> int:
+        k = bisect.bisect_right(starts[f], x) - 1
+        return 0 if k < 0 else below[f][k] + min(x, merged[f][k][1]) - merged[f][k][0]
+
+    runs: Dict[Tuple[int, str], List[int]] = {}
+    for j, (c, d) in enumerate(alone):
+        runs.setdefault((c, d[0]), []).append(j)
+    for (c, f), js in runs.items():
+        js.sort(key=lambda j: alone[j][1][1])
+        run: List[int] = []
+        for j in js + [-1]:
+            d = alone[j][1] if j >= 0 else None
+            if run and (d is None or d[1] - (alone[run[-1]][1][1] + alone[run[-1]][1][2]) > gap):
+                first, last = alone[run[0]][1], alone[run[-1]][1]
+                own = sum(alone[k][1][2] for k in run)
+                others = needed_below(f, last[1] + last[2]) - needed_below(f, first[1]) - own
+                if own < gap or 16 * others > own:
+                    for k in run:
+                        out[k] = False
+                run = []
+            if j >= 0:
+                run.append(j)
+    return out
 
 
 def split_shared(ranges: Sequence[Range]) -> List[List[Tuple[int, int, bool]]]:

@@ -17,6 +17,7 @@ import megashard
 from megashard import CheckpointError, MegashardError, storage
 from megashard.errors import CommitConflictError
 from megashard.storage.s3 import checkpoint as objck
+from megashard.sharded import ShardedTensor
 from megashard.storage.s3.client import ObjectStore
 
 from bitexact import assert_same
@@ -686,6 +687,49 @@ def test_scatter_ring_extents_are_read_in_coalesced_gets(s3):
     assert out[0]["transport"] == "shm"
     assert out[0]["stats"].get("GET_RANGE", 0) == 1, out[0]["stats"]
     assert sum(out[1]["stats"].values()) == 0
+
+
+def _load_halves_scatter(rank, world, url, rows, cols, dim):
+    from megashard.sharded import ShardedTensor
+    from megashard.storage.s3.client import ObjectStore
+
+    store, _ = ObjectStore.for_url(url)
+    store.stats.clear()
+    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6))
+    want = full.chunk(world, dim)[rank].contiguous()
+    dest = torch.zeros_like(want)
+    _, stats = megashard.load({"w": ShardedTensor.from_rank_offsets("w", dest, (dim, rank, world))}, url,
+                              mode="scatter", scatter_chunk_bytes=MiB, scatter_transport="shm", return_stats=True)
+    return {"ok": bool(torch.equal(dest, want)), "stats": dict(store.stats), "transport": stats.transport,
+            "read": stats.bytes_read, "received": stats.bytes_received, "nbytes": want.numel() * 4}
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_scatter_from_s3_each_rank_gets_the_bytes_only_it_needs_itself(s3, dim):
+    """Row halves of an 8 MiB tensor: every byte is needed by one rank only, so each rank GETs its own
+    half itself (an object store needs no descriptor for that) and nothing crosses the node's ring:
+    scatter costs what ``own`` does. Column halves: a rank's 8 KiB row pieces lie between the other
+    rank's, and GETs of one rank's pieces would fetch the other's too; they go through the ring,
+    read once by the reader. The other rank never fetches the head or the index (its reader sends
+    it); bit-exact on both ranks, each byte from the store once."""
+    rows, cols = 512, 4096  # fp32: 8 MiB, half a row 8 KiB
+    url = s3.url(f"halves{dim}/iter_0000001")
+    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6))
+    megashard.save({"w": ShardedTensor.from_rank_offsets("w", full)}, url)
+    out = all_ok(run_ranks(_load_halves_scatter, 2, url, rows, cols, dim, env={"MEGASHARD_NODE_ID": "node0"}))
+    assert [o["ok"] for o in out] == [True, True]
+    assert [o["transport"] for o in out] == ["shm", "shm"]
+    reader, other = out
+    assert other["stats"].get("GET", 0) == 0 and other["stats"].get("HEAD", 0) == 0, other["stats"]
+    assert reader["stats"].get("GET", 0) == 3, reader["stats"]  # head, digest, the whole index: once for the node
+    if dim == 0:
+        assert [o["read"] for o in out] == [o["nbytes"] for o in out]  # each rank its own half, from the store
+        assert [o["received"] for o in out] == [0, 0]
+        assert other["stats"].get("GET_RANGE", 0) >= 1
+    else:
+        assert reader["read"] == 2 * reader["nbytes"] and other["read"] == 0  # every byte once, by the reader
+        assert other["received"] >= other["nbytes"]  # the span of its rows, through the ring
+        assert sum(other["stats"].values()) == 0, other["stats"]
 
 
 def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, monkeypatch):

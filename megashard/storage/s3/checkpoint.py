@@ -40,8 +40,8 @@ from ...saveroot import TRACKER_MAX, TRACKER_NAME, parse_iteration_dir_name, par
 from ..base import MANIFEST_DIGEST_NAME as DIGEST_NAME, MANIFEST_NAME, PathLike, Recovery, manifest_digest
 from ..base import max_manifest_bytes as _max_head
 from ..ownership import DEFAULT_STALE_AGE_S, why_kept
-from .client import (FileRange, MiB, ObjectInfo, ObjectStore, ObjectTooLargeError, _env_int, _run_parallel,
-                     connections, get_bytes_limit, part_bytes, single_put_bytes)
+from .client import (GAP_BYTES, FileRange, MiB, ObjectInfo, ObjectStore, ObjectTooLargeError, _env_int,
+                     _run_parallel, connections, get_bytes_limit, part_bytes, single_put_bytes)
 from .url import check_object_name, child, parse_url
 
 log = logging.getLogger(__name__)
@@ -428,6 +428,10 @@ class ObjectCheckpointFiles:
     ranged GET pinned to the ETag the committed index recorded."""
 
     passes_descriptors = False
+    #: any rank may GET what it needs itself (scatter's non-readers: the bytes only they need)
+    every_rank_reads = True
+    #: one caller's requests at most this far apart share a GET (the gap is fetched too)
+    read_gap_bytes = GAP_BYTES
     #: scatter's ring reader reads every free slot's extent in one call (coalesced, parallel GETs)
     batch_reads = True
     #: ``read_files(..., crcs=)``: each job's CRC32 computed by the GETs as its bytes land

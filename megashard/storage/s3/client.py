@@ -39,7 +39,7 @@ from .url import ObjectURL, join_key, parse_url
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
-_GAP_BYTES = MiB  # requests at most this far apart are read by one GET (the gap into a scratch buffer)
+GAP_BYTES = MiB  # requests at most this far apart are read by one GET (the gap into a scratch buffer)
 # a GET computing CRC32s reads this much at a time (``readinto`` returns only once its view is full) and
 # checksums it while it is still in cache and the next bytes are on their way: the CRC32 of a 16 MiB GET
 # then ends ~1 slice after its last byte, not a pass over 16 MiB after it
@@ -332,7 +332,7 @@ def _ssl_context() -> ssl.SSLContext:
 def _scratch() -> memoryview:
     buf = getattr(_LOCAL, "scratch", None)
     if buf is None:
-        buf = _LOCAL.scratch = memoryview(bytearray(_GAP_BYTES))
+        buf = _LOCAL.scratch = memoryview(bytearray(GAP_BYTES))
     return buf
 
 
@@ -1014,7 +1014,7 @@ class ObjectStore:
         overlapping = []
         overlapping_tags = []
         for offset, mv, tag in items:
-            if runs and offset >= end and offset - end <= _GAP_BYTES:
+            if runs and offset >= end and offset - end <= GAP_BYTES:
                 pieces = runs[-1][1]
                 if offset > end:
                     pieces.append((None, offset - end, None))
