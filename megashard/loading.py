@@ -711,7 +711,7 @@ class LoadStats:
 
 def _probe(base: str) -> Dict[str, Any]:
     node = node_id()
-    if storage.is_url(base):  # no request here: in scatter mode only node readers may touch the store
+    if storage.is_url(base):  # no request here: in scatter mode the node readers fetch the index for their node
         return {"sees": base, "node": str(node), "why": None}
     found = storage.locate(base)
     return {"sees": found, "node": str(node), "why": None if found else storage.why_not_checkpoint(base)}

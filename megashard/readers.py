@@ -5,7 +5,8 @@ reader per node opens the files and the node reads every range it needs once: th
 the reader's passed descriptors, shared memory or the process group
 (:mod:`megashard.scatter`). ``readonce``: every byte the job needs is read by one rank of the
 job and sent to the others that need it (:mod:`megashard.readonce`). Both read members only through a files object
-(:func:`megashard.storage.checkpoint_files`; in ``scatter`` only the reader has one): its
+(:func:`megashard.storage.checkpoint_files`; in ``scatter`` only the reader has one, but where it
+``every_rank_reads``, an object store, every rank opens one for the bytes only it needs): its
 ``read_into`` (``read_files``: several files at once) fills ``(offset, view)`` requests (rows back to back in a file as one
 :class:`~megashard.format.fastio.Requests` row run), and only scatter's descriptor passing asks
 for ``descriptor`` (where ``passes_descriptors``). Another storage (an object store) plugs

@@ -11,14 +11,17 @@ so a failure anywhere surfaces in the same agreement on every rank):
    those only one rank needs and those several ranks need, and plans the transfer:
    ``shm`` (within one kernel and PID namespace), ``group``, or ``none`` when no other
    rank of the node needs bytes (the reader then reads its own in place). With ``shm``, where
-   the storage has descriptors to pass (its files object's ``passes_descriptors``; an object
-   store's has none, and every other rank's bytes then go through the ring), it hands
+   the storage has descriptors to pass (its files object's ``passes_descriptors``), it hands
    each rank, over that rank's socket, its own descriptors of the files holding bytes
    only that rank needs, tells it which files and its own pid (the only peer that rank
    accepts descriptors from) and waits for its answer: a rank whose socket fails on
-   either side gets those bytes through the ring instead (logged once by the reader);
+   either side gets those bytes through the ring instead (logged once by the reader).
+   An object store has no descriptors but lets every rank read (``every_rank_reads``,
+   every GET pinned to the index's ETag): each rank reads its runs of bytes only it needs
+   through a files object of its own, except runs whose reads would also fetch bytes
+   other ranks need, or too small to be worth a request of their own (:func:`_read_alone`);
    then it sends each rank a schedule: which byte
-   ranges it reads itself through the passed descriptors, where to open the ring (an
+   ranges it reads itself (through the passed descriptors or its own files object), where to open the ring (an
    anonymous memory file the reader created first: its pid, descriptor, device and
    inode; it has no name, so nothing outlives the node's ranks) and where this rank's
    shared ranges lie in it; or, for ``group``, that chunks come as point-to-point
@@ -35,9 +38,9 @@ so a failure anywhere surfaces in the same agreement on every rank):
    every rank in the final agreement once the transfer is through.
 
 So the node reads each byte from storage exactly once (a rank's reads through a
-passed descriptor count as its own ``bytes_read``), no non-reader ever opens a path
-in the checkpoint directory, and on a warm page cache the node's ranks copy in
-parallel as in ``own`` mode. Nothing here calls ``torch.distributed`` directly (see
+passed descriptor or its own object-store GETs count as its own ``bytes_read``), no
+non-reader ever opens a path in the checkpoint directory, and on a warm page cache the
+node's ranks copy in parallel as in ``own`` mode. Nothing here calls ``torch.distributed`` directly (see
 :class:`~megashard.transport.Comm`).
 """
 from __future__ import annotations
@@ -312,8 +315,9 @@ class _Consumer:
             self.copier.unregister_all()  # before the ring is unmapped
         if direct.error is not None:
             ring.fail_consumer(me)
-            err = err or _err(direct.error, "reading this rank's own ranges" + (
-                "" if self.files is not None else " through the reader's descriptors"))
+            err = err or _err(direct.error, "reading this rank's own ranges through the reader's descriptors"
+                              if self.files is None else "reading this rank's own ranges from the store itself "
+                              "(scatter_transport='group' leaves every request to the node's reader)")
         self.copied_all = err is None
         return (direct.nread, received, "shm"), err
 

@@ -689,7 +689,7 @@ def test_scatter_ring_extents_are_read_in_coalesced_gets(s3):
     assert sum(out[1]["stats"].values()) == 0
 
 
-def _load_halves_scatter(rank, world, url, rows, cols, dim):
+def _load_halves_scatter(rank, world, url, rows, cols, dim, transport="shm"):
     from megashard.sharded import ShardedTensor
     from megashard.storage.s3.client import ObjectStore
 
@@ -699,7 +699,8 @@ def _load_halves_scatter(rank, world, url, rows, cols, dim):
     want = full.chunk(world, dim)[rank].contiguous()
     dest = torch.zeros_like(want)
     _, stats = megashard.load({"w": ShardedTensor.from_rank_offsets("w", dest, (dim, rank, world))}, url,
-                              mode="scatter", scatter_chunk_bytes=MiB, scatter_transport="shm", return_stats=True)
+                              mode="scatter", scatter_chunk_bytes=MiB, scatter_transport=transport,
+                              return_stats=True)
     return {"ok": bool(torch.equal(dest, want)), "stats": dict(store.stats), "transport": stats.transport,
             "read": stats.bytes_read, "received": stats.bytes_received, "nbytes": want.numel() * 4}
 
@@ -730,6 +731,31 @@ def test_scatter_from_s3_each_rank_gets_the_bytes_only_it_needs_itself(s3, dim):
         assert reader["read"] == 2 * reader["nbytes"] and other["read"] == 0  # every byte once, by the reader
         assert other["received"] >= other["nbytes"]  # the span of its rows, through the ring
         assert sum(other["stats"].values()) == 0, other["stats"]
+
+
+def test_scatter_rank_that_cannot_reach_the_store_fails_every_rank_and_group_needs_no_access(s3):
+    """Rank 1 cannot reach the object store (its endpoint is a closed port): with shared memory it
+    would GET its own half itself, so the load fails on every rank, the message naming rank 1 and
+    ``scatter_transport='group'``; with that transport rank 1 sends no request and loads bit-exact."""
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sk.getsockname()[1]}"
+    rows, cols = 512, 4096
+    url = s3.url("unreachable/iter_0000001")
+    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6))
+    megashard.save({"w": ShardedTensor.from_rank_offsets("w", full)}, url)
+    env = {"0": {"MEGASHARD_NODE_ID": "node0"},
+           "1": {"MEGASHARD_NODE_ID": "node0", "AWS_ENDPOINT_URL": dead, "AWS_ENDPOINT_URL_S3": dead,
+                 "MEGASHARD_S3_RETRIES": "0"}}
+    out = run_ranks(_load_halves_scatter, 2, url, rows, cols, 0, env=env)
+    for ok, msg in out:
+        assert not ok
+        assert "rank(s) 1" in msg and "scatter_transport='group'" in msg, msg
+    out = all_ok(run_ranks(_load_halves_scatter, 2, url, rows, cols, 0, "group", env=env))
+    assert [o["ok"] for o in out] == [True, True]
+    assert out[1]["read"] == 0 and out[1]["received"] == out[1]["nbytes"]
 
 
 def test_a_load_checks_each_tensors_crc32_while_later_bytes_still_download(s3, monkeypatch):
