@@ -740,13 +740,19 @@ def _decoded_parts(got: List[Any]) -> Iterator[Any]:
 
 
 def unpack_led_part(data: bytes) -> Dict[str, Any]:
-    """Rank 0: a leader's :func:`pack_led_part`, its bytes values in place."""
+    """Rank 0: a leader's :func:`pack_led_part`, its bytes values in place. A part that does not
+    decode (a damaged one, a leader of another version) is a DistributedError, never a bare one."""
     if data[:1] not in (b"F", b"P"):
         raise DistributedError({0: "a group leader's part has no tag byte: run every rank with the same "
                                    "megashard version"}, "gather")
-    raw = zlib.decompress(data[1:])
-    n = int.from_bytes(raw[:8], "little")
-    out = json.loads(raw[8:8 + n])
+    try:
+        raw = zlib.decompress(data[1:])
+        n = int.from_bytes(raw[:8], "little")
+        out = json.loads(raw[8:8 + n]) if len(raw) >= 8 + n else None
+    except (zlib.error, ValueError) as e:
+        raise DistributedError({0: f"a group leader's part is malformed ({type(e).__name__}: {e})"}, "gather") from None
+    if type(out) is not dict:  # noqa: E721
+        raise DistributedError({0: "a group leader's part is malformed (not a JSON object)"}, "gather")
     base = 8 + n
     todo = [out]  # bytes values are looked for in dicts only (parts hold them there); no recursive closure:
     while todo:   # its reference cycle would keep every decompressed part while the collector is paused
@@ -754,10 +760,14 @@ def unpack_led_part(data: bytes) -> Dict[str, Any]:
         for k, v in d.items():
             if type(v) is dict:  # noqa: E721
                 if len(v) == 1 and _BLOB in v:
-                    a, size = v[_BLOB]
-                    if not 0 <= a <= a + size <= len(raw) - base:
-                        raise DistributedError({0: "a group leader's part is malformed"}, "gather")
-                    d[k] = raw[base + a:base + a + size]
+                    ref = v[_BLOB]
+                    if not (type(ref) is list and len(ref) == 2  # noqa: E721
+                            and all(type(x) is int for x in ref)  # noqa: E721
+                            and 0 <= ref[0] <= ref[0] + ref[1] <= len(raw) - base):
+                        raise DistributedError({0: "a group leader's part is malformed (a bytes value's "
+                                                   f"reference {str(ref)[:60]} is not a range of the part)"},
+                                               "gather")
+                    d[k] = raw[base + ref[0]:base + ref[0] + ref[1]]
                 else:
                     todo.append(v)
     return out
@@ -777,6 +787,8 @@ def _reply_value(reply: Mapping[str, Any], what: str) -> Any:
     if "failures" in reply:
         raise distributed_error({int(r): m for r, m in reply["failures"].items()}, what)
     return reply["ok"]
+
+
 def node_id() -> str:
     """This process's node: ``MEGASHARD_NODE_ID`` (tests simulate nodes on one host with it), else
     torchrun's ``GROUP_RANK``, else the host name."""

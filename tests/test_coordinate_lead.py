@@ -174,3 +174,28 @@ def test_led_parts_carry_bytes_beside_the_json_and_keep_no_decompressed_part():
         assert len(kept) == 1 and refs == 2, "the decompressed part outlived its decoding"
     with pytest.raises(transport.DistributedError):  # a bytes value said to lie past the part's end
         transport.unpack_led_part(packed[:1] + transport.zlib.compress(real(packed[1:])[:-10]))
+
+
+@pytest.mark.parametrize("raw", [
+    b"not zlib at all",
+    "z:" + '{"a":{"\u0000blob":"x"}}',  # a blob reference that is not [offset, size]
+    "z:" + '{"a":{"\u0000blob":[0]}}',
+    "z:" + '{"a":{"\u0000blob":[true, 1.5]}}',
+    "z:" + '{"a":{"\u0000blob":[-1, 0]}}',
+    "z:" + '[1, 2]',  # not an object
+    "z:" + '{"a": ',  # not JSON
+    "short",  # decompresses to fewer than 8 bytes
+])
+def test_a_malformed_led_part_is_a_distributed_error_not_a_bare_exception(raw):
+    """Only our own leaders make these parts, but rank 0 decodes hundreds of them: a damaged one
+    (a mixed-version job, a bit flipped in transit) is refused as a gather failure, never a bare
+    TypeError/ValueError/zlib.error that would leave the other ranks waiting."""
+    if isinstance(raw, bytes):
+        data = b"P" + raw
+    elif raw.startswith("z:"):
+        text = raw[2:].encode()
+        data = b"P" + transport.zlib.compress(len(text).to_bytes(8, "little") + text)
+    else:
+        data = b"P" + transport.zlib.compress(raw.encode())
+    with pytest.raises(transport.DistributedError, match="malformed"):
+        transport.unpack_led_part(data)
