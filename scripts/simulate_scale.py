@@ -51,8 +51,9 @@ note) for the simulated files and reads: per save, PUTs / multipart parts / LIST
 mode (every rank: head, digest, the index (whole up to ``MEGASHARD_S3_INDEX_WHOLE_BYTES``, else
 its last block and the ranged GETs of the blocks holding the sections it reads, through the load's own
 block reader: ``s3_rank_index_read_bytes`` / ``s3_rank_index_gets``, the busiest sampled rank),
-its data runs coalesced over gaps <= 1 MiB and cut into <= 16 MiB GETs) and in ``scatter`` mode (only each node's reader:
-head, digest, the whole index, the node's bytes once), from the same load plans. Load
+its data runs coalesced over gaps <= 1 MiB and cut into <= 16 MiB GETs) and in ``scatter`` mode (each node's reader:
+head, digest, the whole index, the node's bytes once: each rank's runs of bytes only it needs by that rank, the
+rest by the reader, :func:`s3_scatter_gets`), from the same load plans. Load
 totals are exact when every rank (node) is sampled, else the sampled mean times the ranks
 (nodes), marked ``est``.
 
@@ -78,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import scale_models as sm  # noqa: E402
 from _bench_worker import _status_kib, release_free_memory, reset_peak_rss  # noqa: E402
 
-from megashard import jsonstate, loading, manifest as mf, saving, transport  # noqa: E402
+from megashard import jsonstate, loading, manifest as mf, saving, scatter, transport  # noqa: E402
 from megashard.storage.s3 import checkpoint as s3ck  # noqa: E402
 from megashard.sharded import ShardedTensor, looks_like_sharded_object, looks_like_sharded_tensor, object_unique_key  # noqa: E402
 
@@ -703,12 +704,33 @@ def s3_own_gets(ranges: Sequence[Range], index_gets: Optional[int] = None) -> Di
     return {"GET": 2, "HEAD": files, "index": index_gets, "data": s3_range_gets(ranges)}
 
 
-def s3_scatter_gets(reader_ranges: Sequence[Range], node_ranges: Sequence[Range]) -> Dict[str, int]:
-    """A node reader's requests in a scatter load: head, digest and the whole index (3 GETs; it
-    sends the index to the node's ranks), one HEAD per file its own plan reads (the node's other
-    files are checked by the GETs themselves), every byte the node's ranks need, once (the union,
-    coalesced)."""
-    return {"GET": 3, "HEAD": len({f for f, _o, n in reader_ranges if n}), "data": s3_range_gets(node_ranges)}
+def s3_scatter_gets(per_rank: Sequence[Sequence[Range]]) -> Dict[str, int]:
+    """A node's requests in a scatter load (``per_rank``: each rank's ranges, the reader's first): the
+    reader's head, digest and the whole index (3 GETs; it sends the index to the node's ranks), one
+    HEAD per file its own plan reads (the node's other files are checked by the GETs themselves); the
+    data as :mod:`megashard.scatter` splits it: each rank's runs of bytes only it needs, GETs of its
+    own where :func:`megashard.scatter._read_alone` leaves them to it (``data_ranks``: those of the
+    node's other ranks), and the rest, every byte once, through the reader's coalesced ring GETs
+    (``data``: the reader's, its own runs included)."""
+    ranges = [x for rr in per_rank for x in rr]
+    owners = [r for r, rr in enumerate(per_rank) for _ in rr]
+    ring: List[Range] = []
+    alone: List[Tuple[int, Any]] = []
+    for (f, a, _), r, pieces in zip(ranges, owners, scatter.split_shared(ranges)):
+        for pos, n, shared in pieces:
+            if shared:
+                ring.append((f, a + pos, n))
+            else:
+                alone.append((r, (f, a + pos, n, 0, 0)))
+    own: Dict[int, List[Range]] = {}
+    for (r, d), itself in zip(alone, scatter._read_alone(alone, ranges, S3_GAP_BYTES)):
+        if itself:
+            own.setdefault(r, []).append(d[:3])
+        else:
+            ring.append(d[:3])
+    ranks = sum(s3_range_gets(rr) for r, rr in own.items() if r != 0)
+    data = s3_range_gets(ring) + s3_range_gets(own.get(0, []))
+    return {"GET": 3, "HEAD": len({f for f, _o, n in per_rank[0] if n}), "data": data, "data_ranks": ranks}
 
 
 def _total(per: Sequence[Dict[str, int]], count: int) -> Dict[str, Any]:
@@ -739,7 +761,7 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
     for nd in _sample(nodes, sample):
         members = range(nd * ranks_per_node, min(world, (nd + 1) * ranks_per_node))
         ranges = [plan_rank(head, sections, model, layout, r, rows_ok=False, ranges=True)["ranges"] for r in members]
-        node_gets.append(s3_scatter_gets(ranges[0], [x for rr in ranges for x in rr]))
+        node_gets.append(s3_scatter_gets(ranges))
     return {
         "s3_files": len(sizes),
         "s3_save_requests": save,
@@ -755,7 +777,8 @@ def s3_report(head: bytes, sections: bytes, model: str, layout: sm.Layout, sampl
         "s3_load_own_gets": _total(own_gets, world),
         "s3_load_own_max_rank_gets": max(sum(g.values()) for g in own_gets),
         "s3_load_scatter_gets": _total(node_gets, nodes),
-        "s3_load_scatter_max_reader_gets": max(sum(g.values()) for g in node_gets),
+        "s3_load_scatter_max_reader_gets": max(sum(v for k, v in g.items() if k != "data_ranks")
+                                               for g in node_gets),
         "s3_ranks_per_node": ranks_per_node,
     }
 

@@ -171,8 +171,15 @@ def test_s3_get_arithmetic():
     assert ss.s3_range_gets([("a", 0, 16 * mib), ("a", 16 * mib, 1)]) == 2  # 16 MiB + 1 byte
     assert ss.s3_range_gets([("a", 0, 40 * mib), ("a", 8 * mib, 4 * mib)]) == 3  # overlap inside
     assert ss.s3_own_gets([("a", 0, 100), ("b", 0, 10), ("c", 5, 0)]) == {"GET": 3, "HEAD": 2, "data": 2}
-    assert ss.s3_scatter_gets([("a", 0, 100)], [("a", 0, 100), ("a", 0, 100), ("b", 0, 1)]) == {
-        "GET": 3, "HEAD": 1, "data": 2}
+    assert ss.s3_scatter_gets([[("a", 0, 100)], [("a", 0, 100), ("b", 0, 1)]]) == {
+        "GET": 3, "HEAD": 1, "data": 2, "data_ranks": 0}
+    # two ranks' halves of 40 MiB: each GETs its own (2 GETs of 16 + 4 MiB, the reader's and the other's);
+    # column halves (1 KiB pieces interleaved): the ring, once, by the reader (3 GETs of the 40 MiB)
+    half = 20 * mib
+    assert ss.s3_scatter_gets([[("a", 0, half)], [("a", half, half)]]) == {
+        "GET": 3, "HEAD": 1, "data": 2, "data_ranks": 2}
+    cols = [[("a", k * 2048 + r * 1024, 1024) for k in range(half // 1024)] for r in range(2)]
+    assert ss.s3_scatter_gets(cols) == {"GET": 3, "HEAD": 1, "data": 3, "data_ranks": 0}
 
 
 def test_s3_report_small_config_exact():
@@ -203,7 +210,7 @@ def test_s3_report_small_config_exact():
     node_files = [len({f for r in (2 * nd, 2 * nd + 1) for f, _, n in scatter_plans[r] if n}) for nd in range(2)]
     reader_files = [len({f for f, _, n in scatter_plans[2 * nd] if n}) for nd in range(2)]
     assert rep["s3_load_scatter_gets"] == {"GET": 6, "HEAD": sum(reader_files), "data": sum(node_files),
-                                           "total": 6 + sum(reader_files) + sum(node_files)}
+                                           "data_ranks": 0, "total": 6 + sum(reader_files) + sum(node_files)}
     assert (rep["s3_load_own_gets"]["data"], rep["s3_load_scatter_gets"]["data"]) == (22, 12)  # as computed today
 
     assert rep["s3_rank_index_read_bytes"] == rep["s3_rank_index_read_bytes_whole"] == len(sections)
