@@ -794,6 +794,29 @@ def test_gets_are_cut_into_whole_rounds_of_the_connections(s3, monkeypatch) -> N
     assert objclient._balanced_limit([16 * MiB] * 17, 16) == -(-17 * 16 * MiB // 32)
 
 
+def test_get_size_is_one_round_of_the_connections_in_whole_16_mib_steps(s3, monkeypatch) -> None:
+    """Unset ``MEGASHARD_S3_GET_BYTES``: a bulk read's GETs are about one per connection, in whole
+    multiples of 16 MiB from 16 to 64 MiB (fewer requests cost client and server less per byte).
+    40 MiB on 2 connections: 2 GETs, [0, 32 MiB) and [32, 40 MiB), not 3 of 16 MiB; bit-exact."""
+    monkeypatch.delenv("MEGASHARD_S3_GET_BYTES", raising=False)
+    assert objclient.get_bytes_for(512 * MiB, 16) == 32 * MiB
+    assert objclient.get_bytes_for(256 * MiB, 16) == 16 * MiB
+    assert objclient.get_bytes_for(100, 16) == 16 * MiB
+    assert objclient.get_bytes_for(40 * MiB, 1) == 48 * MiB
+    assert objclient.get_bytes_for(8 << 30, 16) == 64 * MiB
+    store = _store(s3)
+    data = os.urandom(40 * MiB)
+    etag = store.upload("w/y", len(data), [(0, memoryview(data))], if_none_match=True)
+    s3.reset()
+    buf = bytearray(len(data))
+    assert store.read_into("w/y", [(0, memoryview(buf))], size=len(data), etag=etag, threads=2) == len(data)
+    assert bytes(buf) == data
+    spans = sorted(tuple(int(x) for x in e["range"][6:].split("-")) for e in _ranged_gets(s3, "w/y"))
+    assert spans == [(0, 32 * MiB - 1), (32 * MiB, 40 * MiB - 1)]
+    monkeypatch.setenv("MEGASHARD_S3_GET_BYTES", str(16 * MiB))  # told: as told
+    assert objclient.get_bytes_for(512 * MiB, 16) == 16 * MiB
+
+
 def test_gets_are_cut_at_multiples_of_the_get_size(s3, monkeypatch) -> None:
     """A run's GETs end at multiples of the GET size in the object (a file's tensors start after its
     header: from byte 8192, 3 MiB + 100 bytes in 1 MiB GETs are [8192, 1 MiB), [1 MiB, 2 MiB), ...), so

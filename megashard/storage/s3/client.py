@@ -97,6 +97,20 @@ def get_bytes_limit() -> int:
     return _env_int("MEGASHARD_S3_GET_BYTES", 16 * MiB, 1)
 
 
+def get_bytes_for(total: int, conns: int) -> int:
+    """The GET size of one bulk read of ``total`` bytes on ``conns`` connections:
+    ``MEGASHARD_S3_GET_BYTES`` when set; else about one round of equal GETs, one per connection,
+    as a whole multiple of 16 MiB from 16 to 64 MiB (a multiple of the 16 MiB parts a save
+    writes, so a GET is served from whole parts). Fewer, larger GETs cost the client and the
+    server less per byte (SeaweedFS, 512 MiB on 16 connections: 33 GETs of 16 MiB took ~0.25
+    client CPU-s, 9 of 64 MiB ~0.18); 16 MiB keeps every connection busy on smaller reads."""
+    if os.environ.get("MEGASHARD_S3_GET_BYTES"):
+        return get_bytes_limit()
+    step = 16 * MiB
+    share = -(-max(0, total) // max(1, conns))
+    return min(4 * step, max(step, -(-share // step) * step))
+
+
 def single_put_bytes() -> int:
     """Objects up to this size go up in one PUT (``MEGASHARD_S3_PART_BYTES``, default 64 MiB)."""
     return max(_MIN_PART, _env_int("MEGASHARD_S3_PART_BYTES", 64 * MiB, 1))
@@ -910,7 +924,7 @@ class ObjectStore:
         """Fill each ``(offset, view)`` with the object's bytes at ``offset``; returns the bytes fetched.
 
         Nearby requests share a GET (gaps up to 1 MiB go to a scratch buffer), GETs are cut to
-        ``MEGASHARD_S3_GET_BYTES`` and run on up to ``MEGASHARD_S3_CONNECTIONS`` threads. Each GET is pinned
+        :func:`get_bytes_for` and run on up to ``MEGASHARD_S3_CONNECTIONS`` threads. Each GET is pinned
         to ``etag`` with If-Match and checked against ``size``; a changed object raises ObjectChangedError.
         """
         return self.read_many([(key, reqs, size, etag)], threads=threads)
@@ -943,8 +957,10 @@ class ObjectStore:
             return self._plan_gets(key, [r for i in idx for r in jobs[i][1]], jobs[idx[0]][2], limit,
                                    None if tags is None else tags[key], parts)
 
-        plans = {key: plan(key, idx) for key, idx in by_key.items()}
-        limit = _balanced_limit([g[1] - g[0] for gets in plans.values() for g in gets], threads or connections())
+        conns = threads or connections()
+        size = get_bytes_for(sum(_byte_view(v).nbytes for _, reqs, _, _ in jobs for _, v in reqs), conns)
+        plans = {key: plan(key, idx, size) for key, idx in by_key.items()}
+        limit = _balanced_limit([g[1] - g[0] for gets in plans.values() for g in gets], conns)
         if limit is not None:
             for p in parts:
                 p.clear()
