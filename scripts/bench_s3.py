@@ -552,7 +552,7 @@ def _report(args: argparse.Namespace, results: Dict[str, Any], state: Dict[str, 
         "mib": args.mib, "payload_bytes": nbytes, "reps": args.reps, "warmup_rounds": 1,
         "tensors": {k: [list(v.shape), str(v.dtype)[6:]] for k, v in state.items()},
         "config": {"MEGASHARD_S3_CONNECTIONS": oc.connections(), "MEGASHARD_S3_PART_BYTES": oc.part_bytes(nbytes),
-                   "MEGASHARD_S3_GET_BYTES": oc.get_bytes_limit()},
+                   "MEGASHARD_S3_GET_BYTES": oc.get_bytes_for(nbytes, oc.connections())},  # a one-rank load's
         "host": {"python": platform.python_version(), "torch": torch.__version__,
                  "tensorizer": tensorizer.__version__, "cpus": os.cpu_count(),
                  "loadavg_end": os.getloadavg()},
