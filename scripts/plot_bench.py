@@ -6,9 +6,11 @@ Inputs (written by the benchmark scripts with ``--json``):
 * ``docs/megatron-bench/<run>/*.json`` from ``scripts/bench_megatron.py``: Megatron-LM's own
   ``save-checkpoint`` / ``load-checkpoint`` timers for megashard (``tensors``) and ``torch_dist``,
   and the raw ``pwrite`` / ``preadv`` floor of the same bytes;
-* ``docs/scale/*.json`` from ``scripts/simulate_scale.py --json``: bytes per rank against ranks.
+* ``docs/scale/*.json`` from ``scripts/simulate_scale.py --json``: bytes per rank against ranks;
+* ``docs/bench-s3.json`` from ``scripts/bench_s3.py``: S3 save and load GB/s against tensorizer and the floor.
 
-Outputs: ``docs/img/megatron-save.svg``, ``docs/img/megatron-load.svg``, ``docs/img/scale-bytes.svg``.
+Outputs: ``docs/img/megatron-save.svg``, ``docs/img/megatron-load.svg``, ``docs/img/scale-bytes.svg``,
+``docs/img/s3.svg``.
 
 Usage: ``python scripts/plot_bench.py [--run docs/megatron-bench/run-2025] [--out docs/img]``.
 """
@@ -119,10 +121,27 @@ def scale_chart(scale_dir: str) -> str:
     }, "scripts/simulate_scale.py --distributed-optimizer --json; bytes, not seconds (independent of machine load)")
 
 
+def s3_chart(path: str) -> str:
+    """GB/s of one ``scripts/bench_s3.py`` run (medians): megashard, tensorizer's S3 path and the
+    best plain-HTTP floor, for save (default and CRC32-only headers) and load."""
+    with open(path) as f:
+        d = json.load(f)
+    r, summ = d["results"], d["summary"]
+    rows = ["save", "save, CRC32-only headers", "load"]
+    floor_save, floor_load = r[summ["save"]["floor"]]["GBps"], r[summ["load"]["floor"]]["GBps"]
+    return grouped_bars(f"S3 (SeaweedFS, {d['mib']} MiB, one rank): GB/s, higher is better", "GB/s", rows, {
+        "megashard": [r["megashard_save"]["GBps"], r["megashard_save_crc32"]["GBps"], r["megashard_load_own"]["GBps"]],
+        "tensorizer": [r["tensorizer_save"]["GBps"], r["tensorizer_save"]["GBps"], r["tensorizer_load"]["GBps"]],
+        "floor (best of 1-32 plain streams)": [floor_save, floor_save, floor_load],
+    }, note=f"{d['date']}: client and server share {d['host']['cpus']} CPUs; medians of {d['reps']} rounds; "
+            "docs/bench-s3.md")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", default="docs/megatron-bench/run-2025")
     ap.add_argument("--scale", default="docs/scale")
+    ap.add_argument("--s3", default="docs/bench-s3.json")
     ap.add_argument("--out", default="docs/img")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -130,6 +149,8 @@ def main() -> None:
     charts = {"megatron-save.svg": save, "megatron-load.svg": load}
     if glob.glob(os.path.join(a.scale, "*.json")):
         charts["scale-bytes.svg"] = scale_chart(a.scale)
+    if os.path.exists(a.s3):
+        charts["s3.svg"] = s3_chart(a.s3)
     for name, svg in charts.items():
         with open(os.path.join(a.out, name), "w") as f:
             f.write(svg)

@@ -15,7 +15,7 @@ def test_figures_show_the_json_medians(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_bench.py"), "--run", RUN,
                     "--scale", os.path.join(ROOT, "docs", "scale"), "--out", str(tmp_path)], check=True, cwd=ROOT)
     texts = {}
-    for name in ("megatron-save.svg", "megatron-load.svg", "scale-bytes.svg"):
+    for name in ("megatron-save.svg", "megatron-load.svg", "scale-bytes.svg", "s3.svg"):
         tree = ET.parse(tmp_path / name)  # well-formed
         texts[name] = [t.text for t in tree.iter("{http://www.w3.org/2000/svg}text")]
     with open(os.path.join(RUN, "tp2_adam.json")) as f:
@@ -27,3 +27,7 @@ def test_figures_show_the_json_medians(tmp_path):
     scale_rows = [t for t in texts["scale-bytes.svg"] if t and "ranks)" in t]
     assert len(scale_rows) == len([p for p in glob.glob(os.path.join(ROOT, "docs", "scale", "*.json"))
                                    if os.path.getsize(p)])
+    with open(os.path.join(ROOT, "docs", "bench-s3.json")) as f:
+        s3 = json.load(f)
+    for case in ("megashard_save", "megashard_load_own", "tensorizer_load"):
+        assert f"{s3['results'][case]['GBps']:.3g} GB/s" in texts["s3.svg"], case
